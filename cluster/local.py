@@ -1,0 +1,233 @@
+"""The private, loopback-only local Ray cluster behind `lilo up`: start it, find it, stop exactly it.
+
+One supervisor process owns each local cluster. It starts the Ray head with ``ray.init`` (so every Ray process
+of that cluster is its descendant), holds an exclusive lock on ``<home>/lock`` for as long as it lives, and
+records where the cluster answers in ``<home>/cluster.json``. Stopping never uses ``ray stop``, which would kill
+every Ray process on the machine: it signals that supervisor and then its own descendants only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from typing import IO
+
+import psutil
+
+from lilo.settings import Settings
+
+# Ray reads this when it is imported: with it, the node IP is 127.0.0.1 and Ray's servers listen on loopback only.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+NAMESPACE = "lilo"
+
+
+class ClusterError(RuntimeError):
+    """Something about the local cluster a user can act on; the message says what."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterState:
+    """What `lilo up` records about a running cluster (``<home>/cluster.json``)."""
+
+    pid: int
+    status: str  # "starting" | "ready"
+    home: str
+    api_url: str
+    dashboard_url: str
+    gcs_address: str | None
+    started_at: float
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+class SupervisorLock:
+    """The exclusive lock a supervisor holds for its lifetime; the OS drops it when the process dies."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._path = settings.home / "lock"
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> bool:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self._path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return False
+        self._file = handle
+        return True
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+def is_locked(settings: Settings) -> bool:
+    """True while some supervisor holds this home's lock."""
+    probe = SupervisorLock(settings)
+    if probe.acquire():
+        probe.release()
+        return False
+    return True
+
+
+def write_state(settings: Settings, state: ClusterState) -> None:
+    tmp = settings.state_file.with_suffix(".tmp")
+    tmp.write_text(state.to_json())
+    tmp.replace(settings.state_file)
+
+
+def read_state(settings: Settings) -> ClusterState | None:
+    try:
+        return ClusterState(**json.loads(settings.state_file.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def running_state(settings: Settings) -> ClusterState | None:
+    """The state of the cluster running under this home, or None (a stale state file is removed)."""
+    state = read_state(settings)
+    if is_locked(settings) and state is not None and psutil.pid_exists(state.pid):
+        return state
+    if state is not None and not is_locked(settings):
+        settings.state_file.unlink(missing_ok=True)
+    return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # The same option uvicorn sets, so a port left in TIME_WAIT is not reported as busy.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno in (errno.EADDRINUSE, errno.EACCES):
+                return True
+            raise
+    return False
+
+
+def check_ports_free(settings: Settings) -> None:
+    for host, port, flag in (
+        (settings.http_host, settings.http_port, "--port"),
+        ("127.0.0.1", settings.dashboard_port, "--dashboard-port"),
+    ):
+        if port_in_use(host, port):
+            raise ClusterError(f"Port {port} on {host} is already in use; pass {flag} with a free port.")
+
+
+def start_private_head(settings: Settings) -> str:
+    """Start a new loopback-only Ray head owned by this process and connect to it; returns its GCS address."""
+    if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        raise RuntimeError("Ray was imported before the loopback environment was set; call prepare_environment().")
+    import ray
+
+    settings.ray_temp_dir.mkdir(parents=True, exist_ok=True)
+    context = ray.init(
+        namespace=NAMESPACE,
+        num_cpus=settings.num_cpus,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=settings.dashboard_port,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=str(settings.ray_temp_dir),
+        configure_logging=False,
+        log_to_driver=False,
+        # Every worker of this job (Serve replicas included) keeps its gRPC server on loopback; see cluster/loopback.
+        runtime_env={"worker_process_setup_hook": "cluster.loopback.bind_replica_grpc_to_loopback"},
+    )
+    return context.address_info["gcs_address"]
+
+
+def connect_existing(settings: Settings) -> str:
+    """Connect to the Ray cluster at ``settings.ray_address`` (for example "auto" on a `ray up` head)."""
+    import ray
+
+    context = ray.init(address=settings.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    return context.address_info["gcs_address"]
+
+
+def prepare_environment() -> None:
+    """Make Ray loopback-only in this process and every process it starts; must run before Ray is imported."""
+    os.environ.update(LOOPBACK_ENV)
+
+
+def cluster_processes(settings: Settings, supervisor_pid: int | None) -> list[psutil.Process]:
+    """Every live process of this home's cluster: the supervisor, its descendants, and strays.
+
+    A stray is a Ray process that outlived a supervisor killed hard (Ray's agents get re-parented to init);
+    it is recognised by the files it holds open under this cluster's own Ray temp dir.
+    """
+    processes: dict[int, psutil.Process] = {}
+    if supervisor_pid is not None:
+        try:
+            supervisor = psutil.Process(supervisor_pid)
+            processes.update((p.pid, p) for p in (supervisor, *supervisor.children(recursive=True)))
+        except psutil.NoSuchProcess:
+            pass
+    processes.update((p.pid, p) for p in _holding_files_under(settings.ray_temp_dir))
+    return _alive(list(processes.values()))
+
+
+def _holding_files_under(directory: Path) -> list[psutil.Process]:
+    prefix = f"{directory}{os.sep}"
+    holders = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
+        try:
+            if any(f.path.startswith(prefix) for f in process.open_files()):
+                holders.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return holders
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def stop_cluster(settings: Settings, supervisor_pid: int | None, timeout_s: float = 60.0) -> list[int]:
+    """Ask the supervisor to shut down cleanly, then kill whatever of its cluster is left after the timeout.
+
+    With no supervisor (it crashed), only the strays are killed. Returns the pids that had to be killed.
+    """
+    processes = cluster_processes(settings, supervisor_pid)
+    if supervisor_pid is not None:
+        try:
+            os.kill(supervisor_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while _alive(processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    leftovers = _alive(processes) + cluster_processes(settings, None)
+    killed = []
+    for process in leftovers:
+        try:
+            process.kill()
+            killed.append(process.pid)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)
+    settings.state_file.unlink(missing_ok=True)
+    return sorted(set(killed))

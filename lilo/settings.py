@@ -1,0 +1,123 @@
+"""One typed settings object for a lilo service, built once at start and passed down.
+
+Precedence: defaults < environment (``LILO_*``) < explicit overrides (command-line flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from pathlib import Path
+from typing import Mapping
+
+from lilo.backend.registry import DEFAULT_BASE_MODEL, known_base_models
+
+# Ray puts unix sockets under <temp dir>/session_<timestamp>_<pid>/sockets/..., and a unix socket path may not
+# exceed 107 bytes; this leaves room for Ray's own part of the path.
+MAX_RAY_TEMP_DIR_CHARS = 40
+
+
+class SettingsError(ValueError):
+    """A setting a user can fix; the message says how."""
+
+
+def default_home() -> Path:
+    return Path.home() / ".lilo"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    home: Path = dataclasses.field(default_factory=default_home)
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    dashboard_port: int = 8265
+    # None: every CPU of this machine.
+    num_cpus: int | None = None
+    base_models: tuple[str, ...] = (DEFAULT_BASE_MODEL,)
+    # Address of an existing Ray cluster to deploy onto ("auto" on a `ray up` head); None starts a private head.
+    ray_address: str | None = None
+    startup_timeout_s: float = 120.0
+
+    @property
+    def ray_temp_dir(self) -> Path:
+        return self.home / "ray"
+
+    @property
+    def state_file(self) -> Path:
+        return self.home / "cluster.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / "lilo.log"
+
+    @property
+    def api_url(self) -> str:
+        host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
+        return f"http://{host}:{self.http_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def validate(self) -> "Settings":
+        for name in ("http_port", "dashboard_port"):
+            port = getattr(self, name)
+            if not 1 <= port <= 65535:
+                raise SettingsError(f"{name} must be between 1 and 65535, got {port}.")
+        if self.http_port == self.dashboard_port:
+            raise SettingsError(
+                f"The HTTP port and the dashboard port are both {self.http_port}; give --port or --dashboard-port "
+                "another value."
+            )
+        try:
+            ipaddress.ip_address(self.http_host)
+        except ValueError:
+            raise SettingsError(f"--host must be an IP address, got {self.http_host!r}.") from None
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise SettingsError(f"--num-cpus must be at least 1, got {self.num_cpus}.")
+        if not self.base_models:
+            raise SettingsError("Configure at least one base model (--base-model NAME).")
+        unknown = [name for name in self.base_models if name not in known_base_models()]
+        if unknown:
+            raise SettingsError(
+                f"Unknown base model(s) {', '.join(unknown)}; known: {', '.join(known_base_models())}."
+            )
+        if self.ray_address is None and len(str(self.ray_temp_dir)) > MAX_RAY_TEMP_DIR_CHARS:
+            raise SettingsError(
+                f"The Ray temp dir {self.ray_temp_dir} is too long for Ray's unix sockets "
+                f"(at most {MAX_RAY_TEMP_DIR_CHARS} characters); pass a shorter --home or set LILO_HOME."
+            )
+        return self
+
+
+_ENV_FIELDS: dict[str, tuple[str, type]] = {
+    "LILO_HOME": ("home", Path),
+    "LILO_HTTP_HOST": ("http_host", str),
+    "LILO_HTTP_PORT": ("http_port", int),
+    "LILO_DASHBOARD_PORT": ("dashboard_port", int),
+    "LILO_NUM_CPUS": ("num_cpus", int),
+    "LILO_RAY_ADDRESS": ("ray_address", str),
+    "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
+}
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+    """Build and validate the settings; ``overrides`` whose value is None are ignored."""
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for variable, (field, kind) in _ENV_FIELDS.items():
+        raw = env.get(variable)
+        if raw:
+            try:
+                values[field] = kind(raw)
+            except ValueError:
+                raise SettingsError(f"{variable}={raw!r} is not a valid {kind.__name__}.") from None
+    if env.get("LILO_BASE_MODELS"):
+        values["base_models"] = tuple(name.strip() for name in env["LILO_BASE_MODELS"].split(",") if name.strip())
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    if "home" in values:
+        values["home"] = Path(values["home"]).expanduser().absolute()
+    if "base_models" in values:
+        values["base_models"] = tuple(values["base_models"])
+    return Settings(**values).validate()

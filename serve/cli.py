@@ -1,0 +1,305 @@
+"""The `lilo` command: `lilo up`, `lilo status`, `lilo down`.
+
+`lilo up` runs a supervisor in the foreground (Ctrl-C stops everything it started); `lilo up --detach` runs the
+same supervisor in the background, shows its progress until the service answers, and returns. Exit codes: 0 ok,
+1 failed or refused, 2 bad usage or settings, 3 (`lilo status` only) not running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from cluster.local import (
+    ClusterError,
+    ClusterState,
+    SupervisorLock,
+    check_ports_free,
+    connect_existing,
+    prepare_environment,
+    read_state,
+    running_state,
+    start_private_head,
+    stop_cluster,
+    write_state,
+)
+from lilo.settings import Settings, SettingsError, load_settings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+DETACHED_CHILD_FLAG = "--detached-child"
+
+
+class StopRequested(Exception):
+    """Raised in the supervisor by SIGINT or SIGTERM."""
+
+
+class Progress:
+    """Timestamped progress lines, flushed at once so a follower of the log sees them as they happen."""
+
+    def __init__(self) -> None:
+        self._t0 = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._t0
+
+    def __call__(self, message: str) -> None:
+        print(f"[lilo {self.elapsed_s:5.1f}s] {message}", flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lilo", description="Run the lilo multi-LoRA training service.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_home(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--home", help="state directory of this cluster (default: $LILO_HOME or ~/.lilo)")
+
+    up = commands.add_parser("up", help="start the service on a private local Ray cluster (or --address)")
+    add_home(up)
+    up.add_argument("--host", dest="http_host", help="address the HTTP API listens on (default 127.0.0.1)")
+    up.add_argument("--port", dest="http_port", type=int, help="HTTP API port (default 8000)")
+    up.add_argument("--dashboard-port", type=int, help="Ray dashboard port (default 8265)")
+    up.add_argument("--num-cpus", type=int, help="CPUs the local Ray head offers (default: all)")
+    up.add_argument(
+        "--base-model", dest="base_models", action="append", metavar="NAME",
+        help="base model to serve; repeat for several, the first is the default",
+    )
+    up.add_argument(
+        "--address", dest="ray_address",
+        help="deploy onto this existing Ray cluster (\"auto\" on a `ray up` head) instead of starting one",
+    )
+    up.add_argument("--timeout", dest="startup_timeout_s", type=float, help="seconds to wait for readiness")
+    up.add_argument("--detach", action="store_true", help="return once the service answers; stop with `lilo down`")
+    up.add_argument(DETACHED_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
+
+    status = commands.add_parser("status", help="report the running cluster")
+    add_home(status)
+    status.add_argument("--json", action="store_true", help="print the state as JSON")
+
+    down = commands.add_parser("down", help="stop the running cluster and every process it started")
+    add_home(down)
+    down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait before killing what is left")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "base_models", "ray_address",
+              "startup_timeout_s")
+    return load_settings(**{name: getattr(args, name, None) for name in fields})
+
+
+def _already_running_message(state: ClusterState) -> str:
+    return (
+        f"lilo is already running at {state.api_url} (pid {state.pid}, home {state.home}).\n"
+        "Use it as it is, or stop it first with `lilo down`."
+    )
+
+
+def _print_ready(settings: Settings, startup_s: float, detached: bool) -> None:
+    print(f"\nlilo is ready in {startup_s:.1f} s", flush=True)
+    print(f"  Tinker API:  {settings.api_url}   (TINKER_BASE_URL={settings.api_url})", flush=True)
+    if settings.ray_address is None:
+        print(f"  Dashboard:   {settings.dashboard_url}", flush=True)
+    print(f"  Home:        {settings.home}", flush=True)
+    stop_hint = "Stop it with `lilo down`." if detached else "Press Ctrl-C to stop."
+    print(stop_hint, flush=True)
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def supervise(settings: Settings, detached: bool) -> int:
+    """Start (or join) the Ray cluster, deploy the service, serve until SIGINT/SIGTERM, then take it all down."""
+    progress = Progress()
+    lock = SupervisorLock(settings)
+    if not lock.acquire():
+        state = read_state(settings)
+        print(_already_running_message(state) if state else f"Another lilo is starting under {settings.home}.")
+        return EXIT_FAILED
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    connected = False
+    try:
+        check_ports_free(settings)
+        state = ClusterState(
+            pid=os.getpid(), status="starting", home=str(settings.home), api_url=settings.api_url,
+            dashboard_url=settings.dashboard_url, gcs_address=None, started_at=time.time(),
+        )
+        write_state(settings, state)
+        if settings.ray_address is None:
+            progress(f"Starting a private Ray head on 127.0.0.1 (temp dir {settings.ray_temp_dir})")
+            gcs_address = start_private_head(settings)
+        else:
+            progress(f"Connecting to the Ray cluster at {settings.ray_address}")
+            gcs_address = connect_existing(settings)
+        connected = True
+        progress(f"Ray is up (GCS {gcs_address}); deploying the Serve application")
+        from serve.deploy import deploy, wait_until_healthy
+
+        deploy(settings)
+        progress(f"Waiting for {settings.api_url}/api/v1/healthz")
+        wait_until_healthy(settings.api_url, settings.startup_timeout_s)
+        write_state(settings, ClusterState(**{**state.__dict__, "status": "ready", "gcs_address": gcs_address}))
+        _print_ready(settings, progress.elapsed_s, detached)
+        while True:
+            signal.pause()
+    except StopRequested as stop:
+        progress(f"{stop} received; stopping")
+        return EXIT_OK
+    except (ClusterError, TimeoutError) as error:
+        progress(f"error: {error}")
+        return EXIT_FAILED
+    finally:
+        # A second Ctrl-C must not interrupt the shutdown half-way and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if connected:
+            _shut_down(settings, progress)
+        settings.state_file.unlink(missing_ok=True)
+        lock.release()
+
+
+def _shut_down(settings: Settings, progress: Progress) -> None:
+    import ray
+
+    from serve.deploy import undeploy
+
+    progress("Removing the Serve application")
+    try:
+        undeploy()
+    except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
+        progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
+    if settings.ray_address is None:
+        progress("Stopping the private Ray head")
+    ray.shutdown()
+    progress("Stopped")
+
+
+def _follow(path: Path) -> Iterator[str]:
+    """Lines appended to ``path``, as they come; yields '' whenever there is nothing new."""
+    offset, pending = 0, ""
+    while True:
+        with open(path) as log:
+            log.seek(offset)
+            chunk = log.read()
+            offset = log.tell()
+        pending += chunk
+        *lines, pending = pending.split("\n")
+        yield from lines
+        if not lines:
+            yield ""
+
+
+def up_detached(settings: Settings, argv: Sequence[str]) -> int:
+    """Run the supervisor in the background, echo its progress until it is ready or fails, and return."""
+    settings.home.mkdir(parents=True, exist_ok=True)
+    child_argv = [arg for arg in argv if arg != "--detach"] + [DETACHED_CHILD_FLAG]
+    with open(settings.log_file, "w") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "serve.cli", *child_argv],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    deadline = time.monotonic() + settings.startup_timeout_s + 60
+    lines = _follow(settings.log_file)
+    for line in lines:
+        if line:
+            print(line, flush=True)
+            continue
+        state = read_state(settings)
+        if state is not None and state.pid == child.pid and state.status == "ready":
+            # The ready banner is printed right after the state is written; let it land, then echo it.
+            time.sleep(0.3)
+            for rest in lines:
+                if not rest:
+                    return EXIT_OK
+                print(rest, flush=True)
+        if child.poll() is not None:
+            print(f"lilo up failed (exit {child.returncode}); full log: {settings.log_file}", flush=True)
+            return EXIT_FAILED
+        if time.monotonic() > deadline:
+            print(f"lilo up did not become ready in time; stopping it. Full log: {settings.log_file}", flush=True)
+            stop_cluster(settings, child.pid)
+            return EXIT_FAILED
+        time.sleep(0.1)
+    return EXIT_FAILED
+
+
+def cmd_up(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    settings = _settings(args)
+    state = running_state(settings)
+    if state is not None:
+        print(_already_running_message(state))
+        return EXIT_FAILED
+    try:
+        check_ports_free(settings)
+    except ClusterError as error:
+        print(f"error: {error}")
+        return EXIT_FAILED
+    if args.detach:
+        return up_detached(settings, argv)
+    prepare_environment()
+    return supervise(settings, detached=args.detached_child)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from serve.deploy import healthz
+
+    settings = _settings(args)
+    state = running_state(settings)
+    healthy = state is not None and healthz(state.api_url)
+    if args.json:
+        print(json.dumps({"running": state is not None, "healthy": healthy, **(state.__dict__ if state else {})}))
+    elif state is None:
+        print(f"lilo is not running (home {settings.home}). Start it with `lilo up`.")
+    else:
+        uptime_s = time.time() - state.started_at
+        print(f"lilo is {state.status} (pid {state.pid}, up {uptime_s:.0f} s)")
+        print(f"  Tinker API:  {state.api_url}   healthz: {'ok' if healthy else 'not answering'}")
+        print(f"  Dashboard:   {state.dashboard_url}")
+        print(f"  Home:        {state.home}")
+    return EXIT_OK if state is not None else EXIT_NOT_RUNNING
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    state = running_state(settings)
+    started = time.monotonic()
+    if state is None:
+        strays = stop_cluster(settings, None)
+        print(f"No lilo cluster is running under {settings.home}; nothing to stop.")
+        if strays:
+            print(f"Killed {len(strays)} leftover process(es) of an earlier cluster that was not stopped: {strays}")
+        return EXIT_OK
+    print(f"Stopping lilo (pid {state.pid}) and every process it started...", flush=True)
+    killed = stop_cluster(settings, state.pid, timeout_s=args.timeout)
+    if killed:
+        print(f"Killed {len(killed)} process(es) that did not stop within {args.timeout:.0f} s: {killed}")
+    print(f"Stopped in {time.monotonic() - started:.1f} s.")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "up":
+            return cmd_up(args, argv)
+        if args.command == "status":
+            return cmd_status(args)
+        return cmd_down(args)
+    except SettingsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
