@@ -120,10 +120,11 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def check_ports_free(settings: Settings) -> None:
-    for host, port, flag in (
-        (settings.http_host, settings.http_port, "--port"),
-        ("127.0.0.1", settings.dashboard_port, "--dashboard-port"),
-    ):
+    """Refuse early, naming the flag to change, when a port lilo is about to open is taken."""
+    wanted = [(settings.http_host, settings.http_port, "--port")]
+    if settings.ray_address is None:  # on an existing cluster the dashboard is Ray's own, already running
+        wanted.append(("127.0.0.1", settings.dashboard_port, "--dashboard-port"))
+    for host, port, flag in wanted:
         if port_in_use(host, port):
             raise ClusterError(f"Port {port} on {host} is already in use; pass {flag} with a free port.")
 

@@ -1,0 +1,26 @@
+# The two commands: `make demo` runs the service, `make test` runs the tests. Both set up .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+INSTALLED := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(INSTALLED): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	@echo "Installing lilo and its dependencies into $(VENV) (about a minute the first time)..."
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	@touch $@
+
+demo: $(INSTALLED)
+	$(VENV)/bin/lilo up
+
+test: $(INSTALLED)
+	$(VENV)/bin/python -m pytest
+
+bench: $(INSTALLED)
+	$(VENV)/bin/python benchmarks/bench_startup.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

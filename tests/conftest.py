@@ -1,0 +1,54 @@
+"""One session-scoped local cluster, started and stopped with the real `lilo` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+# Before anything imports Ray: keep every Ray process a test starts on loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import pytest
+
+from helpers import free_port, lilo, short_home
+from lilo.settings import load_settings
+
+BASE_MODELS = ("lilo/tiny-llama", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningCluster:
+    home: Path
+    http_port: int
+    dashboard_port: int
+    base_models: tuple[str, ...]
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def settings(self):
+        return load_settings(env={}, home=self.home, http_port=self.http_port, dashboard_port=self.dashboard_port)
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[RunningCluster]:
+    cluster = RunningCluster(short_home(), free_port(), free_port(), BASE_MODELS)
+    args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
+            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "2"]
+    for name in cluster.base_models:
+        args += ["--base-model", name]
+    started = lilo(*args)
+    if started.returncode != 0:
+        lilo("down", "--home", str(cluster.home))
+        pytest.fail(f"lilo up failed:\n{started.stdout}\n{started.stderr}")
+    try:
+        yield cluster
+    finally:
+        stopped = lilo("down", "--home", str(cluster.home))
+        shutil.rmtree(cluster.home, ignore_errors=True)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr

@@ -1,0 +1,39 @@
+"""cluster.yaml passes Ray's own config validation, the same steps `ray up` runs before touching a cloud."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
+
+
+def load() -> dict:
+    return yaml.safe_load(CLUSTER_YAML.read_text())
+
+
+def test_cluster_yaml_passes_ray_validation():
+    config = prepare_config(load())
+    validate_config(config)
+    assert config["head_node_type"] == "head"
+    assert config["available_node_types"]["gpu_worker"]["min_workers"] >= 1
+
+
+def test_ray_validation_rejects_a_broken_config():
+    config = load()
+    config["head_node_typo"] = config.pop("head_node_type")
+    with pytest.raises(Exception):
+        validate_config(prepare_config(config))
+
+
+def test_head_starts_the_service_with_the_lilo_up_entry_point():
+    commands = load()["head_start_ray_commands"]
+    assert any("lilo up --address auto" in command for command in commands)
+
+
+def test_provider_values_to_fill_in_are_marked():
+    text = CLUSTER_YAML.read_text()
+    for key in ("region:", "availability_zone:", "ImageId:", "InstanceType: g5"):
+        lines = [line for line in text.splitlines() if key in line]
+        assert lines and all("FILL IN" in line for line in lines), key

@@ -1,0 +1,91 @@
+"""`lilo up` then stop: nothing of that cluster remains, however it was stopped."""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from cluster.local import cluster_processes, read_state
+from helpers import LILO, free_port, lilo, short_home
+from lilo.settings import load_settings
+
+
+@pytest.fixture
+def settings():
+    home = short_home()
+    yield load_settings(env={}, home=home, http_port=free_port(), dashboard_port=free_port(), num_cpus=1)
+    lilo("down", "--home", str(home))
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def up_args(settings) -> list[str]:
+    return ["up", "--home", str(settings.home), "--port", str(settings.http_port),
+            "--dashboard-port", str(settings.dashboard_port), "--num-cpus", "1"]
+
+
+def wait_until_ready(settings, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = read_state(settings)
+        if state is not None and state.status == "ready":
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"lilo did not become ready within {timeout_s} s")
+
+
+def processes_of_running_cluster(settings) -> list[psutil.Process]:
+    state = read_state(settings)
+    processes = cluster_processes(settings, state.pid)
+    names = " ".join(p.name() for p in processes)
+    # The tree really is the cluster: Ray's own daemons and Serve's actors are in it.
+    assert "raylet" in names and "gcs_server" in names and "ray::ProxyActor" in names, names
+    return processes
+
+
+def assert_nothing_remains(settings, processes):
+    gone, alive = psutil.wait_procs(processes, timeout=15)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    assert cluster_processes(settings, None) == []
+    assert not settings.state_file.exists()
+
+
+def test_ctrl_c_on_foreground_up_stops_every_process(settings):
+    with open(settings.home / "foreground.log", "w") as log:
+        supervisor = subprocess.Popen([LILO, *up_args(settings)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until_ready(settings)
+        processes = processes_of_running_cluster(settings)
+        supervisor.send_signal(signal.SIGINT)
+        assert supervisor.wait(timeout=60) == 0
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+    assert "Press Ctrl-C to stop" in (settings.home / "foreground.log").read_text()
+    assert_nothing_remains(settings, processes)
+
+
+def test_down_stops_every_process_of_a_detached_cluster(settings):
+    started = lilo(*up_args(settings), "--detach")
+    assert started.returncode == 0, started.stdout
+    assert f"Tinker API:  {settings.api_url}" in started.stdout
+    processes = processes_of_running_cluster(settings)
+    stopped = lilo("down", "--home", str(settings.home))
+    assert stopped.returncode == 0
+    assert "Stopped in" in stopped.stdout
+    assert_nothing_remains(settings, processes)
+    assert lilo("status", "--home", str(settings.home)).returncode == 3
+
+
+def test_down_cleans_up_after_a_supervisor_killed_hard(settings):
+    started = lilo(*up_args(settings), "--detach")
+    assert started.returncode == 0, started.stdout
+    processes = processes_of_running_cluster(settings)
+    os.kill(read_state(settings).pid, signal.SIGKILL)
+    stopped = lilo("down", "--home", str(settings.home))
+    assert stopped.returncode == 0
+    assert "nothing to stop" in stopped.stdout
+    assert_nothing_remains(settings, processes)

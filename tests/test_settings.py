@@ -1,0 +1,54 @@
+"""The settings object: defaults, environment overrides, flag precedence, and messages that say what to change."""
+
+from pathlib import Path
+
+import pytest
+
+from lilo.backend.registry import DEFAULT_BASE_MODEL
+from lilo.settings import SettingsError, load_settings
+
+
+def test_defaults_are_loopback_on_the_documented_ports():
+    settings = load_settings(env={})
+    assert (settings.http_host, settings.http_port, settings.dashboard_port) == ("127.0.0.1", 8000, 8265)
+    assert settings.base_models == (DEFAULT_BASE_MODEL,)
+    assert settings.ray_address is None
+    assert settings.ray_temp_dir == Path.home() / ".lilo" / "ray"
+
+
+def test_environment_overrides_defaults_and_flags_override_environment():
+    env = {"LILO_HTTP_PORT": "9000", "LILO_DASHBOARD_PORT": "9265", "LILO_HOME": "/tmp/x"}
+    assert load_settings(env=env).http_port == 9000
+    settings = load_settings(env=env, http_port=9100, dashboard_port=None)
+    assert (settings.http_port, settings.dashboard_port, settings.home) == (9100, 9265, Path("/tmp/x"))
+
+
+def test_base_models_from_environment_keep_their_order():
+    settings = load_settings(env={"LILO_BASE_MODELS": f"lilo/tiny-llama, {DEFAULT_BASE_MODEL}"})
+    assert settings.base_models == ("lilo/tiny-llama", DEFAULT_BASE_MODEL)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"http_port": 0}, "http_port must be between 1 and 65535"),
+        ({"http_port": 8265}, "give --port or --dashboard-port another value"),
+        ({"http_host": "localhost"}, "--host must be an IP address"),
+        ({"num_cpus": 0}, "--num-cpus must be at least 1"),
+        ({"base_models": ["gpt-17"]}, "Unknown base model(s) gpt-17"),
+        ({"home": "/tmp/" + "a" * 60}, "pass a shorter --home"),
+    ],
+)
+def test_invalid_settings_say_what_to_change(overrides, message):
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_settings(env={}, **overrides)
+
+
+def test_invalid_environment_value_names_the_variable():
+    with pytest.raises(SettingsError, match="LILO_HTTP_PORT='eighty' is not a valid int"):
+        load_settings(env={"LILO_HTTP_PORT": "eighty"})
+
+
+def test_a_long_home_is_fine_when_joining_an_existing_cluster():
+    settings = load_settings(env={}, home="/tmp/" + "a" * 60, ray_address="auto")
+    assert settings.ray_address == "auto"
