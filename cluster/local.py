@@ -146,6 +146,8 @@ def start_private_head(settings: Settings) -> str:
         _temp_dir=str(settings.ray_temp_dir),
         configure_logging=False,
         log_to_driver=False,
+        # Idle workers started ahead of time cost ~100 MB each and serve nothing until trainers exist.
+        _system_config={"prestart_worker_first_driver": False},
         # Every worker of this job (Serve replicas included) keeps its gRPC server on loopback; see cluster/loopback.
         runtime_env={"worker_process_setup_hook": "cluster.loopback.bind_replica_grpc_to_loopback"},
     )

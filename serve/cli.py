@@ -141,6 +141,10 @@ def supervise(settings: Settings, detached: bool) -> int:
             progress(f"Connecting to the Ray cluster at {settings.ray_address}")
             gcs_address = connect_existing(settings)
         connected = True
+        # Ray's driver installs a C-level SIGTERM handler that dumps a stack and re-raises the signal, killing
+        # this process half-way through its shutdown; take the signals back so the shutdown runs to the end.
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, _raise_stop)
         progress(f"Ray is up (GCS {gcs_address}); deploying the Serve application")
         from serve.deploy import deploy, wait_until_healthy
 

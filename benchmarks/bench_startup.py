@@ -1,0 +1,75 @@
+"""Startup cost of the local cluster: time until healthz answers, time to stop, summed RSS of its processes.
+
+Runs the real `lilo up --detach` / `lilo down` on free loopback ports in a fresh home and prints one JSON line:
+{"bench": "startup", "up_s": .., "down_s": .., "rss_mb": .., "uss_mb": .., "processes": .., "leftovers": ..}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+from cluster.local import cluster_processes, read_state  # noqa: E402
+from lilo.settings import load_settings  # noqa: E402
+from serve.deploy import healthz  # noqa: E402
+
+LILO = str(Path(sys.executable).parent / "lilo")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def measure(num_cpus: int | None) -> dict:
+    home = Path(tempfile.mkdtemp(prefix="lilo-b-", dir="/tmp"))
+    settings = load_settings(env={}, home=home, http_port=free_port(), dashboard_port=free_port(), num_cpus=num_cpus)
+    args = ["--home", str(home), "--port", str(settings.http_port), "--dashboard-port", str(settings.dashboard_port)]
+    if num_cpus is not None:
+        args += ["--num-cpus", str(num_cpus)]
+    try:
+        started = time.monotonic()
+        up = subprocess.Popen([LILO, "up", "--detach", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        while not healthz(settings.api_url, timeout_s=1.0):
+            if up.poll() not in (None, 0):
+                raise SystemExit(f"lilo up failed:\n{up.stdout.read().decode()}")
+            time.sleep(0.05)
+        up_s = time.monotonic() - started
+        up.wait(timeout=60)
+        processes = cluster_processes(settings, read_state(settings).pid)
+        rss_mb = sum(p.memory_info().rss for p in processes) / 2**20
+        # RSS counts pages shared between Ray's many Python processes once per process; USS counts them none.
+        uss_mb = sum(p.memory_full_info().uss for p in processes) / 2**20
+
+        started = time.monotonic()
+        subprocess.run([LILO, "down", "--home", str(home)], check=True, capture_output=True)
+        down_s = time.monotonic() - started
+        leftovers = cluster_processes(settings, None)
+        return {"up_s": up_s, "down_s": down_s, "rss_mb": rss_mb, "uss_mb": uss_mb, "processes": len(processes),
+                "leftovers": len(leftovers)}
+    finally:
+        subprocess.run([LILO, "down", "--home", str(home)], capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-cpus", type=int, help="CPUs the Ray head offers (default: all)")
+    args = parser.parse_args()
+    result = measure(args.num_cpus)
+    print(json.dumps({"bench": "startup", **{k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}}))
+
+
+if __name__ == "__main__":
+    main()
