@@ -8,6 +8,7 @@ same supervisor in the background, shows its progress until the service answers,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -151,7 +152,7 @@ def supervise(settings: Settings, detached: bool) -> int:
         deploy(settings)
         progress(f"Waiting for {settings.api_url}/api/v1/healthz")
         wait_until_healthy(settings.api_url, settings.startup_timeout_s)
-        write_state(settings, ClusterState(**{**state.__dict__, "status": "ready", "gcs_address": gcs_address}))
+        write_state(settings, dataclasses.replace(state, status="ready", gcs_address=gcs_address))
         _print_ready(settings, progress.elapsed_s, detached)
         while True:
             signal.pause()
@@ -243,12 +244,13 @@ def cmd_up(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if state is not None:
         print(_already_running_message(state))
         return EXIT_FAILED
-    try:
-        check_ports_free(settings)
-    except ClusterError as error:
-        print(f"error: {error}")
-        return EXIT_FAILED
     if args.detach:
+        # Refuse here, before a background process exists; the supervisor checks again under its lock.
+        try:
+            check_ports_free(settings)
+        except ClusterError as error:
+            print(f"error: {error}")
+            return EXIT_FAILED
         return up_detached(settings, argv)
     prepare_environment()
     return supervise(settings, detached=args.detached_child)
@@ -261,7 +263,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = running_state(settings)
     healthy = state is not None and healthz(state.api_url)
     if args.json:
-        print(json.dumps({"running": state is not None, "healthy": healthy, **(state.__dict__ if state else {})}))
+        print(json.dumps({"running": state is not None, "healthy": healthy, **(dataclasses.asdict(state) if state else {})}))
     elif state is None:
         print(f"lilo is not running (home {settings.home}). Start it with `lilo up`.")
     else:

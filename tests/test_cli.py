@@ -22,14 +22,15 @@ def test_up_while_running_prints_its_url_and_fails(local_cluster):
     assert "lilo down" in result.stdout
 
 
+@pytest.mark.parametrize("mode", [["--detach"], []], ids=["detached", "foreground"])
 @pytest.mark.parametrize("flag", ["--port", "--dashboard-port"])
-def test_port_in_use_names_the_port_and_the_flag(empty_home, flag):
+def test_port_in_use_names_the_port_and_the_flag(empty_home, flag, mode):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         other_flag = "--dashboard-port" if flag == "--port" else "--port"
-        result = lilo("up", "--detach", "--home", str(empty_home), flag, str(port), other_flag, str(free_port()))
+        result = lilo("up", *mode, "--home", str(empty_home), flag, str(port), other_flag, str(free_port()))
     assert result.returncode == 1
     assert f"Port {port}" in result.stdout
     assert f"pass {flag} with a free port" in result.stdout
