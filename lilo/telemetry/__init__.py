@@ -1,0 +1,1 @@
+"""Always-on telemetry: the critical-path observer and its bounded accumulator."""
