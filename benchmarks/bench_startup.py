@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -17,11 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
-from cluster.local import cluster_processes, read_state  # noqa: E402
-from lilo.settings import load_settings  # noqa: E402
-from serve.deploy import healthz  # noqa: E402
+from cluster.local import cluster_processes, prepare_environment, read_state
+from lilo.settings import load_settings
+from serve.deploy import healthz
 
 LILO = str(Path(sys.executable).parent / "lilo")
 
@@ -67,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-cpus", type=int, help="CPUs the Ray head offers (default: all)")
     args = parser.parse_args()
+    prepare_environment()  # the environment `lilo up` gives Ray, for the clusters this starts
     result = measure(args.num_cpus)
     print(json.dumps({"bench": "startup", **{k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}}))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import importlib.util
 import json
 import os
 import signal
@@ -23,8 +24,10 @@ import psutil
 
 from lilo.settings import Settings
 
-# Ray reads this when it is imported: with it, the node IP is 127.0.0.1 and Ray's servers listen on loopback only.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray reads these when it is imported. The first makes the node IP 127.0.0.1 and Ray's servers listen on loopback
+# only; the second says outright that the cluster uses Ray's token authentication (the token lives in
+# ~/.ray/auth_token), which every other driver that connects to it must say as well.
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
 NAMESPACE = "lilo"
 
 
@@ -131,8 +134,8 @@ def check_ports_free(settings: Settings) -> None:
 
 def start_private_head(settings: Settings) -> str:
     """Start a new loopback-only Ray head owned by this process and connect to it; returns its GCS address."""
-    if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
-        raise RuntimeError("Ray was imported before the loopback environment was set; call prepare_environment().")
+    if "ray" in sys.modules and any(os.environ.get(key) != value for key, value in LOCAL_RAY_ENV.items()):
+        raise RuntimeError("Ray was imported before the local environment was set; call prepare_environment().")
     import ray
 
     settings.ray_temp_dir.mkdir(parents=True, exist_ok=True)
@@ -163,15 +166,27 @@ def connect_existing(settings: Settings) -> str:
 
 
 def prepare_environment() -> None:
-    """Make Ray loopback-only in this process and every process it starts; must run before Ray is imported."""
-    os.environ.update(LOOPBACK_ENV)
+    """Set Ray's local-cluster environment in this process and every process it starts; run it before Ray's import."""
+    os.environ.update(LOCAL_RAY_ENV)
+
+
+def connect_driver(settings: Settings) -> str:
+    """Connect this process to the local cluster running under ``settings.home``; returns its GCS address."""
+    import ray
+
+    state = running_state(settings)
+    if state is None or state.gcs_address is None:
+        raise ClusterError(f"No lilo cluster is ready under {settings.home}; start one with `lilo up`.")
+    ray.init(address=state.gcs_address, namespace=NAMESPACE, log_to_driver=False)
+    return state.gcs_address
 
 
 def cluster_processes(settings: Settings, supervisor_pid: int | None) -> list[psutil.Process]:
     """Every live process of this home's cluster: the supervisor, its descendants, and strays.
 
-    A stray is a Ray process that outlived a supervisor killed hard (Ray's agents get re-parented to init);
-    it is recognised by the files it holds open under this cluster's own Ray temp dir.
+    A stray is a Ray process that outlived a supervisor killed hard (Ray's agents get re-parented to init); it is
+    recognised as one of Ray's own processes holding files open under this cluster's own Ray temp dir. Drivers
+    that merely connected to the cluster hold such files too, and are never counted.
     """
     processes: dict[int, psutil.Process] = {}
     if supervisor_pid is not None:
@@ -184,6 +199,20 @@ def cluster_processes(settings: Settings, supervisor_pid: int | None) -> list[ps
     return _alive(list(processes.values()))
 
 
+def _ray_package_dir() -> str:
+    spec = importlib.util.find_spec("ray")
+    return next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else "/ray/"
+
+
+def _is_ray_process(process: psutil.Process) -> bool:
+    """Ray's daemons, agents and workers: renamed ``ray::...``, Ray's binaries, or scripts inside Ray's package."""
+    name = process.name()
+    if name.startswith("ray::") or name in ("raylet", "gcs_server"):
+        return True
+    command = " ".join(process.cmdline()[:4])
+    return command.startswith(("ray::", "ray-dashboard-")) or _ray_package_dir() in command
+
+
 def _holding_files_under(directory: Path) -> list[psutil.Process]:
     prefix = f"{directory}{os.sep}"
     holders = []
@@ -191,7 +220,7 @@ def _holding_files_under(directory: Path) -> list[psutil.Process]:
         if process.pid == os.getpid():
             continue
         try:
-            if any(f.path.startswith(prefix) for f in process.open_files()):
+            if _is_ray_process(process) and any(f.path.startswith(prefix) for f in process.open_files()):
                 holders.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

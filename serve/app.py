@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException, Query
 from ray import serve
+from ray.exceptions import RayActorError
+
+from cluster.timing import get_timing_actor
 
 from lilo import __version__
 from lilo.backend.registry import base_model_spec
@@ -13,6 +16,7 @@ from lilo.settings import Settings
 
 APP_NAME = "lilo"
 INGRESS_NAME = "LiloIngress"
+MAX_ID_CHARS = 256
 
 api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service")
 
@@ -23,6 +27,7 @@ class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
     def __init__(self, base_models: list[str]) -> None:
+        self._timing = get_timing_actor()
         self._capabilities = {
             "supported_models": [
                 {
@@ -47,6 +52,31 @@ class LiloIngress:
     @api.get("/api/v1/get_server_capabilities")
     def get_server_capabilities(self) -> dict[str, Any]:
         return self._capabilities
+
+    @api.get("/api/v1/timing")
+    async def timing(
+        self,
+        model_id: str | None = Query(None, max_length=MAX_ID_CHARS, description="a model id; none: the cluster"),
+        reset: bool = Query(False, description="start this reader's next interval now"),
+        reader: str = Query("", max_length=MAX_ID_CHARS, description="whose interval reset refers to"),
+    ) -> dict[str, Any]:
+        """Critical path of one model (queue wait vs execute vs capture/persist, batch sharing), or the cluster's."""
+        snapshot = await self._ask_timing_actor(model_id, reset, reader)
+        if snapshot is None:
+            raise HTTPException(
+                status_code=404,
+                detail=f"Unknown model_id {model_id!r}: no trainer has reported timing for it. "
+                "Pass the model_id that create_model returned, or leave model_id out for the cluster-wide view.",
+            )
+        return snapshot
+
+    async def _ask_timing_actor(self, model_id: str | None, reset: bool, reader: str) -> dict[str, Any] | None:
+        try:
+            return await self._timing.snapshot.remote(model_id, reset, reader)
+        except RayActorError:
+            # The detached actor was restarted or re-created: look it up again by name, once.
+            self._timing = get_timing_actor()
+            return await self._timing.snapshot.remote(model_id, reset, reader)
 
 
 def build_application(settings: Settings) -> serve.Application:

@@ -147,8 +147,10 @@ def supervise(settings: Settings, detached: bool) -> int:
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
         progress(f"Ray is up (GCS {gcs_address}); deploying the Serve application")
+        from cluster.timing import get_timing_actor
         from serve.deploy import deploy, wait_until_healthy
 
+        get_timing_actor()  # detached: it outlives this driver and every redeploy of the Serve app
         deploy(settings)
         progress(f"Waiting for {settings.api_url}/api/v1/healthz")
         wait_until_healthy(settings.api_url, settings.startup_timeout_s)
@@ -180,6 +182,10 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
     progress("Removing the Serve application")
     try:
         undeploy()
+        if settings.ray_address is not None:  # a shared cluster lives on: take our detached actor with us
+            from cluster.timing import get_timing_actor
+
+            ray.kill(get_timing_actor())
     except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
         progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
     if settings.ray_address is None:

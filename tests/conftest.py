@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
-# Before anything imports Ray: keep every Ray process a test starts on loopback.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+from cluster.local import prepare_environment
+
+# Before anything imports Ray: every Ray process a test starts stays on loopback, and drivers speak the token auth.
+prepare_environment()
 
 import pytest
 

@@ -4,6 +4,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -68,15 +69,34 @@ def test_ctrl_c_on_foreground_up_stops_every_process(settings):
     assert_nothing_remains(settings, processes)
 
 
-def test_down_stops_every_process_of_a_detached_cluster(settings):
+DRIVER = """
+import sys, time
+from cluster.local import connect_driver, prepare_environment
+from lilo.settings import load_settings
+prepare_environment()
+connect_driver(load_settings(env={}, home=sys.argv[1]))
+print("connected", flush=True)
+time.sleep(600)
+"""
+
+
+def test_down_stops_every_process_of_a_detached_cluster_but_not_its_drivers(settings):
     started = lilo(*up_args(settings), "--detach")
     assert started.returncode == 0, started.stdout
     assert f"Tinker API:  {settings.api_url}" in started.stdout
     processes = processes_of_running_cluster(settings)
-    stopped = lilo("down", "--home", str(settings.home))
-    assert stopped.returncode == 0
-    assert "Stopped in" in stopped.stdout
-    assert_nothing_remains(settings, processes)
+    # A user's script connected as a Ray driver holds log files under the cluster's temp dir, like Ray's own
+    # processes do; stopping the cluster must not kill it.
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(settings.home)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "connected"
+        stopped = lilo("down", "--home", str(settings.home))
+        assert stopped.returncode == 0
+        assert "Stopped in" in stopped.stdout
+        assert_nothing_remains(settings, processes)
+        assert driver.poll() is None
+    finally:
+        driver.kill()
     assert lilo("status", "--home", str(settings.home)).returncode == 3
 
 

@@ -130,7 +130,7 @@ def test_metrics_land_in_an_offline_wandb_run_against_lilo_step(server, tmp_path
         run.finish()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     definitions = metric_definitions(run_file)
-    assert [(d.glob_name, d.step_metric) for d in definitions] == [("lilo/*", "lilo/step")]
+    assert [(d.glob_name, d.step_metric) for d in definitions] == [("lilo/*", "lilo/step")], history_rows(run_file)
     rows = [row for row in history_rows(run_file) if "lilo/step" in row]
     assert [json.loads(row["lilo/step"]) for row in rows] == [0, 1, 2]
     assert [json.loads(row["lilo/forward_backward.execute.count"]) for row in rows] == [1, 2, 3]

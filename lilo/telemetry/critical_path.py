@@ -243,6 +243,11 @@ class CriticalPath:
         self.drain()
         return self._snapshot(model, reset, reader)
 
+    def gauges(self) -> dict[str, float]:
+        self.drain()
+        with self._lock:
+            return dict(self._gauges)
+
     def _snapshot(self, model: str, reset: bool, reader: str) -> dict:
         with self._lock:
             gauges = dict(self._gauges)
