@@ -20,7 +20,7 @@ test: $(INSTALLED)
 	$(VENV)/bin/python -m pytest
 
 bench: $(INSTALLED)
-	$(VENV)/bin/python benchmarks/bench_startup.py
+	@for script in benchmarks/bench_*.py; do $(VENV)/bin/python $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -105,7 +105,8 @@ class TimingActor:
                 if time.monotonic() - self._last_aggregate_read >= self._log_every_s:
                     snapshot = self.snapshot(reset=True, reader=LOG_EVENT)
                     if snapshot is not None:
-                        print(orjson.dumps({"event": LOG_EVENT, "scope": "cluster", **snapshot}).decode(), flush=True)
+                        line = {"event": LOG_EVENT, "scope": "cluster", "trainers": self.trainers(), **snapshot}
+                        print(orjson.dumps(line).decode(), flush=True)
             except Exception:
                 logger.exception("timing log line failed")
 

@@ -1,6 +1,7 @@
 """The timing actor on the real local cluster: detached, fed by trainers' publishers, served over HTTP, exported
 to Ray's metrics endpoint."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -109,3 +110,30 @@ def test_phases_show_on_the_nodes_metrics_endpoint(local_cluster, ray_driver):
     assert any('phase="forward_backward.execute"' in line and 'trainer="trainer-metrics"' in line
                for line in count_lines), lines
     assert any(line.startswith("ray_lilo_phase_seconds_total") and "queue_wait_idle" in line for line in lines)
+
+
+def test_timing_actor_prints_the_clusters_json_line_when_nobody_polls(local_cluster, ray_driver):
+    from cluster.timing import TimingActor
+
+    name = f"lilo-timing-log-{uuid.uuid4().hex[:8]}"
+    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    actor = TimingActor.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(log_every_s=1.0)
+    try:
+        ray.get(actor.push.remote("trainer-log", {model_id: {"forward_backward.execute": [1, 1, 0.5, 0.5]},
+                                                  "*": {"forward_backward.execute": [1, 1, 0.5, 0.5]}}, {}))
+        logs = local_cluster.settings.ray_temp_dir / "session_latest" / "logs"
+        deadline = time.monotonic() + 60
+        lines: list[dict] = []
+        while not lines and time.monotonic() < deadline:
+            time.sleep(1)
+            for path in logs.glob("worker-*.out"):
+                for line in path.read_text(errors="replace").splitlines():
+                    if line.startswith("{") and '"lilo_critical_path"' in line:
+                        record = json.loads(line)
+                        if record.get("trainers") == ["trainer-log"]:
+                            lines.append(record)
+        assert lines, "no lilo_critical_path line in the actor's log"
+        assert lines[0]["scope"] == "cluster" and lines[0]["model_id"] == "*"
+        assert lines[0]["phases"]["forward_backward.execute"]["count"] == 1
+    finally:
+        ray.kill(actor)
