@@ -1,0 +1,28 @@
+"""Typed errors the library raises; only the HTTP ingress turns them into responses (serve maps them to 4xx).
+
+Every message is a sentence that says what is wrong and what to change.
+"""
+
+
+class LiloError(Exception):
+    """Base of the errors a client can act on."""
+
+
+class InvalidRequestError(LiloError):
+    """The request is malformed (HTTP 422)."""
+
+
+class NotFoundError(LiloError):
+    """No such thing, or not yours (HTTP 404)."""
+
+
+class GoneError(LiloError):
+    """It existed but was pruned under the retention policy (HTTP 410)."""
+
+
+class ConflictError(LiloError):
+    """It clashes with something already accepted, such as another payload under the same seq id (HTTP 409)."""
+
+
+class SaturatedError(LiloError):
+    """The service is full right now; retry later (HTTP 429)."""

@@ -1,0 +1,73 @@
+"""Tables of the futures database (SQLAlchemy Core)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text, UniqueConstraint,
+)
+
+metadata = MetaData()
+
+PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
+
+futures = Table(
+    "futures",
+    metadata,
+    # AUTOINCREMENT: ids are never reused, so an id below the highest ever allocated that has no row was pruned.
+    Column("request_id", Integer, primary_key=True, autoincrement=True),
+    Column("model_id", String, nullable=False),
+    Column("request_type", String, nullable=False),
+    Column("seq_id", Integer, nullable=True),
+    Column("status", String, nullable=False, default=PENDING),
+    # Dropped once the request has run; the fingerprint keeps retries idempotent after that.
+    Column("payload", LargeBinary, nullable=True),
+    Column("payload_sha256", String(64), nullable=False),
+    Column("result", LargeBinary, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("error_category", String, nullable=True),
+    Column("tenant", String, nullable=True),
+    Column("submitted_at", Float, nullable=False),
+    Column("finished_at", Float, nullable=True),
+    UniqueConstraint("model_id", "seq_id", name="uq_futures_model_seq"),
+    sqlite_autoincrement=True,
+)
+
+# The scheduler's scan reads only these columns, and only through this index: SQLite answers it without touching
+# the table rows that hold the payloads ("USING COVERING INDEX").
+PENDING_SCAN_INDEX = Index(
+    "ix_futures_pending_scan",
+    futures.c.status, futures.c.model_id, futures.c.seq_id, futures.c.request_id, futures.c.request_type,
+)
+FINISHED_INDEX = Index("ix_futures_finished_at", futures.c.finished_at)
+
+models = Table(
+    "models",
+    metadata,
+    Column("model_id", String, primary_key=True),
+    Column("tenant", String, nullable=True),
+    Column("session_id", String, nullable=True),
+    Column("base_model", String, nullable=False),
+    Column("lora_config", Text, nullable=False),
+    Column("trainer", String, nullable=True),
+    Column("created_at", Float, nullable=False),
+)
+
+sessions = Table(
+    "sessions",
+    metadata,
+    Column("session_id", String, primary_key=True),
+    Column("tenant", String, nullable=True),
+    Column("metadata", Text, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Column("last_heartbeat_at", Float, nullable=False),
+)
+
+sampling_sessions = Table(
+    "sampling_sessions",
+    metadata,
+    Column("sampling_session_id", String, primary_key=True),
+    Column("session_id", String, nullable=False),
+    Column("base_model", String, nullable=False),
+    Column("model_path", String, nullable=True),
+    Column("created_at", Float, nullable=False),
+)

@@ -1,0 +1,417 @@
+"""FuturesStore: the SQLite file behind every future, written by exactly one process (the futures DB actor).
+
+What keeps it off the critical path:
+- scheduling scans read metadata only, through a covering index; payloads are loaded only for dispatched ids;
+- submissions that arrive together share one commit, in arrival order (ids are allocated by one writer);
+- completions are one UPDATE by primary key per request, one transaction per batch, retried on "database is
+  locked" and kept in a bounded outbox when they still cannot be written, never dropped silently;
+- a finished request's payload is dropped (its fingerprint keeps retries idempotent) and results are pruned after
+  the retention time, so the file stays bounded in a long run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import sqlite3
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import orjson
+from sqlalchemy import Engine, bindparam, create_engine, event, func, inspect, select, tuple_, update
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
+from lilo.futures import codec
+from lilo.futures.paths import prepare_db_path
+from lilo.futures.schema import (
+    COMPLETED, FAILED, PENDING, futures, metadata, models, sampling_sessions, sessions,
+)
+from lilo.futures.scheduling import PendingMeta
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RETENTION_S = 24 * 3600.0
+RETRY_ATTEMPTS = 6
+RETRY_BASE_S = 1.0  # 1 + 2 + 4 + 8 + 16 + 32: about a minute before a batch goes to the outbox
+OUTBOX_LIMIT = 100_000
+# Under SQLite's compiled-in bound-parameter limit (32766 since 3.32), with room for a few other parameters.
+MAX_BOUND_PARAMS = 32_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    model_id: str
+    request_type: str
+    payload: Any
+    seq_id: int | None = None
+    tenant: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitOutcome:
+    """The request id, new or (for an identical retry) existing; or the conflict that refused it."""
+
+    request_id: int | None
+    duplicate: bool = False
+    error: ConflictError | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    request_id: int
+    ok: bool
+    result: bytes | None = None
+    error: str | None = None
+    category: str | None = None
+
+    @classmethod
+    def success(cls, request_id: int, result: bytes) -> "Completion":
+        return cls(request_id, True, result=result)
+
+    @classmethod
+    def failure(cls, request_id: int, error: str, category: str = "server") -> "Completion":
+        return cls(request_id, False, error=error, category=category)
+
+
+@dataclasses.dataclass(frozen=True)
+class FutureState:
+    request_id: int
+    status: str
+    result: bytes | None = None
+    error: str | None = None
+    category: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status != PENDING
+
+
+def fingerprint(encoded_payload: bytes) -> str:
+    return hashlib.sha256(encoded_payload).hexdigest()
+
+
+def parse_request_id(raw: str | int) -> int:
+    """The integer id behind a wire request id; a malformed one is the client's mistake."""
+    try:
+        request_id = int(raw)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"request_id {raw!r} is not a request id; pass the id a submission returned.") from None
+    if request_id < 1:
+        raise InvalidRequestError(f"request_id {raw!r} is not a request id; ids are positive integers.")
+    return request_id
+
+
+def chunks(items: Sequence, size: int = MAX_BOUND_PARAMS) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+class FuturesStore:
+    def __init__(self, path: Path | str, *, retention_s: float = DEFAULT_RETENTION_S,
+                 retry_attempts: int = RETRY_ATTEMPTS, retry_base_s: float = RETRY_BASE_S,
+                 busy_timeout_ms: int = 5000, outbox_limit: int = OUTBOX_LIMIT,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.path = prepare_db_path(Path(path))
+        self.retention_s = retention_s
+        self._retry_attempts = retry_attempts
+        self._retry_base_s = retry_base_s
+        self._clock = clock
+        self._sleep = sleep
+        self._outbox: deque[Completion] = deque()
+        self._outbox_limit = outbox_limit
+        self.engine = _sqlite_engine(self.path, busy_timeout_ms)
+        metadata.create_all(self.engine)
+        self.create_missing_indexes()
+
+    # --- schema --------------------------------------------------------------------------------------------
+    def create_missing_indexes(self) -> list[str]:
+        """Add declared indexes a database file created before they existed lacks (create_all skips whole
+        tables it finds). Idempotent; returns the names it created."""
+        created = []
+        existing_by_table = {table: {ix["name"] for ix in inspect(self.engine).get_indexes(table)}
+                             for table in metadata.tables}
+        with self.engine.begin() as connection:
+            for table in metadata.tables.values():
+                for index in table.indexes:
+                    if index.name not in existing_by_table[table.name]:
+                        index.create(connection)
+                        created.append(index.name)
+        return created
+
+    # --- submit --------------------------------------------------------------------------------------------
+    def submit_many(self, submissions: Sequence[Submission]) -> list[SubmitOutcome]:
+        """Record submissions in one commit, allocating ids in the given (arrival) order.
+
+        A submission whose (model_id, seq_id) is already taken returns that request's id when its payload is the
+        same (a retry), and a ConflictError when it differs; the same holds between copies within one batch.
+        """
+        now = self._clock()
+        encoded = [codec.encode(sub.payload) for sub in submissions]
+        prints = [fingerprint(blob) for blob in encoded]
+        outcomes: list[SubmitOutcome | None] = [None] * len(submissions)
+        with self.engine.begin() as connection:
+            taken = self._existing_keys(connection, submissions)
+            first_copy: dict[tuple, int] = {}
+            inserting: list[int] = []
+            for i, sub in enumerate(submissions):
+                key = (sub.model_id, sub.seq_id)
+                if sub.seq_id is None:
+                    inserting.append(i)
+                elif key in taken:
+                    outcomes[i] = _same_or_conflict(sub, *taken[key], prints[i])
+                elif key not in first_copy:
+                    first_copy[key] = i
+                    inserting.append(i)
+            rows = [{
+                "model_id": submissions[i].model_id, "request_type": submissions[i].request_type,
+                "seq_id": submissions[i].seq_id, "status": PENDING, "payload": encoded[i],
+                "payload_sha256": prints[i], "tenant": submissions[i].tenant, "submitted_at": now,
+            } for i in inserting]
+            if rows:
+                ids = connection.execute(
+                    futures.insert().returning(futures.c.request_id, sort_by_parameter_order=True), rows,
+                ).scalars().all()
+                for i, request_id in zip(inserting, ids):
+                    outcomes[i] = SubmitOutcome(request_id)
+        for i, sub in enumerate(submissions):
+            if outcomes[i] is None:  # a later copy, within this batch, of a submission inserted above
+                first = first_copy[(sub.model_id, sub.seq_id)]
+                outcomes[i] = _same_or_conflict(sub, outcomes[first].request_id, prints[first], prints[i])
+        return outcomes  # type: ignore[return-value]
+
+    def submit(self, submission: Submission) -> int:
+        (outcome,) = self.submit_many([submission])
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.request_id  # type: ignore[return-value]
+
+    @staticmethod
+    def _existing_keys(connection, submissions: Sequence[Submission]) -> dict[tuple, tuple[int, str]]:
+        keys = list({(sub.model_id, sub.seq_id) for sub in submissions if sub.seq_id is not None})
+        taken: dict[tuple, tuple[int, str]] = {}
+        for chunk in chunks(keys, MAX_BOUND_PARAMS // 2):
+            query = select(futures.c.model_id, futures.c.seq_id, futures.c.request_id, futures.c.payload_sha256).where(
+                tuple_(futures.c.model_id, futures.c.seq_id).in_(chunk))
+            for model_id, seq_id, request_id, known_print in connection.execute(query):
+                taken[(model_id, seq_id)] = (request_id, known_print)
+        return taken
+
+    # --- scheduling ----------------------------------------------------------------------------------------
+    def scan_pending(self, model_ids: Iterable[str] | None = None) -> list[PendingMeta]:
+        """Pending requests' metadata only, in (model, seq) order, answered from the covering index."""
+        query = select(futures.c.request_id, futures.c.model_id, futures.c.request_type, futures.c.seq_id).where(
+            futures.c.status == PENDING).order_by(futures.c.model_id, futures.c.seq_id, futures.c.request_id)
+        wanted = None if model_ids is None else list(model_ids)
+        with self.engine.connect() as connection:
+            if wanted is None:
+                return [PendingMeta(*row) for row in connection.execute(query)]
+            found: list[PendingMeta] = []
+            for chunk in chunks(wanted):
+                found += [PendingMeta(*row) for row in connection.execute(query.where(futures.c.model_id.in_(chunk)))]
+            return sorted(found, key=lambda meta: (meta.model_id, meta.seq_id or 0, meta.request_id))
+
+    def load_payloads(self, request_ids: Sequence[int]) -> dict[int, Any]:
+        """Decoded payloads of exactly these (dispatched) requests."""
+        payloads: dict[int, Any] = {}
+        with self.engine.connect() as connection:
+            for chunk in chunks(list(request_ids)):
+                query = select(futures.c.request_id, futures.c.payload).where(futures.c.request_id.in_(chunk))
+                for request_id, blob in connection.execute(query):
+                    if blob is not None:
+                        payloads[request_id] = codec.decode(blob)
+        return payloads
+
+    # --- completion ----------------------------------------------------------------------------------------
+    def complete_many(self, completions: Sequence[Completion]) -> bool:
+        """Write results (and drop payloads) in one transaction, retrying lock and pool timeouts with backoff.
+
+        Completions that still cannot be written go to the outbox, retried first by the next call (or by
+        ``flush_outbox``). Returns True when nothing is left in the outbox.
+        """
+        batch = [*self._outbox, *completions]
+        self._outbox.clear()
+        if not batch:
+            return True
+        delay = self._retry_base_s
+        for attempt in range(1, self._retry_attempts + 1):
+            try:
+                self._write_completions(batch)
+                return True
+            except (OperationalError, PoolTimeoutError) as error:
+                if attempt == self._retry_attempts:
+                    self._to_outbox(batch, error)
+                    return False
+                logger.warning("completion write of %d result(s) failed (%s); retry %d/%d in %.2f s",
+                               len(batch), _short(error), attempt, self._retry_attempts - 1, delay)
+                self._sleep(delay)
+                delay *= 2
+        return False
+
+    def flush_outbox(self) -> bool:
+        return self.complete_many([])
+
+    @property
+    def outbox_size(self) -> int:
+        return len(self._outbox)
+
+    def _write_completions(self, batch: Sequence[Completion]) -> None:
+        now = self._clock()
+        statement = update(futures).where(futures.c.request_id == bindparam("rid"), futures.c.status == PENDING).values(
+            status=bindparam("status"), result=bindparam("result"), error=bindparam("error"),
+            error_category=bindparam("category"), finished_at=now, payload=None)
+        params = [{"rid": c.request_id, "status": COMPLETED if c.ok else FAILED, "result": c.result,
+                   "error": c.error, "category": c.category} for c in batch]
+        with self.engine.begin() as connection:
+            connection.execute(statement, params)
+
+    def _to_outbox(self, batch: Sequence[Completion], error: Exception) -> None:
+        self._outbox.extend(batch)
+        ids = [c.request_id for c in batch]
+        logger.error("could not write %d completion(s) after %d attempts (%s); kept in the outbox for retry: %s",
+                     len(batch), self._retry_attempts, _short(error), ids)
+        while len(self._outbox) > self._outbox_limit:
+            lost = self._outbox.popleft()
+            logger.error("completion outbox full (%d): request %s dropped; its future stays pending until the "
+                         "trainer resubmits it", self._outbox_limit, lost.request_id)
+
+    # --- reading results -----------------------------------------------------------------------------------
+    def states(self, request_ids: Sequence[int]) -> dict[int, FutureState]:
+        """States of these ids (result bytes only for finished ones); ids with no row are absent."""
+        found: dict[int, FutureState] = {}
+        query_columns = (futures.c.request_id, futures.c.status, futures.c.result, futures.c.error,
+                         futures.c.error_category)
+        with self.engine.connect() as connection:
+            for chunk in chunks(list(request_ids)):
+                for row in connection.execute(select(*query_columns).where(futures.c.request_id.in_(chunk))):
+                    found[row[0]] = FutureState(*row)
+        return found
+
+    def lookup(self, request_id: int) -> FutureState:
+        """The state of one request; NotFoundError when it never existed, GoneError when it was pruned."""
+        state = self.states([request_id]).get(request_id)
+        if state is None:
+            raise self.missing_error(request_id)
+        return state
+
+    def missing_error(self, request_id: int) -> NotFoundError | GoneError:
+        if request_id <= self.highest_request_id():
+            return GoneError(
+                f"Request {request_id} finished more than {self.retention_s / 3600:.3g} h ago and its result was "
+                "pruned; results are kept for the retention time only.")
+        return NotFoundError(f"Unknown request_id {request_id}; pass an id that a submission returned.")
+
+    def highest_request_id(self) -> int:
+        with self.engine.connect() as connection:
+            value = connection.exec_driver_sql("SELECT seq FROM sqlite_sequence WHERE name = 'futures'").scalar()
+        return int(value or 0)
+
+    # --- retention -----------------------------------------------------------------------------------------
+    def prune(self) -> int:
+        """Delete finished futures older than the retention time; returns how many."""
+        cutoff = self._clock() - self.retention_s
+        with self.engine.begin() as connection:
+            deleted = connection.execute(
+                futures.delete().where(futures.c.finished_at.is_not(None), futures.c.finished_at < cutoff)).rowcount
+        if deleted:
+            with self.engine.connect() as connection:
+                connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+        return deleted
+
+    def count_by_status(self) -> dict[str, int]:
+        with self.engine.connect() as connection:
+            rows = connection.execute(select(futures.c.status, func.count()).group_by(futures.c.status))
+            return {status: count for status, count in rows}
+
+    # --- models, placement, sessions -----------------------------------------------------------------------
+    def add_model(self, model_id: str, base_model: str, lora_config: dict, *, tenant: str | None = None,
+                  session_id: str | None = None, trainer: str | None = None) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(models.insert().values(
+                model_id=model_id, tenant=tenant, session_id=session_id, base_model=base_model,
+                lora_config=orjson.dumps(lora_config).decode(), trainer=trainer, created_at=self._clock()))
+
+    def place_model(self, model_id: str, trainer: str) -> None:
+        with self.engine.begin() as connection:
+            if connection.execute(update(models).where(models.c.model_id == model_id).values(trainer=trainer)).rowcount == 0:
+                raise NotFoundError(f"Unknown model_id {model_id!r}; create the model first.")
+
+    def placement(self) -> dict[str, str | None]:
+        """model_id -> the trainer it lives on (None while unplaced)."""
+        with self.engine.connect() as connection:
+            return dict(connection.execute(select(models.c.model_id, models.c.trainer)).all())
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        with self.engine.connect() as connection:
+            row = connection.execute(select(models).where(models.c.model_id == model_id)).mappings().first()
+        if row is None:
+            raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+        return {**row, "lora_config": orjson.loads(row["lora_config"])}
+
+    def remove_model(self, model_id: str) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(models.delete().where(models.c.model_id == model_id))
+
+    def add_session(self, session_id: str, *, tenant: str | None = None, info: dict | None = None) -> None:
+        now = self._clock()
+        with self.engine.begin() as connection:
+            connection.execute(sessions.insert().values(
+                session_id=session_id, tenant=tenant, metadata=orjson.dumps(info or {}).decode(), created_at=now,
+                last_heartbeat_at=now))
+
+    def heartbeat(self, session_id: str) -> None:
+        with self.engine.begin() as connection:
+            changed = connection.execute(update(sessions).where(sessions.c.session_id == session_id).values(
+                last_heartbeat_at=self._clock())).rowcount
+        if not changed:
+            raise NotFoundError(f"Unknown session_id {session_id!r}; create a session first.")
+
+    def add_sampling_session(self, sampling_session_id: str, session_id: str, base_model: str,
+                             model_path: str | None = None) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(sampling_sessions.insert().values(
+                sampling_session_id=sampling_session_id, session_id=session_id, base_model=base_model,
+                model_path=model_path, created_at=self._clock()))
+
+    def sampling_session(self, sampling_session_id: str) -> dict[str, Any]:
+        with self.engine.connect() as connection:
+            row = connection.execute(select(sampling_sessions).where(
+                sampling_sessions.c.sampling_session_id == sampling_session_id)).mappings().first()
+        if row is None:
+            raise NotFoundError(f"Unknown sampling session {sampling_session_id!r}; create it first.")
+        return dict(row)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _same_or_conflict(sub: Submission, request_id: int, known_print: str, new_print: str) -> SubmitOutcome:
+    if known_print == new_print:
+        return SubmitOutcome(request_id, duplicate=True)
+    return SubmitOutcome(None, error=ConflictError(
+        f"seq_id {sub.seq_id} of model {sub.model_id!r} was already submitted (request {request_id}) with a "
+        "different payload; send each new step with the next seq_id."))
+
+
+def _short(error: Exception) -> str:
+    return str(getattr(error, "orig", error)).splitlines()[0]
+
+
+def _sqlite_engine(path: Path, busy_timeout_ms: int) -> Engine:
+    engine = create_engine(f"sqlite:///{path}", connect_args={"timeout": busy_timeout_ms / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # With WAL, NORMAL loses at most the last commits on power loss, never consistency; FULL would fsync on
+        # every commit.
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cursor.close()
+
+    return engine

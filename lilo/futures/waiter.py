@@ -1,0 +1,71 @@
+"""Waiting for futures: one background task answers every waiter with one query per tick.
+
+``FutureWaiter.wait(request_id)`` parks a caller on an asyncio future. While anyone is parked, one task asks the
+store for all parked ids at once (``WHERE request_id IN (...)``) every ``tick_s`` and resolves the finished ones;
+``notify`` resolves waiters of a result written in this same process with no query at all. With nobody parked,
+nothing is queried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable, Sequence
+
+from lilo.futures.store import FutureState
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.05
+
+Fetch = Callable[[Sequence[int]], Awaitable[dict[int, FutureState]]]
+
+
+class FutureWaiter:
+    def __init__(self, fetch: Fetch, tick_s: float = TICK_S) -> None:
+        self._fetch = fetch
+        self._tick_s = tick_s
+        self._parked: dict[int, list[asyncio.Future]] = {}
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def parked(self) -> int:
+        return sum(len(waiters) for waiters in self._parked.values())
+
+    async def wait(self, request_id: int, timeout_s: float) -> FutureState:
+        """The finished state of ``request_id``; raises TimeoutError after ``timeout_s``."""
+        future = asyncio.get_running_loop().create_future()
+        self._parked.setdefault(request_id, []).append(future)
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll(), name="lilo-future-waiter")
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            waiters = self._parked.get(request_id)
+            if waiters is not None and future in waiters:
+                waiters.remove(future)
+                if not waiters:
+                    del self._parked[request_id]
+
+    def notify(self, state: FutureState) -> None:
+        """Resolve the waiters of a result this process just wrote, without asking the store."""
+        for future in self._parked.pop(state.request_id, []):
+            if not future.done():
+                future.set_result(state)
+
+    async def _poll(self) -> None:
+        while self._parked:
+            try:
+                states = await self._fetch(list(self._parked))
+            except Exception:
+                logger.exception("polling %d parked futures failed; trying again next tick", len(self._parked))
+                states = {}
+            for state in states.values():
+                if state.finished:
+                    self.notify(state)
+            await asyncio.sleep(self._tick_s)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)

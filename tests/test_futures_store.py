@@ -1,0 +1,307 @@
+"""The futures store on real SQLite files: codec, idempotent submits, metadata-only scans, completion retries,
+retention, the database path."""
+
+import sqlite3
+import threading
+import time
+
+import orjson
+import pytest
+from sqlalchemy import event
+
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
+from lilo.futures import codec, paths
+from lilo.futures import store as store_module
+from lilo.futures.scheduling import PendingMeta, dispatchable, parked
+from lilo.futures.store import Completion, FuturesStore, Submission, parse_request_id
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path, clock):
+    opened = FuturesStore(tmp_path / "db" / "futures.db", clock=clock, retry_base_s=0.02, busy_timeout_ms=50)
+    yield opened
+    opened.close()
+
+
+def step(i: int, n_tokens: int = 64) -> dict:
+    return {"data": [{"tokens": list(range(i, i + n_tokens)), "weights": [0.5 + j / 7 for j in range(n_tokens)]}],
+            "loss_fn": "cross_entropy"}
+
+
+class Statements:
+    """Every SQL statement and commit the store's engine runs (SQLAlchemy events)."""
+
+    def __init__(self, engine) -> None:
+        self.sql: list[str] = []
+        self.commits = 0
+        event.listen(engine, "before_cursor_execute", lambda *args: self.sql.append(args[2]))
+        event.listen(engine, "commit", self._commit)
+
+    def _commit(self, *_args) -> None:
+        self.commits += 1
+
+
+# --- codec ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("payload", [
+    step(3),
+    {"ints": [0, -1, 2**63 - 1, -(2**63), 7, 8, 9, 10], "floats": [0.1, -0.0, 1e308, 5e-324, 2.5, 3.5, 4.5, 6.5]},
+    {"bools": [True, False] * 8, "mixed": [1, 2.0] * 8, "short": [1, 2], "nested": [[1] * 9, {"a": [2.5] * 9}]},
+    {"text": "héllo", "none": None, "empty": [], "float_ints": [1.0, 2.0] * 8},
+    [1.0] * 100,
+])
+def test_codec_round_trips_exactly(payload):
+    decoded = codec.decode(codec.encode(payload))
+    assert decoded == payload
+    assert orjson.dumps(decoded) == orjson.dumps(payload)  # same types too: ints stay ints, floats floats
+
+
+def test_token_and_float_arrays_are_packed_binary_not_json_numbers():
+    payload = step(0, n_tokens=512)
+    blob = codec.encode(payload)
+    (length,) = __import__("struct").unpack_from("<I", blob, 4)
+    skeleton = blob[8:8 + length].decode()
+    assert "511" not in skeleton and "0.5" not in skeleton
+    assert len(blob) - 8 - length == 512 * 8 * 2
+    assert len(blob) < len(orjson.dumps(payload))
+
+
+# --- submit ---------------------------------------------------------------------------------------------------
+def test_ids_follow_arrival_order_and_a_retry_returns_the_same_id(store):
+    first = store.submit_many([Submission("m", "forward_backward", step(i), seq_id=i) for i in range(4)])
+    assert [o.request_id for o in first] == [1, 2, 3, 4]
+    retry = store.submit(Submission("m", "forward_backward", step(2), seq_id=2))
+    assert retry == 3
+    assert store.count_by_status() == {"pending": 4}
+
+
+def test_same_seq_with_a_different_payload_is_a_conflict_naming_the_seq(store):
+    store.submit(Submission("m", "forward_backward", step(0), seq_id=5))
+    with pytest.raises(ConflictError, match="seq_id 5 of model 'm' was already submitted"):
+        store.submit(Submission("m", "forward_backward", step(1), seq_id=5))
+
+
+def test_copies_within_one_batch_are_retries_or_conflicts(store):
+    outcomes = store.submit_many([
+        Submission("m", "forward_backward", step(0), seq_id=0),
+        Submission("m", "forward_backward", step(0), seq_id=0),
+        Submission("m", "forward_backward", step(9), seq_id=0),
+    ])
+    assert (outcomes[0].request_id, outcomes[1].request_id, outcomes[1].duplicate) == (1, 1, True)
+    assert isinstance(outcomes[2].error, ConflictError)
+
+
+def test_a_retry_after_the_request_ran_is_still_recognised(store):
+    request_id = store.submit(Submission("m", "forward_backward", step(0), seq_id=0))
+    store.complete_many([Completion.success(request_id, b"ok")])
+    assert store.load_payloads([request_id]) == {}  # the payload was dropped once it ran
+    assert store.submit(Submission("m", "forward_backward", step(0), seq_id=0)) == request_id
+    with pytest.raises(ConflictError):
+        store.submit(Submission("m", "forward_backward", step(1), seq_id=0))
+
+
+# --- scheduling -----------------------------------------------------------------------------------------------
+def test_scan_pending_is_answered_from_the_covering_index(store):
+    store.submit_many([Submission(f"m{i % 3}", "forward_backward", step(i), seq_id=i) for i in range(9)])
+    statements = Statements(store.engine)
+    pending = store.scan_pending()
+    filtered = store.scan_pending(["m1"])
+    assert len(pending) == 9 and {meta.model_id for meta in filtered} == {"m1"}
+    with store.engine.connect() as connection:
+        for sql in list(statements.sql):
+            plan = connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}", ("pending", "m1")[: sql.count("?")]).all()
+            assert any("USING COVERING INDEX ix_futures_pending_scan" in row[-1] for row in plan), plan
+            assert "payload" not in sql.split("FROM")[0]
+
+
+def test_parked_requests_never_load_payloads(store):
+    store.submit_many([Submission("m", "optim_step", {"lr": 1e-4}, seq_id=0)] +
+                      [Submission("m", "forward_backward", step(i), seq_id=i) for i in range(1, 6)])
+    statements = Statements(store.engine)
+    pending = store.scan_pending()
+    ready = dispatchable(pending)
+    payloads = store.load_payloads([meta.request_id for meta in ready])
+    assert [meta.request_type for meta in ready] == ["optim_step"]
+    assert list(payloads) == [1]
+    loads = [sql for sql in statements.sql if "payload" in sql.split("FROM")[0]]
+    assert len(loads) == 1
+
+
+def test_payloads_are_read_in_chunks_under_the_bound_parameter_limit(store, monkeypatch):
+    ids = [o.request_id for o in store.submit_many(
+        [Submission("m", "forward_backward", step(i), seq_id=i) for i in range(10)])]
+    monkeypatch.setattr(store_module, "MAX_BOUND_PARAMS", 3)
+    monkeypatch.setattr(store_module.chunks, "__defaults__", (3,))
+    statements = Statements(store.engine)
+    payloads = store.load_payloads(ids)
+    assert [payloads[i] for i in ids] == [step(i) for i in range(10)]
+    assert len(statements.sql) == 4
+
+
+def meta(request_id, model, kind, seq):
+    return PendingMeta(request_id, model, kind, seq)
+
+
+@pytest.mark.parametrize(("pending", "ready_ids"), [
+    ([meta(1, "a", "forward_backward", 0), meta(2, "a", "forward_backward", 1)], [1, 2]),
+    ([meta(1, "a", "forward_backward", 0), meta(2, "a", "optim_step", 1), meta(3, "a", "forward_backward", 2)],
+     [1]),
+    ([meta(2, "a", "optim_step", 1), meta(3, "a", "forward_backward", 2)], [2]),
+    ([meta(2, "a", "load_weights", 1), meta(3, "a", "optim_step", 2)], [2]),
+    ([meta(1, "a", "optim_step", 0), meta(2, "a", "sample", 1), meta(3, "b", "forward_backward", 0)], [1, 2, 3]),
+    ([meta(1, "a", "forward_backward", 0), meta(2, "a", "optim_step", 1), meta(4, "a", "sample", 3)], [1, 4]),
+    ([meta(5, "b", "forward_backward", 1), meta(4, "b", "forward_backward", 0)], [4, 5]),
+])
+def test_barriers_are_a_pure_function_of_metadata(pending, ready_ids):
+    assert sorted(m.request_id for m in dispatchable(pending)) == ready_ids
+    assert sorted(m.request_id for m in parked(pending)) == sorted(
+        m.request_id for m in pending if m.request_id not in ready_ids)
+
+
+def test_create_missing_indexes_backfills_an_old_database(tmp_path):
+    path = tmp_path / "old.db"
+    FuturesStore(path).close()
+    with sqlite3.connect(path) as old:
+        old.execute("DROP INDEX ix_futures_pending_scan")
+    reopened = FuturesStore(path)
+    with sqlite3.connect(path) as check:
+        names = {row[0] for row in check.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert "ix_futures_pending_scan" in names
+    assert reopened.create_missing_indexes() == []
+
+
+# --- completion -----------------------------------------------------------------------------------------------
+def test_completions_update_by_primary_key_in_one_transaction(store):
+    ids = [store.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(5)]
+    statements = Statements(store.engine)
+    assert store.complete_many([Completion.success(i, b"r%d" % i) for i in ids[:4]] +
+                               [Completion.failure(ids[4], "out of memory", "server")])
+    assert statements.commits == 1
+    assert all("WHERE futures.request_id = ?" in sql for sql in statements.sql if sql.startswith("UPDATE"))
+    states = store.states(ids)
+    assert [states[i].status for i in ids] == ["completed"] * 4 + ["failed"]
+    assert (states[ids[4]].error, states[ids[4]].category) == ("out of memory", "server")
+
+
+def hold_write_lock(path) -> sqlite3.Connection:
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")
+    return blocker
+
+
+def test_a_held_write_lock_delays_completions_but_loses_none(store):
+    ids = [store.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(20)]
+    blocker = hold_write_lock(store.path)
+    threading.Timer(0.3, blocker.rollback).start()
+    assert store.complete_many([Completion.success(i, b"done") for i in ids])
+    blocker.close()
+    assert store.count_by_status() == {"completed": 20}
+
+
+def test_completions_that_exhaust_their_retries_wait_in_the_outbox(store, caplog):
+    ids = [store.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(3)]
+    blocker = hold_write_lock(store.path)
+    assert not store.complete_many([Completion.success(i, b"done") for i in ids])
+    assert store.outbox_size == 3
+    assert f"kept in the outbox for retry: {ids}" in caplog.text
+    blocker.rollback()
+    blocker.close()
+    assert store.flush_outbox()
+    assert store.outbox_size == 0 and store.count_by_status() == {"completed": 3}
+
+
+def test_a_full_outbox_says_which_completion_it_lost(tmp_path, caplog):
+    small = FuturesStore(tmp_path / "f.db", retry_attempts=1, busy_timeout_ms=10, outbox_limit=2)
+    ids = [small.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(3)]
+    blocker = hold_write_lock(small.path)
+    small.complete_many([Completion.success(i, b"x") for i in ids])
+    blocker.rollback()
+    blocker.close()
+    assert small.outbox_size == 2
+    assert f"request {ids[0]} dropped" in caplog.text
+
+
+# --- retrieval and retention ----------------------------------------------------------------------------------
+def test_unknown_pruned_and_malformed_ids_are_distinct_errors(store, clock):
+    request_id = store.submit(Submission("m", "forward_backward", step(0), seq_id=0))
+    store.complete_many([Completion.success(request_id, b"r")])
+    assert store.lookup(request_id).result == b"r"
+    clock.now += store.retention_s + 1
+    assert store.prune() == 1
+    with pytest.raises(GoneError, match="was pruned"):
+        store.lookup(request_id)
+    with pytest.raises(NotFoundError, match="Unknown request_id 99"):
+        store.lookup(99)
+    with pytest.raises(InvalidRequestError, match="not a request id"):
+        parse_request_id("fut-abc")
+
+
+def test_pending_futures_are_never_pruned(store, clock):
+    request_id = store.submit(Submission("m", "forward_backward", step(0), seq_id=0))
+    clock.now += 10 * store.retention_s
+    assert store.prune() == 0
+    assert store.lookup(request_id).status == "pending"
+
+
+def test_the_file_stays_bounded_in_a_long_run(store, clock):
+    def one_hour(hour: int) -> None:
+        ids = [o.request_id for o in store.submit_many(
+            [Submission(f"m{i % 4}", "forward_backward", step(i, 512), seq_id=hour * 1000 + i) for i in range(64)])]
+        store.complete_many([Completion.success(i, b"x" * 2048) for i in ids])
+        clock.now += 3600
+        store.prune()
+
+    for hour in range(30):
+        one_hour(hour)
+    size_after_a_day = store.path.stat().st_size
+    for hour in range(30, 90):
+        one_hour(hour)
+    assert store.path.stat().st_size <= size_after_a_day * 1.2
+    assert store.count_by_status()["completed"] <= 64 * 25
+
+
+# --- the file -------------------------------------------------------------------------------------------------
+def test_the_database_runs_wal_with_synchronous_normal_and_a_busy_timeout(store):
+    with store.engine.connect() as connection:
+        pragma = lambda name: connection.exec_driver_sql(f"PRAGMA {name}").scalar()  # noqa: E731
+        assert pragma("journal_mode") == "wal"
+        assert pragma("synchronous") == 1  # NORMAL
+        assert pragma("busy_timeout") == 50
+
+
+def test_parent_directories_are_created(tmp_path):
+    path = tmp_path / "a" / "b" / "futures.db"
+    FuturesStore(path).close()
+    assert path.exists()
+
+
+def test_filesystem_type_reads_the_longest_mount(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\nserver:/home /home nfs4 rw 0 0\nfuse /home/x/s3 fuse.s3fs rw 0 0\n")
+    assert paths.filesystem_type(tmp_path.__class__("/home/u/db"), mounts) == "nfs4"
+    assert paths.filesystem_type(tmp_path.__class__("/home/x/s3/db"), mounts) == "fuse.s3fs"
+    assert paths.filesystem_type(tmp_path.__class__("/var/db"), mounts) == "ext4"
+    assert paths.is_network_filesystem("nfs4") and paths.is_network_filesystem("fuse.s3fs")
+    assert not paths.is_network_filesystem("ext4")
+
+
+def test_a_database_on_a_network_filesystem_is_warned_about(tmp_path, monkeypatch, caplog):
+    # No NFS server can be mounted here; the mount table is the one thing faked.
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"server:/export {tmp_path} nfs4 rw 0 0\n")
+    real = paths.filesystem_type
+    monkeypatch.setattr(paths, "filesystem_type", lambda path: real(path, mounts))
+    paths.prepare_db_path(tmp_path / "futures.db")
+    assert "is on a nfs4 filesystem" in caplog.text

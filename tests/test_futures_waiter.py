@@ -1,0 +1,138 @@
+"""FutureWaiter and GroupCommitter over a real SQLite store, on a real event loop."""
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import event
+
+from lilo.futures.group_commit import GroupCommitter
+from lilo.futures.store import Completion, FuturesStore, FutureState, Submission
+from lilo.futures.waiter import FutureWaiter
+
+
+@pytest.fixture
+def store(tmp_path):
+    opened = FuturesStore(tmp_path / "futures.db")
+    yield opened
+    opened.close()
+
+
+def submit_pending(store, count: int) -> list[int]:
+    return [o.request_id for o in store.submit_many(
+        [Submission("m", "forward_backward", {"i": i}, seq_id=i) for i in range(count)])]
+
+
+def waiter_for(store, executor, tick_s=0.02) -> FutureWaiter:
+    async def fetch(ids):
+        return await asyncio.get_running_loop().run_in_executor(executor, store.states, ids)
+    return FutureWaiter(fetch, tick_s=tick_s)
+
+
+def test_waiters_resolve_when_their_future_completes_elsewhere(store):
+    ids = submit_pending(store, 3)
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as db:
+            waiter = waiter_for(store, db)
+            waits = [asyncio.create_task(waiter.wait(i, timeout_s=10)) for i in ids]
+            await asyncio.sleep(0.1)
+            await asyncio.get_running_loop().run_in_executor(db, store.complete_many, [
+                Completion.success(ids[0], b"a"), Completion.failure(ids[1], "bad", "user"),
+                Completion.success(ids[2], b"c")])
+            return await asyncio.gather(*waits)
+
+    states = asyncio.run(scenario())
+    assert [(s.status, s.result, s.error) for s in states] == [
+        ("completed", b"a", None), ("failed", None, "bad"), ("completed", b"c", None)]
+
+
+def test_notify_resolves_without_a_query(store):
+    (request_id,) = submit_pending(store, 1)
+    queries = []
+    event.listen(store.engine, "before_cursor_execute", lambda *args: queries.append(args[2]))
+
+    async def scenario():
+        async def fetch(ids):
+            await asyncio.sleep(0)
+            return store.states(ids)
+        waiter = FutureWaiter(fetch, tick_s=60)
+        task = asyncio.create_task(waiter.wait(request_id, timeout_s=5))
+        await asyncio.sleep(0.05)
+        queries.clear()  # the first tick ran before the notify; nothing after it may query
+        waiter.notify(FutureState(request_id, "completed", b"r"))
+        state = await task
+        await waiter.close()
+        return state
+
+    assert asyncio.run(scenario()).result == b"r"
+    assert queries == []
+
+
+def test_a_waiter_times_out_and_several_waiters_share_one_id(store):
+    ids = submit_pending(store, 2)
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as db:
+            waiter = waiter_for(store, db)
+            with pytest.raises(TimeoutError):
+                await waiter.wait(ids[0], timeout_s=0.1)
+            assert waiter.parked == 0
+            waits = [asyncio.create_task(waiter.wait(ids[1], timeout_s=10)) for _ in range(5)]
+            await asyncio.sleep(0.05)
+            await asyncio.get_running_loop().run_in_executor(db, store.complete_many, [Completion.success(ids[1], b"x")])
+            return await asyncio.gather(*waits)
+
+    assert [s.result for s in asyncio.run(scenario())] == [b"x"] * 5
+
+
+def queries_per_tick(store, waiters: int, ticks: int = 10) -> float:
+    ids = submit_pending(store, waiters)
+    statements = []
+    listener = lambda *args: statements.append(args[2])  # noqa: E731
+    tick_s = 0.05
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as db:
+            waiter = waiter_for(store, db, tick_s=tick_s)
+            waits = [asyncio.create_task(waiter.wait(i, timeout_s=ticks * tick_s)) for i in ids]
+            event.listen(store.engine, "before_cursor_execute", listener)
+            await asyncio.gather(*waits, return_exceptions=True)
+            event.remove(store.engine, "before_cursor_execute", listener)
+            await waiter.close()
+
+    asyncio.run(scenario())
+    return len(statements) / ticks
+
+
+def test_one_query_per_tick_whatever_the_number_of_waiters(tmp_path):
+    few = queries_per_tick(FuturesStore(tmp_path / "few.db"), waiters=8)
+    many = queries_per_tick(FuturesStore(tmp_path / "many.db"), waiters=2048)
+    assert 0 < few <= 1.0
+    assert 0 < many <= 1.0
+
+
+def test_group_commit_shares_commits_and_keeps_arrival_order(store):
+    async def scenario():
+        with ThreadPoolExecutor(1) as db:
+            async def commit(group):
+                await asyncio.sleep(0.01)  # a commit takes a while: more submissions arrive meanwhile
+                return await asyncio.get_running_loop().run_in_executor(db, store.submit_many, group)
+            committer = GroupCommitter(commit)
+            arrivals = []
+
+            async def client(name: str, steps: int):
+                for seq in range(steps):
+                    await asyncio.sleep(random.random() * 0.005)
+                    arrivals.append((name, seq))
+                    outcome = await committer.submit(Submission(name, "forward_backward", {"s": seq}, seq_id=seq))
+                    assert outcome.request_id is not None
+
+            await asyncio.gather(*(client(f"m{i}", 10) for i in range(16)))
+            return arrivals, committer.commits
+
+    arrivals, commits = asyncio.run(scenario())
+    ids = {(meta.model_id, meta.seq_id): meta.request_id for meta in store.scan_pending()}
+    assert [ids[key] for key in arrivals] == sorted(ids.values())
+    assert commits < len(arrivals)
