@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from lilo.backend.registry import DEFAULT_BASE_MODEL, known_base_models
+from lilo.futures.paths import default_db_path
 
 # Ray puts unix sockets under <temp dir>/session_<timestamp>_<pid>/sockets/..., and a unix socket path may not
 # exceed 107 bytes; this leaves room for Ray's own part of the path.
@@ -46,6 +47,11 @@ class Settings:
     @property
     def state_file(self) -> Path:
         return self.home / "cluster.json"
+
+    @property
+    def futures_db(self) -> Path:
+        """The futures database: node-local, beside the cluster's other state."""
+        return default_db_path(self.home)
 
     @property
     def log_file(self) -> Path:

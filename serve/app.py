@@ -1,24 +1,37 @@
-"""The FastAPI ingress, deployed on Ray Serve, that speaks the Tinker HTTP API under /api/v1."""
+"""The FastAPI ingress, deployed on Ray Serve, that speaks the Tinker HTTP API under /api/v1.
 
-from __future__ import annotations
+(No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime, and through
+Serve's ingress wrapper string annotations of body models do not resolve.)
+"""
 
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query
+import ray
+from fastapi import FastAPI, HTTPException, Query, Response
+from pydantic import BaseModel, Field
 from ray import serve
 from ray.exceptions import RayActorError
 
+from cluster.futures_actor import FUTURES_ACTOR_NAME, RETRIEVE_TIMEOUT_S
+from cluster.local import NAMESPACE
 from cluster.timing import get_timing_actor
 
 from lilo import __version__
 from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
+from serve.errors import install_error_handlers
 
 APP_NAME = "lilo"
 INGRESS_NAME = "LiloIngress"
 MAX_ID_CHARS = 256
 
 api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service")
+install_error_handlers(api)
+
+
+class RetrieveFutureRequest(BaseModel):
+    request_id: str = Field(max_length=MAX_ID_CHARS)
+    allow_metadata_only: bool = False
 
 
 @serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0})
@@ -28,6 +41,7 @@ class LiloIngress:
 
     def __init__(self, base_models: list[str]) -> None:
         self._timing = get_timing_actor()
+        self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         self._capabilities = {
             "supported_models": [
                 {
@@ -52,6 +66,16 @@ class LiloIngress:
     @api.get("/api/v1/get_server_capabilities")
     def get_server_capabilities(self) -> dict[str, Any]:
         return self._capabilities
+
+    @api.post("/api/v1/retrieve_future", response_model=None)
+    async def retrieve_future(self, body: RetrieveFutureRequest) -> Response | dict[str, Any]:
+        """Long-poll one future: its result once finished, else ``try_again`` (the SDK re-polls at once)."""
+        state = await self._futures.retrieve.remote(body.request_id, RETRIEVE_TIMEOUT_S)
+        if state.status == "pending":
+            return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+        if state.status == "failed":
+            return {"error": state.error, "category": state.category or "server"}
+        return Response(content=state.result, media_type="application/json")
 
     @api.get("/api/v1/timing")
     async def timing(

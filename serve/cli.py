@@ -147,10 +147,13 @@ def supervise(settings: Settings, detached: bool) -> int:
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
         progress(f"Ray is up (GCS {gcs_address}); deploying the Serve application")
+        from cluster.futures_actor import get_futures_actor
         from cluster.timing import get_timing_actor
         from serve.deploy import deploy, wait_until_healthy
 
-        get_timing_actor()  # detached: it outlives this driver and every redeploy of the Serve app
+        # Detached: both outlive this driver and every redeploy of the Serve app.
+        get_timing_actor()
+        get_futures_actor(str(settings.futures_db))
         deploy(settings)
         progress(f"Waiting for {settings.api_url}/api/v1/healthz")
         wait_until_healthy(settings.api_url, settings.startup_timeout_s)
@@ -182,10 +185,13 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
     progress("Removing the Serve application")
     try:
         undeploy()
-        if settings.ray_address is not None:  # a shared cluster lives on: take our detached actor with us
-            from cluster.timing import get_timing_actor
+        if settings.ray_address is not None:  # a shared cluster lives on: take our detached actors with us
+            from cluster.futures_actor import FUTURES_ACTOR_NAME
+            from cluster.local import NAMESPACE
+            from cluster.timing import TIMING_ACTOR_NAME
 
-            ray.kill(get_timing_actor())
+            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
         progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
     if settings.ray_address is None:

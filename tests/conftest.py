@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from cluster.local import prepare_environment
+from cluster.local import connect_driver, prepare_environment
 
 # Before anything imports Ray: every Ray process a test starts stays on loopback, and drivers speak the token auth.
 prepare_environment()
@@ -53,3 +53,13 @@ def local_cluster() -> Iterator[RunningCluster]:
         stopped = lilo("down", "--home", str(cluster.home))
         shutil.rmtree(cluster.home, ignore_errors=True)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+@pytest.fixture(scope="session")
+def ray_driver(local_cluster: RunningCluster) -> Iterator[None]:
+    """This test process, connected to the session cluster as a Ray driver."""
+    import ray
+
+    connect_driver(local_cluster.settings)
+    yield
+    ray.shutdown()

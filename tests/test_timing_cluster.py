@@ -13,16 +13,9 @@ import httpx
 import pytest
 import ray
 
-from cluster.local import NAMESPACE, connect_driver
+from cluster.local import NAMESPACE
 from cluster.timing import TimingPublisher, get_timing_actor
 from lilo.telemetry.critical_path import CriticalPath, Operation
-
-
-@pytest.fixture(scope="module")
-def ray_driver(local_cluster):
-    connect_driver(local_cluster.settings)
-    yield
-    ray.shutdown()
 
 
 def recorded_steps(model_id: str, steps: int) -> CriticalPath:

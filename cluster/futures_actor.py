@@ -1,0 +1,145 @@
+"""The futures DB actor: the one process that writes the SQLite file behind every future.
+
+An async Ray actor (``lilo-futures`` in namespace ``lilo``), pinned to the node that holds its file. All database
+work runs on one thread of its own, so the event loop keeps answering while SQLite works: submissions that arrive
+together share a commit (in arrival order), completions are written in batches, and every parked
+``retrieve`` is answered by one query per tick. It restarts after a crash and reopens the same file, so nothing
+it acknowledged is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.local import NAMESPACE
+from lilo.futures.group_commit import GroupCommitter
+from lilo.futures.scheduling import PendingMeta
+from lilo.futures.store import (
+    DEFAULT_RETENTION_S, Completion, FuturesStore, FutureState, Submission, SubmitOutcome, parse_request_id,
+)
+from lilo.futures.waiter import FutureWaiter
+
+logger = logging.getLogger(__name__)
+
+FUTURES_ACTOR_NAME = "lilo-futures"
+# Under the SDK's 45 s read timeout for retrieve_future, so a long-poll answers before the client gives up.
+RETRIEVE_TIMEOUT_S = 40.0
+FLUSH_OUTBOX_EVERY_S = 5.0
+PRUNE_EVERY_S = 600.0
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=10_000)
+class FuturesActor:
+    def __init__(self, db_path: str, retention_s: float = DEFAULT_RETENTION_S) -> None:
+        self._store = FuturesStore(db_path, retention_s=retention_s)
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lilo-futures-db")
+        self._waiter = FutureWaiter(lambda ids: self._run(self._store.states, ids))
+        self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
+        self._maintenance: asyncio.Task | None = None
+
+    async def _run(self, function: Callable, *args: Any) -> Any:
+        self._start_maintenance()
+        return await asyncio.get_running_loop().run_in_executor(self._db, function, *args)
+
+    def _start_maintenance(self) -> None:
+        if self._maintenance is None or self._maintenance.done():
+            self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+
+    async def _maintain(self) -> None:
+        since_prune = 0.0
+        while True:
+            await asyncio.sleep(FLUSH_OUTBOX_EVERY_S)
+            since_prune += FLUSH_OUTBOX_EVERY_S
+            try:
+                loop = asyncio.get_running_loop()
+                if self._store.outbox_size:
+                    await loop.run_in_executor(self._db, self._store.flush_outbox)
+                if since_prune >= PRUNE_EVERY_S:
+                    since_prune = 0.0
+                    pruned = await loop.run_in_executor(self._db, self._store.prune)
+                    if pruned:
+                        logger.info("pruned %d futures past the retention time", pruned)
+            except Exception:
+                logger.exception("futures maintenance failed; trying again later")
+
+    # --- futures -------------------------------------------------------------------------------------------
+    async def submit(self, submission: Submission) -> int:
+        """Record one request; returns its id (an identical retry returns the first id; a clash raises 409)."""
+        outcome: SubmitOutcome = await self._committer.submit(submission)
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.request_id  # type: ignore[return-value]
+
+    async def complete(self, completions: Sequence[Completion]) -> bool:
+        """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox."""
+        written = await self._run(self._store.complete_many, list(completions))
+        if written:
+            for completion in completions:
+                self._waiter.notify(FutureState(
+                    completion.request_id, "completed" if completion.ok else "failed", completion.result,
+                    completion.error, completion.category))
+        return written
+
+    async def retrieve(self, request_id: int | str, timeout_s: float = RETRIEVE_TIMEOUT_S) -> FutureState:
+        """The request's state once finished, or its pending state after ``timeout_s`` (the long-poll)."""
+        request_id = parse_request_id(request_id)
+        state = await self._run(self._store.lookup, request_id)
+        if state.finished or timeout_s <= 0:
+            return state
+        try:
+            return await self._waiter.wait(request_id, timeout_s)
+        except TimeoutError:
+            return state
+
+    async def scan_pending(self, model_ids: Iterable[str] | None = None) -> list[PendingMeta]:
+        return await self._run(self._store.scan_pending, None if model_ids is None else list(model_ids))
+
+    async def load_payloads(self, request_ids: Sequence[int]) -> dict[int, Any]:
+        return await self._run(self._store.load_payloads, list(request_ids))
+
+    # --- models, placement, sessions -----------------------------------------------------------------------
+    async def add_model(self, model_id: str, base_model: str, lora_config: dict, **owner: Any) -> None:
+        await self._run(lambda: self._store.add_model(model_id, base_model, lora_config, **owner))
+
+    async def place_model(self, model_id: str, trainer: str) -> None:
+        await self._run(self._store.place_model, model_id, trainer)
+
+    async def placement(self) -> dict[str, str | None]:
+        return await self._run(self._store.placement)
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        return await self._run(self._store.model, model_id)
+
+    async def add_session(self, session_id: str, **owner: Any) -> None:
+        await self._run(lambda: self._store.add_session(session_id, **owner))
+
+    async def heartbeat(self, session_id: str) -> None:
+        await self._run(self._store.heartbeat, session_id)
+
+    async def add_sampling_session(self, sampling_session_id: str, session_id: str, base_model: str,
+                                   model_path: str | None = None) -> None:
+        await self._run(self._store.add_sampling_session, sampling_session_id, session_id, base_model, model_path)
+
+    async def sampling_session(self, sampling_session_id: str) -> dict[str, Any]:
+        return await self._run(self._store.sampling_session, sampling_session_id)
+
+    # --- health --------------------------------------------------------------------------------------------
+    async def stats(self) -> dict[str, Any]:
+        counts = await self._run(self._store.count_by_status)
+        return {"futures": counts, "outbox": self._store.outbox_size, "parked_waiters": self._waiter.parked,
+                "group_commits": self._committer.commits, "db_path": str(self._store.path), "pid": os.getpid()}
+
+
+def get_futures_actor(db_path: str, name: str = FUTURES_ACTOR_NAME, **options: Any) -> ray.actor.ActorHandle:
+    """The cluster's futures DB actor, created on first use on this driver's node (where its file lives)."""
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return FuturesActor.options(
+        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, scheduling_strategy=here,
+    ).remote(db_path, **options)

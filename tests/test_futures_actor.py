@@ -1,0 +1,84 @@
+"""The futures DB actor on the real local cluster: the one writer, long-polls, and nothing lost to a crash."""
+
+import time
+import uuid
+
+import pytest
+import ray
+
+from cluster.futures_actor import get_futures_actor
+from lilo.errors import ConflictError, InvalidRequestError, NotFoundError
+from lilo.futures.store import Completion, Submission
+
+
+@pytest.fixture
+def futures(ray_driver, local_cluster):
+    name = f"lilo-futures-test-{uuid.uuid4().hex[:8]}"
+    actor = get_futures_actor(str(local_cluster.home / f"{name}.db"), name=name)
+    yield actor
+    ray.kill(actor, no_restart=True)
+
+
+def test_submit_complete_and_retrieve(futures):
+    ids = [ray.get(futures.submit.remote(Submission("m", "forward_backward", {"s": i}, seq_id=i))) for i in range(3)]
+    assert ids == sorted(ids)
+    assert ray.get(futures.retrieve.remote(ids[0], timeout_s=0)).status == "pending"
+    assert ray.get(futures.complete.remote([Completion.success(ids[0], b"r0")]))
+    state = ray.get(futures.retrieve.remote(str(ids[0])))
+    assert (state.status, state.result) == ("completed", b"r0")
+
+
+def test_a_parked_retrieve_wakes_when_its_result_arrives(futures):
+    request_id = ray.get(futures.submit.remote(Submission("m", "optim_step", {"lr": 1e-4}, seq_id=0)))
+    started = time.monotonic()
+    parked = futures.retrieve.remote(request_id, timeout_s=30)
+    time.sleep(0.5)
+    ray.get(futures.complete.remote([Completion.failure(request_id, "trainer lost", "server")]))
+    state = ray.get(parked, timeout=30)
+    assert (state.status, state.error, state.category) == ("failed", "trainer lost", "server")
+    assert time.monotonic() - started < 10
+
+
+def test_a_long_poll_answers_pending_at_its_timeout(futures):
+    request_id = ray.get(futures.submit.remote(Submission("m", "forward_backward", {}, seq_id=0)))
+    assert ray.get(futures.retrieve.remote(request_id, timeout_s=0.3)).status == "pending"
+
+
+def test_errors_cross_the_actor_boundary_with_their_types(futures):
+    ray.get(futures.submit.remote(Submission("m", "forward_backward", {"a": 1}, seq_id=0)))
+    with pytest.raises(ConflictError, match="seq_id 0"):
+        ray.get(futures.submit.remote(Submission("m", "forward_backward", {"a": 2}, seq_id=0)))
+    with pytest.raises(NotFoundError):
+        ray.get(futures.retrieve.remote(10_000))
+    with pytest.raises(InvalidRequestError):
+        ray.get(futures.retrieve.remote("not-an-id"))
+
+
+def test_placement_map_lives_with_the_actor(futures):
+    ray.get(futures.add_model.remote("m-1", "lilo/tiny-llama", {"rank": 8}, tenant="t", session_id="s"))
+    ray.get(futures.place_model.remote("m-1", "lilo-trainer-0"))
+    assert ray.get(futures.placement.remote()) == {"m-1": "lilo-trainer-0"}
+    with pytest.raises(NotFoundError):
+        ray.get(futures.place_model.remote("nope", "lilo-trainer-0"))
+
+
+def test_a_killed_actor_restarts_and_loses_nothing_it_acknowledged(futures):
+    acknowledged = [
+        ray.get(futures.submit.remote(Submission(f"m{i % 4}", "forward_backward", {"s": i}, seq_id=i)))
+        for i in range(40)
+    ]
+    ray.get(futures.complete.remote([Completion.success(acknowledged[0], b"done")]))
+    old_pid = ray.get(futures.stats.remote())["pid"]
+    ray.kill(futures, no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:  # until a new process answers
+        try:
+            if ray.get(futures.stats.remote(), timeout=10)["pid"] != old_pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the futures actor did not come back"
+        time.sleep(0.5)
+    pending = ray.get(futures.scan_pending.remote())
+    assert sorted(meta.request_id for meta in pending) == acknowledged[1:]
+    assert ray.get(futures.retrieve.remote(acknowledged[0])).result == b"done"
