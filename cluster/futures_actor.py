@@ -101,8 +101,9 @@ class FuturesActor:
     async def scan_pending(self, model_ids: Iterable[str] | None = None) -> list[PendingMeta]:
         return await self._run(self._store.scan_pending, None if model_ids is None else list(model_ids))
 
-    async def load_payloads(self, request_ids: Sequence[int]) -> dict[int, Any]:
-        return await self._run(self._store.load_payloads, list(request_ids))
+    async def load_payloads(self, request_ids: Sequence[int], arrays: bool = True) -> dict[int, Any]:
+        """Payloads of the dispatched requests; numbers as numpy arrays unless ``arrays=False``."""
+        return await self._run(self._store.load_payloads, list(request_ids), arrays)
 
     # --- models, placement, sessions -----------------------------------------------------------------------
     async def add_model(self, model_id: str, base_model: str, lora_config: dict, **owner: Any) -> None:
@@ -133,8 +134,11 @@ class FuturesActor:
     # --- health --------------------------------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
         counts = await self._run(self._store.count_by_status)
+        db_mb, wal_mb = self._store.file_sizes_mb()
         return {"futures": counts, "outbox": self._store.outbox_size, "parked_waiters": self._waiter.parked,
-                "group_commits": self._committer.commits, "db_path": str(self._store.path), "pid": os.getpid()}
+                "group_commits": self._committer.commits, "statements": self._store.statements,
+                "commits": self._store.commits, "db_mb": db_mb, "wal_mb": wal_mb, "db_path": str(self._store.path),
+                "pid": os.getpid()}
 
 
 def get_futures_actor(db_path: str, name: str = FUTURES_ACTOR_NAME, **options: Any) -> ray.actor.ActorHandle:

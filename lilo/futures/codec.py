@@ -2,8 +2,10 @@
 
 A Tinker request is mostly long lists of token ids and per-token weights; as JSON number lists they are several
 times larger and slower to parse than as packed arrays. ``encode`` replaces every list made only of ints (or only
-of floats) with a reference into a binary tail; ``decode`` puts them back, exactly: ints as int64, floats as the
-float64 they already were in Python.
+of floats) with a reference into a binary tail, in the narrowest type that holds every value exactly (int32 or
+int64; float32 when each value survives the trip, as 0/1 weights do, else float64). ``decode`` puts them back
+exactly, as lists, or with ``arrays=True`` as read-only numpy arrays over the blob (no copy, no Python objects per
+element: what a trainer turns into tensors).
 
 Layout: ``MAGIC | u32 skeleton length | orjson skeleton | packed arrays``.
 """
@@ -21,21 +23,31 @@ MAGIC = b"LFP1"
 REF = "\x00packed"
 # Short lists are cheaper left as JSON.
 MIN_PACKED_LEN = 8
-_INT64 = np.dtype("<i8")
-_FLOAT64 = np.dtype("<f8")
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_DTYPES = {"i4": np.dtype("<i4"), "i8": np.dtype("<i8"), "f4": np.dtype("<f4"), "f8": np.dtype("<f8")}
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _pack_kind(values: list) -> str | None:
-    """'i' or 'f' when the list is all ints (no bools) in int64 range, or all floats; else None."""
+def _packed(values: list) -> tuple[str, bytes] | None:
+    """(dtype code, bytes) for a list of only ints (no bools) or only floats, in the narrowest exact type."""
     if len(values) < MIN_PACKED_LEN:
         return None
-    first = type(values[0])
-    if first is int:
-        if all(type(v) is int for v in values) and _INT64_MIN <= min(values) and max(values) <= _INT64_MAX:
-            return "i"
-    elif first is float and all(type(v) is float for v in values):
-        return "f"
+    kinds = set(map(type, values))  # exact types: a bool is not an int here, and a mixed list stays JSON
+    if kinds == {int}:
+        try:
+            wide = np.asarray(values, dtype=_DTYPES["i8"])
+        except OverflowError:  # beyond int64: leave it to JSON
+            return None
+        if _INT32_MIN <= wide.min() and wide.max() <= _INT32_MAX:
+            return "i4", wide.astype(_DTYPES["i4"]).tobytes()
+        return "i8", wide.tobytes()
+    if kinds == {float}:
+        wide = np.asarray(values, dtype=_DTYPES["f8"])
+        with np.errstate(over="ignore"):  # a value too large for float32 just fails the exactness check below
+            narrow = wide.astype(_DTYPES["f4"])
+        # Exact only where every value survives float32 (NaN never compares equal, so it stays float64).
+        if np.array_equal(narrow.astype(_DTYPES["f8"]), wide):
+            return "f4", narrow.tobytes()
+        return "f8", wide.tobytes()
     return None
 
 
@@ -48,21 +60,22 @@ def encode(payload: Any) -> bytes:
         if isinstance(value, dict):
             return {key: walk(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
-            kind = _pack_kind(value) if isinstance(value, list) else None
-            if kind is None:
+            packed = _packed(value) if isinstance(value, list) else None
+            if packed is None:
                 return [walk(item) for item in value]
-            blob = np.asarray(value, dtype=_INT64 if kind == "i" else _FLOAT64).tobytes()
+            code, blob = packed
             blobs.append(blob)
-            ref = {REF: [kind, offset, len(value)]}
+            ref = {REF: [code, offset, len(value)]}
             offset += len(blob)
             return ref
         return value
 
-    skeleton = orjson.dumps(walk(payload))
+    # Sorted keys: the same payload always encodes to the same bytes, so fingerprints compare retries.
+    skeleton = orjson.dumps(walk(payload), option=orjson.OPT_SORT_KEYS)
     return b"".join([MAGIC, struct.pack("<I", len(skeleton)), skeleton, *blobs])
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes, arrays: bool = False) -> Any:
     if data[:4] != MAGIC:
         raise ValueError("not a lilo payload (bad magic)")
     (length,) = struct.unpack_from("<I", data, 4)
@@ -72,9 +85,9 @@ def decode(data: bytes) -> Any:
         if isinstance(value, dict):
             ref = value.get(REF)
             if ref is not None and len(value) == 1:
-                kind, start, count = ref
-                dtype = _INT64 if kind == "i" else _FLOAT64
-                return np.frombuffer(tail, dtype=dtype, count=count, offset=start).tolist()
+                code, start, count = ref
+                array = np.frombuffer(tail, dtype=_DTYPES[code], count=count, offset=start)
+                return array if arrays else array.tolist()
             return {key: walk(item) for key, item in value.items()}
         if isinstance(value, list):
             return [walk(item) for item in value]

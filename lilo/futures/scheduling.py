@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from itertools import groupby
 from typing import NamedTuple, Sequence
 
 # A barrier runs only once everything its model submitted before it has finished, and nothing submitted after it
@@ -20,23 +19,30 @@ class PendingMeta(NamedTuple):
 
 
 def _order(meta: PendingMeta) -> tuple:
-    return (meta.model_id, meta.seq_id if meta.seq_id is not None else -1, meta.request_id)
+    return (meta.model_id, -1 if meta.seq_id is None else meta.seq_id, meta.request_id)
 
 
-def dispatchable(pending: Sequence[PendingMeta]) -> list[PendingMeta]:
+def dispatchable(pending: Sequence[PendingMeta], ordered: bool = False) -> list[PendingMeta]:
     """The requests that may run now, per model in seq order: everything before the model's first pending barrier,
-    or the barrier itself when nothing is pending before it; samples always."""
+    or the barrier itself when nothing is pending before it; samples always.
+
+    ``ordered``: ``pending`` is already in (model, seq) order, as ``FuturesStore.scan_pending`` returns it.
+    """
     ready: list[PendingMeta] = []
-    for _model, requests in groupby(sorted(pending, key=_order), key=lambda meta: meta.model_id):
-        first, blocked = True, False
-        for meta in requests:
-            if meta.request_type in BARRIER_FREE_TYPES:
+    model, first, blocked = None, True, False
+    # Runs every scheduler tick over the whole backlog: one pass, no per-model grouping objects.
+    for meta in pending if ordered else sorted(pending, key=_order):
+        if meta.model_id != model:
+            model, first, blocked = meta.model_id, True, False
+        kind = meta.request_type
+        if kind in BARRIER_FREE_TYPES:
+            ready.append(meta)
+        elif not blocked:
+            is_barrier = kind in BARRIER_TYPES
+            if first or not is_barrier:
                 ready.append(meta)
-            elif not blocked:
-                if meta.request_type not in BARRIER_TYPES or first:
-                    ready.append(meta)
-                blocked = meta.request_type in BARRIER_TYPES
-                first = False
+            blocked = is_barrier
+            first = False
     return ready
 
 
