@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.local import NAMESPACE
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.scheduling import PendingMeta
+from lilo.futures.schema import PENDING
 from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, FuturesStore, FutureState, Submission, SubmitOutcome, parse_request_id,
 )
@@ -40,7 +41,8 @@ class FuturesActor:
     def __init__(self, db_path: str, retention_s: float = DEFAULT_RETENTION_S) -> None:
         self._store = FuturesStore(db_path, retention_s=retention_s)
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lilo-futures-db")
-        self._waiter = FutureWaiter(lambda ids: self._run(self._store.states, ids))
+        self._waiter = FutureWaiter(lambda ids: self._run(self._store.states, ids),
+                                    missing=lambda request_id: self._run(self._store.missing_error, request_id))
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
 
@@ -88,15 +90,18 @@ class FuturesActor:
         return written
 
     async def retrieve(self, request_id: int | str, timeout_s: float = RETRIEVE_TIMEOUT_S) -> FutureState:
-        """The request's state once finished, or its pending state after ``timeout_s`` (the long-poll)."""
+        """The request's state once finished, or its pending state after ``timeout_s`` (the long-poll).
+
+        Every caller joins the shared waiter, even for a result that is already there: a burst of retrieves
+        costs one query per tick between them, never one each.
+        """
         request_id = parse_request_id(request_id)
-        state = await self._run(self._store.lookup, request_id)
-        if state.finished or timeout_s <= 0:
-            return state
+        if timeout_s <= 0:
+            return await self._run(self._store.lookup, request_id)
         try:
             return await self._waiter.wait(request_id, timeout_s)
         except TimeoutError:
-            return state
+            return FutureState(request_id, PENDING)
 
     async def scan_pending(self, model_ids: Iterable[str] | None = None) -> list[PendingMeta]:
         return await self._run(self._store.scan_pending, None if model_ids is None else list(model_ids))

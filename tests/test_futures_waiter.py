@@ -5,6 +5,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from lilo.errors import NotFoundError
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.store import Completion, FuturesStore, FutureState, Submission
 from lilo.futures.waiter import FutureWaiter
@@ -130,3 +131,20 @@ def test_group_commit_shares_commits_and_keeps_arrival_order(store):
     ids = {(meta.model_id, meta.seq_id): meta.request_id for meta in store.scan_pending()}
     assert [ids[key] for key in arrivals] == sorted(ids.values())
     assert commits < len(arrivals)
+
+
+def test_a_waiter_on_an_id_with_no_row_gets_the_missing_error(store):
+    async def scenario():
+        with ThreadPoolExecutor(1) as db:
+            async def fetch(ids):
+                return await asyncio.get_running_loop().run_in_executor(db, store.states, ids)
+
+            async def missing(request_id):
+                return store.missing_error(request_id)
+
+            waiter = FutureWaiter(fetch, tick_s=0.02, missing=missing)
+            with pytest.raises(NotFoundError, match="Unknown request_id 42"):
+                await waiter.wait(42, timeout_s=5)
+            assert waiter.parked == 0
+
+    asyncio.run(scenario())

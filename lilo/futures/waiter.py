@@ -1,9 +1,10 @@
 """Waiting for futures: one background task answers every waiter with one query per tick.
 
 ``FutureWaiter.wait(request_id)`` parks a caller on an asyncio future. While anyone is parked, one task asks the
-store for all parked ids at once (``WHERE request_id IN (...)``) every ``tick_s`` and resolves the finished ones;
-``notify`` resolves waiters of a result written in this same process with no query at all. With nobody parked,
-nothing is queried.
+store for all parked ids at once (``WHERE request_id IN (...)``), at once when it starts and then every ``tick_s``,
+and resolves the finished ones; an id with no row gets the error ``missing`` makes for it (unknown or pruned).
+So even a burst of new callers costs one query per tick, not one each. ``notify`` resolves waiters of a result
+written in this same process with no query at all. With nobody parked, nothing is queried.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.05
 
 Fetch = Callable[[Sequence[int]], Awaitable[dict[int, FutureState]]]
+Missing = Callable[[int], Awaitable[Exception]]
 
 
 class FutureWaiter:
-    def __init__(self, fetch: Fetch, tick_s: float = TICK_S) -> None:
+    def __init__(self, fetch: Fetch, tick_s: float = TICK_S, missing: Missing | None = None) -> None:
         self._fetch = fetch
+        self._missing = missing
         self._tick_s = tick_s
         self._parked: dict[int, list[asyncio.Future]] = {}
         self._poller: asyncio.Task | None = None
@@ -55,15 +58,24 @@ class FutureWaiter:
 
     async def _poll(self) -> None:
         while self._parked:
+            ids = list(self._parked)
             try:
-                states = await self._fetch(list(self._parked))
+                states = await self._fetch(ids)
+                for request_id in ids:
+                    state = states.get(request_id)
+                    if state is None:
+                        if self._missing is not None:
+                            self._fail(request_id, await self._missing(request_id))
+                    elif state.finished:
+                        self.notify(state)
             except Exception:
-                logger.exception("polling %d parked futures failed; trying again next tick", len(self._parked))
-                states = {}
-            for state in states.values():
-                if state.finished:
-                    self.notify(state)
+                logger.exception("polling %d parked futures failed; trying again next tick", len(ids))
             await asyncio.sleep(self._tick_s)
+
+    def _fail(self, request_id: int, error: Exception) -> None:
+        for future in self._parked.pop(request_id, []):
+            if not future.done():
+                future.set_exception(error)
 
     async def close(self) -> None:
         if self._poller is not None:
