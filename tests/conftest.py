@@ -14,7 +14,7 @@ prepare_environment()
 
 import pytest
 
-from helpers import free_port, lilo, short_home
+from helpers import Clock, free_port, lilo, short_home
 from lilo.settings import load_settings
 
 BASE_MODELS = ("lilo/tiny-llama", "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -63,3 +63,9 @@ def ray_driver(local_cluster: RunningCluster) -> Iterator[None]:
     connect_driver(local_cluster.settings)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    """A hand-driven clock (starts at t=100 s)."""
+    return Clock()

@@ -37,3 +37,13 @@ def tcp_listeners(processes: list[psutil.Process]) -> list[tuple[str, int, str]]
         for conn in psutil.net_connections(kind="tcp")
         if conn.status == psutil.CONN_LISTEN and conn.pid in names
     ]
+
+
+class Clock:
+    """A clock a test moves by hand: ``clock.now += 5``."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -12,19 +12,6 @@ from lilo.telemetry.critical_path import (
 from lilo.telemetry.phase_stats import PhaseStats
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock():
-    return Clock()
-
-
 @pytest.fixture
 def timings(clock):
     lines = []

@@ -17,19 +17,6 @@ from lilo.futures.scheduling import PendingMeta, dispatchable, parked
 from lilo.futures.store import Completion, FuturesStore, Submission, parse_request_id
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock():
-    return Clock()
-
-
 @pytest.fixture
 def store(tmp_path, clock):
     opened = FuturesStore(tmp_path / "db" / "futures.db", clock=clock, retry_base_s=0.02, busy_timeout_ms=50)
