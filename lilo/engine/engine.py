@@ -1,0 +1,278 @@
+"""The Engine: per-model ordered queues, the coalescing scheduler, and two lanes around a backend.
+
+Plain Python threads, no Ray: the compute lane runs one backend execution at a time (a coalesced batch, a fused
+optimizer step, a capture, an adapter being added), the persist lane writes checkpoints to disk meanwhile. Every
+command is resolved on its own ``concurrent.futures.Future`` as soon as its batch finishes, with its own error when
+only it failed.
+
+Telemetry: the engine reports through the Observer protocol only (``begin`` at submission, one ``span`` per
+physical batch with every model, ``request_ids``, ``n`` and ``ok``; ``capture:<kind>`` / ``persist:<kind>`` on
+their lanes; ``accept`` for a new model). Whatever observer it is given is composed with its own CriticalPath,
+``engine.timings``, so timing cannot be switched off.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Sequence
+
+from lilo.engine.commands import (
+    FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, SAMPLE, SAVING_KINDS, Backend, Command,
+)
+from lilo.engine.queues import ModelQueue
+from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
+from lilo.errors import ConflictError, NotFoundError
+from lilo.telemetry.critical_path import CriticalPath, Observer, Observers, Operation
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_LANE = "compute"
+PERSIST_LANE = "persist"
+
+
+class EngineStopped(RuntimeError):
+    """The engine shut down before this command ran."""
+
+
+class Engine:
+    def __init__(self, backend: Backend, observer: Observer | None = None, *,
+                 token_budget: int = TOKENS_PER_BATCH, first_seq: int = 1,
+                 clock: Callable[[], float] = time.monotonic, start: bool = True) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._token_budget = token_budget
+        self._first_seq = first_seq
+        self.timings = CriticalPath(clock=clock)
+        self.observer = Observers(*([observer] if observer is not None else []), self.timings)
+        self._queues: dict[str, ModelQueue] = {}
+        self._rotation: list[str] = []
+        self._lifecycle: deque[Callable[[], None]] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._persist_jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._compute_loop, name="lilo-engine-compute", daemon=True),
+            threading.Thread(target=self._persist_loop, name="lilo-engine-persist", daemon=True),
+        ]
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the lanes (``start=False`` lets a caller queue work first, then release it all at once)."""
+        for thread in self._threads:
+            if not thread.is_alive():
+                thread.start()
+
+    # --- models --------------------------------------------------------------------------------------------
+    def create_model(self, model_id: str, spec: Any) -> Future:
+        """Add an adapter; commands for it may be submitted at once and run once it is in place."""
+        future: Future = Future()
+        with self._cv:
+            if model_id in self._queues:
+                raise ConflictError(f"Model {model_id!r} already exists on this trainer.")
+            self._queues[model_id] = ModelQueue(self._first_seq)
+            self._rotation.append(model_id)
+            self.observer.register_model(model_id, spec)
+            self._lifecycle.append(lambda: self._accept(model_id, spec, future))
+            self._cv.notify_all()
+        return future
+
+    def remove_model(self, model_id: str) -> Future:
+        """Drop an adapter after whatever of it is running; its queued commands fail with a message."""
+        future: Future = Future()
+        with self._cv:
+            self._model_queue(model_id)
+            self._lifecycle.append(lambda: self._remove(model_id, future))
+            self._cv.notify_all()
+        return future
+
+    def _accept(self, model_id: str, spec: Any, future: Future) -> None:
+        t0 = self._clock()
+        try:
+            self._backend.add_adapter(model_id, spec)
+        except Exception as error:
+            self.observer.span(model_id, "accept", COMPUTE_LANE, t0, self._clock(), n=1, ok=False)
+            with self._cv:
+                held = self._forget(model_id)
+            self._settle(future, error)
+            for command, pending in held:
+                self._settle(pending, RuntimeError(
+                    f"Model {model_id!r} could not be created ({error}), so request {command.request_id} never ran."))
+            return
+        self.observer.span(model_id, "accept", COMPUTE_LANE, t0, self._clock(), n=1, ok=True)
+        with self._cv:
+            self._queues[model_id].ready = True
+            self._cv.notify_all()
+        future.set_result(model_id)
+
+    def _remove(self, model_id: str, future: Future) -> None:
+        with self._cv:
+            if model_id not in self._queues:
+                self._settle(future, NotFoundError(f"Model {model_id!r} was already removed."))
+                return
+            held = self._forget(model_id)
+        for command, pending in held:
+            self._settle(pending, NotFoundError(
+                f"Model {model_id!r} was removed before request {command.request_id} ran."))
+        try:
+            self._backend.remove_adapter(model_id)
+        except Exception as error:
+            self._settle(future, error)
+            return
+        self.observer.forget_model(model_id)
+        future.set_result(model_id)
+
+    def _forget(self, model_id: str) -> list[tuple[Command, Future]]:
+        model_queue = self._queues.pop(model_id)
+        self._rotation.remove(model_id)
+        return model_queue.drain()
+
+    def _model_queue(self, model_id: str) -> ModelQueue:
+        model_queue = self._queues.get(model_id)
+        if model_queue is None:
+            raise NotFoundError(f"Unknown model_id {model_id!r} on this trainer; create the model first.")
+        return model_queue
+
+    # --- commands ------------------------------------------------------------------------------------------
+    def submit(self, command: Command) -> Future:
+        """Queue a command in its model's seq order; a retry of a known seq returns the first future."""
+        with self._cv:
+            if self._stopped:
+                raise EngineStopped("The engine is stopped; no new work is accepted.")
+            future: Future = Future()
+            accepted = self._model_queue(command.model_id).offer(command, future)
+            if accepted is future:
+                submitted = command.submitted_s or self._clock()
+                self.observer.begin(Operation(command.model_id, command.request_id, command.kind, submitted))
+                self._cv.notify_all()
+            return accepted
+
+    # --- the compute lane ----------------------------------------------------------------------------------
+    def _compute_loop(self) -> None:
+        while True:
+            with self._cv:
+                work = self._next_work()
+                while work is None and not self._stopped:
+                    self._cv.wait()
+                    work = self._next_work()
+                if work is None:
+                    return
+            try:
+                work()
+            except Exception:  # never let one batch take the lane down; its futures were settled by the runner
+                logger.exception("engine work failed")
+
+    def _next_work(self) -> Callable[[], None] | None:
+        """Lifecycle first, then the next coalesced batch; called with the lock held."""
+        if self._lifecycle:
+            return self._lifecycle.popleft()
+        heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
+        batch = next_batch(heads, self._rotation, self._token_budget)
+        if not batch:
+            return None
+        taken = [self._queues[command.model_id].take_head() for command in batch]
+        # The anchor goes to the back of the rotation: the next turn starts with somebody else.
+        self._rotation.remove(batch[0].model_id)
+        self._rotation.append(batch[0].model_id)
+        return lambda: self._run(taken)
+
+    def _run(self, taken: Sequence[tuple[Command, Future]]) -> None:
+        commands = [command for command, _ in taken]
+        kind = commands[0].kind
+        if kind in SAVING_KINDS:
+            self._capture_then_persist(taken[0])
+            return
+        t0 = self._clock()
+        try:
+            results = self._execute(kind, commands)
+        except Exception as error:  # the whole execution failed: every command in it gets the error
+            results = [error] * len(commands)
+        t1 = self._clock()
+        ok = not any(isinstance(result, BaseException) for result in results)
+        self.observer.span([c.model_id for c in commands], kind, COMPUTE_LANE, t0, t1,
+                           request_ids=[c.request_id for c in commands], n=len(commands), ok=ok)
+        self._finish_heads(commands)
+        for (_, future), result in zip(taken, results):
+            self._settle(future, result)
+
+    def _execute(self, kind: str, commands: Sequence[Command]) -> list[Any]:
+        if kind in (FORWARD_BACKWARD, FORWARD):
+            return self._backend.forward_backward(commands, forward_only=kind == FORWARD)
+        if kind == OPTIM_STEP:
+            return self._backend.optim_step(commands)
+        if kind == SAMPLE:
+            return self._backend.sample(commands)
+        if kind == LOAD_WEIGHTS:
+            return [self._backend.load_weights(commands[0])]
+        raise ValueError(f"Unknown command kind {kind!r}.")
+
+    def _capture_then_persist(self, taken: tuple[Command, Future]) -> None:
+        command, future = taken
+        t0 = self._clock()
+        try:
+            captured = self._backend.capture(command)
+        except Exception as error:
+            self.observer.span(command.model_id, f"capture:{command.kind}", COMPUTE_LANE, t0, self._clock(),
+                               request_ids=[command.request_id], n=1, ok=False)
+            self._finish_heads([command])
+            self._settle(future, error)
+            return
+        self.observer.span(command.model_id, f"capture:{command.kind}", COMPUTE_LANE, t0, self._clock(),
+                           request_ids=[command.request_id], n=1, ok=True)
+        # The state is copied out: the model's next command may run while the disk write goes on.
+        self._finish_heads([command])
+        self._persist_jobs.put(lambda: self._persist(command, captured, future))
+
+    def _finish_heads(self, commands: Sequence[Command]) -> None:
+        with self._cv:
+            for command in commands:
+                model_queue = self._queues.get(command.model_id)
+                if model_queue is not None:
+                    model_queue.finish_head()
+            self._cv.notify_all()
+
+    # --- the persist lane ----------------------------------------------------------------------------------
+    def _persist_loop(self) -> None:
+        while (job := self._persist_jobs.get()) is not None:
+            try:
+                job()
+            except Exception:
+                logger.exception("persist job failed")
+
+    def _persist(self, command: Command, captured: Any, future: Future) -> None:
+        t0 = self._clock()
+        try:
+            result: Any = self._backend.persist(command, captured)
+        except Exception as error:
+            result = error
+        self.observer.span(command.model_id, f"persist:{command.kind}", PERSIST_LANE, t0, self._clock(),
+                           request_ids=[command.request_id], n=1, ok=not isinstance(result, BaseException))
+        self._settle(future, result)
+
+    # --- shutdown ------------------------------------------------------------------------------------------
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish what is running, fail what is queued (with a message), and stop both lanes."""
+        with self._cv:
+            self._stopped = True
+            held = [item for model_queue in self._queues.values() for item in model_queue.drain()]
+            self._cv.notify_all()
+        for command, future in held:
+            self._settle(future, EngineStopped(f"The trainer stopped before request {command.request_id} ran."))
+        self._persist_jobs.put(None)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout_s)
+
+    @staticmethod
+    def _settle(future: Future, result: Any) -> None:
+        if future.done():
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)

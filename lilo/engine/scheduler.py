@@ -1,0 +1,35 @@
+"""Which commands run together next: a pure function of the models' ready heads, the rotation and the budget."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from lilo.engine.commands import COALESCING_KINDS, FORWARD, FORWARD_BACKWARD, Command
+
+TOKENS_PER_BATCH = 8192
+
+
+def next_batch(heads: Mapping[str, Command], rotation: Sequence[str],
+               token_budget: int = TOKENS_PER_BATCH) -> list[Command]:
+    """The next physical batch: the anchor is the first model in ``rotation`` with a ready head (the engine moves
+    it to the back afterwards, so no client starves); other models' heads join when they share its coalesce key
+    and, for forward passes, fit the token budget (the anchor always runs, however large). At most one command per
+    model per batch; saves and loads run alone."""
+    anchor_model = next((model for model in rotation if model in heads), None)
+    if anchor_model is None:
+        return []
+    anchor = heads[anchor_model]
+    batch = [anchor]
+    if anchor.kind not in COALESCING_KINDS:
+        return batch
+    budgeted = anchor.kind in (FORWARD_BACKWARD, FORWARD)
+    tokens = anchor.tokens
+    for model in rotation:
+        head = heads.get(model)
+        if head is None or model == anchor_model or head.coalesce_key != anchor.coalesce_key:
+            continue
+        if budgeted and tokens + head.tokens > token_budget:
+            continue
+        batch.append(head)
+        tokens += head.tokens
+    return batch

@@ -1,0 +1,280 @@
+"""The engine around a small in-test backend: ordering, coalescing, isolation, lanes, and its telemetry.
+
+The backend here is a stand-in that records what it was asked to run (the torch backend is tested on its own);
+everything else is the real engine, with real threads and the real CriticalPath.
+"""
+
+import threading
+
+import pytest
+
+from lilo.engine.commands import (
+    FORWARD_BACKWARD, OPTIM_STEP, SAVE_WEIGHTS, Command,
+)
+from lilo.engine.engine import Engine, EngineStopped
+from lilo.engine.scheduler import next_batch
+from lilo.errors import ConflictError, NotFoundError
+
+
+class RecordingBackend:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+        self.fail_request_ids: set[str] = set()
+        self.persist_gate = threading.Event()
+        self.persist_gate.set()
+
+    def add_adapter(self, model_id, spec):
+        self.calls.append(("add", [model_id]))
+        if spec == "broken":
+            raise ValueError("rank must be positive")
+
+    def remove_adapter(self, model_id):
+        self.calls.append(("remove", [model_id]))
+
+    def _batch(self, name, commands):
+        self.calls.append((name, [c.request_id for c in commands]))
+        return [ValueError(f"token id out of range in {c.request_id}") if c.request_id in self.fail_request_ids
+                else {"ran": c.request_id} for c in commands]
+
+    def forward_backward(self, commands, forward_only):
+        return self._batch("forward" if forward_only else "forward_backward", commands)
+
+    def optim_step(self, commands):
+        return self._batch("optim_step", commands)
+
+    def sample(self, commands):
+        return self._batch("sample", commands)
+
+    def load_weights(self, command):
+        return self._batch("load_weights", [command])[0]
+
+    def capture(self, command):
+        self.calls.append(("capture", [command.request_id]))
+        return {"copy": command.request_id}
+
+    def persist(self, command, captured):
+        self.persist_gate.wait(10)
+        self.calls.append(("persist", [command.request_id]))
+        return {"path": f"tinker://{command.model_id}/{captured['copy']}"}
+
+
+class Recorder:
+    """Another observer, as a trainer's own telemetry would be."""
+
+    def __init__(self) -> None:
+        self.events = []
+
+    def register_model(self, model_id, spec):
+        self.events.append(("register", model_id))
+
+    def forget_model(self, model_id):
+        self.events.append(("forget", model_id))
+
+    def begin(self, operation):
+        self.events.append(("begin", operation.request_id))
+
+    def span(self, model, name, lane, t0, t1=None, **attrs):
+        self.events.append(("span", name, lane, tuple(attrs.get("request_ids", ())), attrs.get("n"), attrs.get("ok")))
+
+
+def command(model, seq, kind=FORWARD_BACKWARD, fingerprint=None, tokens=128, key=("cross_entropy",)):
+    return Command(model_id=model, seq_id=seq, kind=kind, request_id=f"{model}:{seq}",
+                   fingerprint=fingerprint or f"{model}:{seq}", batch_key=key, tokens=tokens)
+
+
+@pytest.fixture
+def backend():
+    return RecordingBackend()
+
+
+def ready_engine(backend, models, **options) -> Engine:
+    engine = Engine(backend, **options)
+    for future in [engine.create_model(m, spec={"rank": 8}) for m in models]:
+        future.result(timeout=10)
+    return engine
+
+
+def results(futures):
+    return [f.result(timeout=10) for f in futures]
+
+
+def paused_engine(backend, models, **options) -> Engine:
+    """Models created, lanes not yet running: submissions pile up and are released together by ``start()``."""
+    engine = Engine(backend, start=False, **options)
+    for m in models:
+        engine.create_model(m, spec={"rank": 8})
+    return engine
+
+
+def test_ready_steps_of_many_models_share_one_execution(backend):
+    engine = paused_engine(backend, ["a", "b", "c", "d"])
+    futures = [engine.submit(command(m, 1)) for m in "abcd"]
+    engine.start()
+    assert results(futures) == [{"ran": f"{m}:1"} for m in "abcd"]
+    assert [call for call in backend.calls if call[0] == "forward_backward"] == [
+        ("forward_backward", ["a:1", "b:1", "c:1", "d:1"])]
+    engine.stop()
+
+
+def test_out_of_order_arrivals_run_in_seq_order(backend):
+    engine = ready_engine(backend, ["a"])
+    late = engine.submit(command("a", 3))
+    middle = engine.submit(command("a", 2))
+    first = engine.submit(command("a", 1))
+    results([first, middle, late])
+    assert [ids for name, ids in backend.calls if name == "forward_backward"] == [["a:1"], ["a:2"], ["a:3"]]
+    engine.stop()
+
+
+def test_a_retry_runs_once_and_a_different_payload_is_a_conflict(backend):
+    engine = paused_engine(backend, ["a"])
+    first = engine.submit(command("a", 1, fingerprint="x"))
+    assert engine.submit(command("a", 1, fingerprint="x")) is first
+    with pytest.raises(ConflictError, match="seq_id 1 of model 'a'"):
+        engine.submit(command("a", 1, fingerprint="y"))
+    engine.start()
+    first.result(timeout=10)
+    assert engine.submit(command("a", 1, fingerprint="x")) is first  # still recognised after it ran
+    assert sum(name == "forward_backward" for name, _ in backend.calls) == 1
+    engine.stop()
+
+
+def test_one_bad_command_fails_alone_while_its_batch_mates_succeed(backend):
+    backend.fail_request_ids = {"b:1"}
+    engine = paused_engine(backend, ["a", "b", "c"])
+    futures = [engine.submit(command(m, 1)) for m in "abc"]
+    engine.start()
+    assert futures[0].result(timeout=10) == {"ran": "a:1"}
+    with pytest.raises(ValueError, match="token id out of range in b:1"):
+        futures[1].result(timeout=10)
+    assert futures[2].result(timeout=10) == {"ran": "c:1"}
+    engine.stop()
+
+
+def test_optimizer_steps_of_several_models_run_as_one_fused_step(backend):
+    engine = paused_engine(backend, ["a", "b", "c"])
+    futures = [engine.submit(command(m, 1, kind=OPTIM_STEP, key=())) for m in "abc"]
+    engine.start()
+    results(futures)
+    assert [call for call in backend.calls if call[0] == "optim_step"] == [("optim_step", ["a:1", "b:1", "c:1"])]
+    engine.stop()
+
+
+def test_an_optim_step_waits_for_its_models_earlier_work_and_nothing_passes_it(backend):
+    engine = paused_engine(backend, ["a"])
+    futures = [engine.submit(command("a", 1)), engine.submit(command("a", 2, kind=OPTIM_STEP, key=())),
+               engine.submit(command("a", 3))]
+    engine.start()
+    results(futures)
+    assert [name for name, _ in backend.calls if name != "add"] == ["forward_backward", "optim_step",
+                                                                   "forward_backward"]
+    engine.stop()
+
+
+def test_the_anchor_rotates_so_no_model_starves(backend):
+    # A budget of one command per batch: the order of batches shows who anchors each turn.
+    engine = paused_engine(backend, ["a", "b", "c"], token_budget=100)
+    futures = [engine.submit(command(m, s, tokens=100)) for s in (1, 2) for m in "abc"]
+    engine.start()
+    results(futures)
+    order = [ids[0] for name, ids in backend.calls if name == "forward_backward"]
+    assert order == ["a:1", "b:1", "c:1", "a:2", "b:2", "c:2"]
+    engine.stop()
+
+
+@pytest.mark.parametrize(("heads", "budget", "expected"), [
+    ({"a": command("a", 1), "b": command("b", 1)}, 8192, ["a:1", "b:1"]),
+    ({"a": command("a", 1, tokens=6000), "b": command("b", 1, tokens=6000)}, 8192, ["a:1"]),
+    ({"a": command("a", 1, tokens=9000)}, 8192, ["a:1"]),
+    ({"a": command("a", 1), "b": command("b", 1, key=("ppo",))}, 8192, ["a:1"]),
+    ({"a": command("a", 1, kind=SAVE_WEIGHTS), "b": command("b", 1, kind=SAVE_WEIGHTS)}, 8192, ["a:1"]),
+    ({"b": command("b", 1), "c": command("c", 1, kind=OPTIM_STEP)}, 8192, ["b:1"]),
+    ({}, 8192, []),
+])
+def test_next_batch_table(heads, budget, expected):
+    assert [c.request_id for c in next_batch(heads, ["a", "b", "c"], budget)] == expected
+
+
+def test_a_slow_disk_write_never_stalls_compute(backend):
+    engine = ready_engine(backend, ["a"])
+    backend.persist_gate.clear()
+    saved = engine.submit(command("a", 1, kind=SAVE_WEIGHTS, key=()))
+    step = engine.submit(command("a", 2))
+    assert step.result(timeout=10) == {"ran": "a:2"}  # ran while the save was still being written
+    assert not saved.done()
+    backend.persist_gate.set()
+    assert saved.result(timeout=10) == {"path": "tinker://a/a:1"}
+    engine.stop()
+
+
+def test_the_engine_reports_through_the_observer_and_keeps_its_own_timings(backend):
+    recorder = Recorder()
+    engine = Engine(backend, observer=recorder, start=False)
+    engine.create_model("a", spec={"rank": 8})
+    engine.create_model("b", spec={"rank": 8})
+    futures = [engine.submit(command(m, 1)) for m in "ab"] + [engine.submit(command("a", 2, kind=SAVE_WEIGHTS, key=()))]
+    engine.start()
+    results(futures)
+    engine.stop()
+    assert ("register", "a") in recorder.events and ("begin", "a:1") in recorder.events
+    assert ("span", "forward_backward", "compute", ("a:1", "b:1"), 2, True) in recorder.events
+    assert ("span", "capture:save_weights", "compute", ("a:2",), 1, True) in recorder.events
+    assert ("span", "persist:save_weights", "persist", ("a:2",), 1, True) in recorder.events
+    assert [e[1] for e in recorder.events if e[0] == "span" and e[1] == "accept"] == ["accept", "accept"]
+    # Timing is on whatever observer was given: the engine's own CriticalPath saw the same work.
+    phases = engine.timings.snapshot("a")["phases"]
+    assert phases["forward_backward.execute"]["mean_batch"] == 2
+    assert phases["forward_backward.queue_wait"]["count"] == 1
+    assert phases["save_weights.capture"]["count"] == 1 and phases["save_weights.persist"]["count"] == 1
+    assert phases["accept.execute"]["count"] == 1
+
+
+def test_a_failing_observer_never_reaches_the_engine(backend):
+    class Broken(Recorder):
+        def span(self, *args, **kwargs):
+            raise RuntimeError("telemetry backend down")
+
+    engine = Engine(backend, observer=Broken())
+    assert engine.create_model("a", spec={}).result(timeout=10) == "a"
+    assert engine.submit(command("a", 1)).result(timeout=10) == {"ran": "a:1"}
+    engine.stop()
+
+
+def test_a_model_that_cannot_be_created_fails_its_future_and_its_queued_work(backend):
+    engine = Engine(backend, start=False)
+    created = engine.create_model("x", spec="broken")
+    queued = engine.submit(command("x", 1))
+    engine.start()
+    with pytest.raises(ValueError, match="rank must be positive"):
+        created.result(timeout=10)
+    with pytest.raises(RuntimeError, match="could not be created"):
+        queued.result(timeout=10)
+    with pytest.raises(NotFoundError):
+        engine.submit(command("x", 2))
+    engine.stop()
+
+
+def test_removing_a_model_fails_its_queued_commands_with_a_message(backend):
+    engine = ready_engine(backend, ["a"])
+    waiting = engine.submit(command("a", 2))  # seq 1 never comes, so this waits
+    assert engine.remove_model("a").result(timeout=10) == "a"
+    with pytest.raises(NotFoundError, match="was removed before request a:2 ran"):
+        waiting.result(timeout=10)
+    engine.stop()
+
+
+def test_stop_fails_queued_work_and_refuses_new_work(backend):
+    engine = ready_engine(backend, ["a"])
+    waiting = engine.submit(command("a", 5))
+    engine.stop()
+    with pytest.raises(EngineStopped):
+        waiting.result(timeout=10)
+    with pytest.raises(EngineStopped):
+        engine.submit(command("a", 1))
+
+
+def test_unknown_models_are_a_not_found_error(backend):
+    engine = ready_engine(backend, [])
+    with pytest.raises(NotFoundError, match="Unknown model_id 'ghost'"):
+        engine.submit(command("ghost", 1))
+    engine.stop()
