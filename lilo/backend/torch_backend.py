@@ -1,0 +1,189 @@
+"""TorchBackend: many adapters trained on one frozen base model, their steps coalesced into one pass.
+
+Implements the engine's ``Backend`` protocol for training: adapters in slots, ``forward_backward`` over the rows of
+every command in a batch at once (each row routed to its adapter's slot), and ``optim_step`` as one fused AdamW
+over the slots of every model in the call. One request's loss and gradients never depend on its batch mates: a
+row's LoRA delta and gradient touch only its own slot, and losses are per-datum sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from lilo.backend import losses
+from lilo.backend.lora import attach_multi_lora, projection_kind, target_names
+from lilo.backend.optimizer import AdamParams, SlotAdamW
+from lilo.backend.types import Datum, LoraSpec, TrainInput
+from lilo.engine.commands import Command
+from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
+
+DEFAULT_MAX_ADAPTERS = 16
+DEFAULT_MAX_RANK = 32
+
+
+@dataclasses.dataclass
+class Adapter:
+    slot: int
+    spec: LoraSpec
+    trained: list[int]  # indices into the optimizer's parameter list this adapter trains
+
+
+class TorchBackend:
+    def __init__(self, model: nn.Module, *, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+                 max_rank: int = DEFAULT_MAX_RANK) -> None:
+        self.model = model.eval()
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
+        self.max_rank = max_rank
+        self.layers = attach_multi_lora(self.model, max_adapters, max_rank)
+        self._parameters = [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+        self._kinds = [projection_kind(path) for path in self.layers for _ in range(2)]
+        self.optimizer = SlotAdamW(self._parameters)
+        self.adapters: dict[str, Adapter] = {}
+        self._free_slots = list(range(max_adapters))
+        self.vocab_size = self.model.get_output_embeddings().base.out_features
+
+    # --- adapters ------------------------------------------------------------------------------------------
+    def add_adapter(self, model_id: str, spec: LoraSpec) -> None:
+        if not 1 <= spec.rank <= self.max_rank:
+            raise InvalidRequestError(f"LoRA rank {spec.rank} is out of range; use 1 to {self.max_rank}.")
+        if not self._free_slots:
+            raise SaturatedError(f"All {len(self.adapters)} adapter slots of this trainer are in use.")
+        slot = self._free_slots.pop(0)
+        generator = torch.Generator().manual_seed(spec.seed) if spec.seed is not None else None
+        targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
+        for path, layer in self.layers.items():
+            if projection_kind(path) in targets:
+                layer.reset_slot(slot, spec.rank, spec.alpha or spec.rank, generator)
+            else:
+                layer.clear_slot(slot)
+        self.optimizer.reset_slot(slot)
+        trained = [i for i, kind in enumerate(self._kinds) if kind in targets]
+        self.adapters[model_id] = Adapter(slot, spec, trained)
+
+    def remove_adapter(self, model_id: str) -> None:
+        adapter = self._adapter(model_id)
+        for layer in self.layers.values():
+            layer.clear_slot(adapter.slot)
+        self.optimizer.zero_grad([adapter.slot])
+        del self.adapters[model_id]
+        self._free_slots.append(adapter.slot)
+
+    def _adapter(self, model_id: str) -> Adapter:
+        adapter = self.adapters.get(model_id)
+        if adapter is None:
+            raise NotFoundError(f"No adapter {model_id!r} on this trainer.")
+        return adapter
+
+    # --- training ------------------------------------------------------------------------------------------
+    def forward_backward(self, commands: Sequence[Command], forward_only: bool) -> list[Any]:
+        results: list[Any] = [None] * len(commands)
+        valid: list[tuple[int, Command, losses.LossFn, dict]] = []
+        for i, command in enumerate(commands):
+            try:
+                loss_fn, config = self._validate(command)
+                valid.append((i, command, loss_fn, config))
+            except Exception as error:  # this request alone fails; its batch mates go on
+                results[i] = error
+        if not valid:
+            return results
+        rows = [(command, datum) for _, command, _, _ in valid for datum in command.payload.data]
+        slots = torch.tensor([self.adapters[command.model_id].slot for command, _ in rows])
+        input_ids, mask = _padded([datum.tokens for _, datum in rows])
+        with torch.set_grad_enabled(not forward_only):
+            self._route(slots)
+            try:
+                logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
+            finally:
+                self._route(None)
+            targets, _ = _padded([datum.loss_inputs["target_tokens"] for _, datum in rows])
+            target_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            total = torch.zeros(())
+            row = 0
+            for i, command, loss_fn, config in valid:
+                outputs, loss_sum = [], torch.zeros(())
+                for datum in command.payload.data:
+                    length = len(datum.tokens)
+                    logprobs = target_logprobs[row, :length]
+                    inputs = {key: torch.as_tensor(np.asarray(value), dtype=torch.float32)
+                              for key, value in datum.loss_inputs.items() if key != "target_tokens"}
+                    elementwise = loss_fn(logprobs, inputs, config)
+                    loss_sum = loss_sum + elementwise.sum()
+                    outputs.append({"logprobs": logprobs.detach().tolist(),
+                                    "elementwise_loss": elementwise.detach().tolist()})
+                    row += 1
+                total = total + loss_sum
+                results[i] = {"loss_fn_outputs": outputs, "metrics": {"loss:sum": float(loss_sum.detach())}}
+            if not forward_only:
+                total.backward()
+        return results
+
+    def _validate(self, command: Command) -> tuple[losses.LossFn, dict]:
+        self._adapter(command.model_id)
+        train: TrainInput = command.payload
+        if not train.data:
+            raise InvalidRequestError(f"Request {command.request_id} has no data; send at least one datum.")
+        loss_fn, config = losses.resolve(train.loss_fn, train.loss_config)
+        for n, datum in enumerate(train.data):
+            _check_datum(n, datum, losses.REQUIRED_INPUTS[train.loss_fn], self.vocab_size)
+        return loss_fn, config
+
+    def _route(self, slots: torch.Tensor | None) -> None:
+        for layer in self.layers.values():
+            layer.row_slots = slots
+
+    def optim_step(self, commands: Sequence[Command]) -> list[Any]:
+        adapters = [self._adapter(command.model_id) for command in commands]
+        params = [command.payload if isinstance(command.payload, AdamParams) else AdamParams(**command.payload)
+                  for command in commands]
+        norms = self.optimizer.step([a.slot for a in adapters], params, [a.trained for a in adapters])
+        self.optimizer.zero_grad([a.slot for a in adapters])
+        return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
+
+    def sample(self, commands: Sequence[Command]) -> list[Any]:
+        return [NotImplementedError("sampling is not available on this backend yet") for _ in commands]
+
+    def load_weights(self, command: Command) -> Any:
+        raise NotImplementedError("load_weights is not available on this backend yet")
+
+    def capture(self, command: Command) -> Any:
+        raise NotImplementedError("checkpoints are not available on this backend yet")
+
+    def persist(self, command: Command, captured: Any) -> Any:
+        raise NotImplementedError("checkpoints are not available on this backend yet")
+
+
+def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: int) -> None:
+    length = len(datum.tokens)
+    if length == 0:
+        raise InvalidRequestError(f"Datum {index} has no tokens; send at least one input token.")
+    missing = [key for key in required if key not in datum.loss_inputs]
+    if missing:
+        raise InvalidRequestError(f"Datum {index} lacks loss input(s) {', '.join(missing)}.")
+    for key, values in datum.loss_inputs.items():
+        if len(values) != length:
+            raise InvalidRequestError(
+                f"Datum {index}: {key} has {len(values)} entries but the input has {length} tokens; make them equal.")
+        if key != "target_tokens" and not np.isfinite(np.asarray(values, dtype=np.float64)).all():
+            raise InvalidRequestError(f"Datum {index}: {key} holds NaN or infinite values; send finite numbers.")
+    for key, values in (("tokens", datum.tokens), ("target_tokens", datum.loss_inputs["target_tokens"])):
+        array = np.asarray(values)
+        if array.min() < 0 or array.max() >= vocab_size:
+            raise InvalidRequestError(
+                f"Datum {index}: {key} holds ids outside the vocabulary [0, {vocab_size}); check the tokenizer.")
+
+
+def _padded(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (ids, attention mask) for ragged token lists."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, :len(sequence)] = torch.as_tensor(np.asarray(sequence, dtype=np.int64))
+        mask[row, :len(sequence)] = 1
+    return ids, mask

@@ -1,0 +1,38 @@
+"""The backend's own input types: the Tinker wire format is decoded into these at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 8
+    alpha: float | None = None  # None: alpha = rank, so the delta's scale is 1
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Datum:
+    """One sequence: the input tokens and, per position, what the loss needs (``target_tokens``, ``weights``,
+    ``logprobs``, ``advantages``...), each as long as the input."""
+
+    tokens: Sequence[int] | np.ndarray
+    loss_inputs: Mapping[str, Sequence[float] | np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainInput:
+    data: Sequence[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(datum.tokens) for datum in self.data)
