@@ -195,6 +195,11 @@ def test_next_batch_table(heads, budget, expected):
     assert [c.request_id for c in next_batch(heads, ["a", "b", "c"], budget)] == expected
 
 
+def test_without_coalescing_every_command_runs_alone():
+    heads = {"a": command("a", 1), "b": command("b", 1)}
+    assert [c.request_id for c in next_batch(heads, ["a", "b"], coalesce=False)] == ["a:1"]
+
+
 def test_a_slow_disk_write_never_stalls_compute(backend):
     engine = ready_engine(backend, ["a"])
     backend.persist_gate.clear()
@@ -278,3 +283,19 @@ def test_unknown_models_are_a_not_found_error(backend):
     with pytest.raises(NotFoundError, match="Unknown model_id 'ghost'"):
         engine.submit(command("ghost", 1))
     engine.stop()
+
+
+def test_the_compute_lane_can_run_on_the_callers_thread(backend):
+    engine = Engine(backend, start=False)
+    engine.start(compute_thread=False)
+    engine.create_model("a", spec={})
+    step = engine.submit(command("a", 1))
+    lane_threads = []
+    backend.forward_backward = lambda commands, forward_only: (
+        lane_threads.append(threading.current_thread()) or [{"ran": c.request_id} for c in commands])
+    stopper = threading.Thread(target=lambda: (step.result(timeout=10), engine.stop()))
+    stopper.start()
+    engine.run_compute_lane()  # returns once stop() is called
+    stopper.join()
+    assert step.result() == {"ran": "a:1"}
+    assert lane_threads == [threading.current_thread()]

@@ -41,11 +41,12 @@ class EngineStopped(RuntimeError):
 
 class Engine:
     def __init__(self, backend: Backend, observer: Observer | None = None, *,
-                 token_budget: int = TOKENS_PER_BATCH, first_seq: int = 1,
+                 token_budget: int = TOKENS_PER_BATCH, first_seq: int = 1, coalesce: bool = True,
                  clock: Callable[[], float] = time.monotonic, start: bool = True) -> None:
         self._backend = backend
         self._clock = clock
         self._token_budget = token_budget
+        self._coalesce = coalesce
         self._first_seq = first_seq
         self.timings = CriticalPath(clock=clock)
         self.observer = Observers(*([observer] if observer is not None else []), self.timings)
@@ -62,11 +63,22 @@ class Engine:
         if start:
             self.start()
 
-    def start(self) -> None:
-        """Start the lanes (``start=False`` lets a caller queue work first, then release it all at once)."""
-        for thread in self._threads:
+    def start(self, compute_thread: bool = True) -> None:
+        """Start the lanes (``start=False`` lets a caller queue work first, then release it all at once).
+
+        ``compute_thread=False`` leaves the compute lane to ``run_compute_lane`` on a thread of the caller's
+        choosing: on CPU, torch runs its ops in parallel well only from the one thread that did its other work
+        (measured here: a second thread running the same step took 1.8x as long), so a trainer runs the compute
+        lane on the thread that loaded the model.
+        """
+        threads = self._threads if compute_thread else self._threads[1:]
+        for thread in threads:
             if not thread.is_alive():
                 thread.start()
+
+    def run_compute_lane(self) -> None:
+        """Run the compute lane on the calling thread until ``stop()``."""
+        self._compute_loop()
 
     # --- models --------------------------------------------------------------------------------------------
     def create_model(self, model_id: str, spec: Any) -> Future:
@@ -172,7 +184,7 @@ class Engine:
         if self._lifecycle:
             return self._lifecycle.popleft()
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
-        batch = next_batch(heads, self._rotation, self._token_budget)
+        batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce)
         if not batch:
             return None
         taken = [self._queues[command.model_id].take_head() for command in batch]
@@ -265,7 +277,7 @@ class Engine:
             self._settle(future, EngineStopped(f"The trainer stopped before request {command.request_id} ran."))
         self._persist_jobs.put(None)
         for thread in self._threads:
-            if thread.is_alive():
+            if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout_s)
 
     @staticmethod

@@ -10,17 +10,17 @@ TOKENS_PER_BATCH = 8192
 
 
 def next_batch(heads: Mapping[str, Command], rotation: Sequence[str],
-               token_budget: int = TOKENS_PER_BATCH) -> list[Command]:
+               token_budget: int = TOKENS_PER_BATCH, coalesce: bool = True) -> list[Command]:
     """The next physical batch: the anchor is the first model in ``rotation`` with a ready head (the engine moves
     it to the back afterwards, so no client starves); other models' heads join when they share its coalesce key
     and, for forward passes, fit the token budget (the anchor always runs, however large). At most one command per
-    model per batch; saves and loads run alone."""
+    model per batch; saves and loads run alone. ``coalesce=False`` runs every command alone (for comparison)."""
     anchor_model = next((model for model in rotation if model in heads), None)
     if anchor_model is None:
         return []
     anchor = heads[anchor_model]
     batch = [anchor]
-    if anchor.kind not in COALESCING_KINDS:
+    if not coalesce or anchor.kind not in COALESCING_KINDS:
         return batch
     budgeted = anchor.kind in (FORWARD_BACKWARD, FORWARD)
     tokens = anchor.tokens
