@@ -9,8 +9,10 @@ import torch
 from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import Datum, LoraSpec, TrainInput
-from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
+from lilo.backend.types import Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
+from lilo.engine.commands import (
+    FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER, Command,
+)
 from lilo.errors import InvalidRequestError
 
 
@@ -144,3 +146,78 @@ def test_fused_optimizer_step_matches_torch_adamw_per_adapter(base):
     for copies, _, trained, slot in references.values():
         for c, j in zip(copies, trained):
             assert torch.allclose(backend.optimizer.parameters[j][slot], c.detach(), rtol=1e-5, atol=1e-7)
+
+
+def save(backend, model_id, seq, name, kind=SAVE_WEIGHTS):
+    command = Command(model_id, seq, kind, f"{model_id}:{seq}", payload=SaveRequest(name))
+    return backend.persist(command, backend.capture(command))["path"]
+
+
+def train_steps(backend, model_id, seqs):
+    losses = []
+    for seq in seqs:
+        result = backend.forward_backward([step(model_id, seq, [datum(seq), datum(seq + 100)])], False)[0]
+        losses.append(result["metrics"]["loss:sum"])
+        backend.optim_step([Command(model_id, seq + 1, OPTIM_STEP, f"{model_id}:{seq + 1}",
+                                    payload=AdamParams(learning_rate=1e-2))])
+    return losses
+
+
+def test_save_then_load_resumes_training_bit_identically(base, tmp_path):
+    backend = fresh_backend(base, {"m": LoraSpec(rank=8, seed=0, train_unembed=True)})
+    backend.checkpoint_dir = tmp_path
+    train_steps(backend, "m", [1, 3])
+    path = save(backend, "m", 5, "step-2")
+    first = train_steps(backend, "m", [7, 9])
+    params_first = [p[backend.adapters["m"].slot].clone() for p in backend.optimizer.parameters]
+    backend.load_weights(Command("m", 11, LOAD_WEIGHTS, "m:11", payload=LoadRequest(path)))
+    again = train_steps(backend, "m", [7, 9])
+    assert again == first
+    params_again = [p[backend.adapters["m"].slot] for p in backend.optimizer.parameters]
+    assert all(torch.equal(a, b) for a, b in zip(params_first, params_again))
+
+
+def test_the_sampler_export_loads_in_peft_with_equal_logits(base, tmp_path):
+    from peft import PeftModel
+
+    backend = fresh_backend(base, {"m": LoraSpec(rank=8, alpha=16, seed=0, train_unembed=True)})
+    backend.checkpoint_dir = tmp_path
+    train_steps(backend, "m", [1, 3])
+    path = save(backend, "m", 5, "for-sampler", kind=SAVE_WEIGHTS_FOR_SAMPLER)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    tokens = torch.as_tensor([datum(42).tokens])
+    with torch.no_grad():
+        backend._route(torch.tensor([backend.adapters["m"].slot]))
+        ours = backend.model(input_ids=tokens).logits
+        backend._route(None)
+        theirs = peft_model(input_ids=tokens).logits
+        bare = base(input_ids=tokens).logits
+    assert not torch.allclose(ours, bare, atol=1e-4)  # the adapter really changes the output
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", "", ".hidden", "x" * 200])
+def test_checkpoint_names_cannot_escape_the_checkpoint_directory(base, tmp_path, name):
+    backend = fresh_backend(base, {"m": LoraSpec(seed=0)})
+    backend.checkpoint_dir = tmp_path
+    with pytest.raises(InvalidRequestError, match="is not allowed"):
+        save(backend, "m", 1, name)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_engine_drives_the_torch_backend_end_to_end(base, tmp_path):
+    from lilo.engine.engine import Engine
+
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=4, max_rank=8, checkpoint_dir=tmp_path)
+    engine = Engine(backend, start=False)
+    for model_id in ("a", "b"):
+        engine.create_model(model_id, LoraSpec(rank=4, seed=1))
+    futures = [engine.submit(step(m, 1, [datum(n)])) for n, m in enumerate("ab")]
+    futures += [engine.submit(Command(m, 2, OPTIM_STEP, f"{m}:2", payload=AdamParams())) for m in "ab"]
+    futures.append(engine.submit(Command("a", 3, SAVE_WEIGHTS, "a:3", payload=SaveRequest("after-one-step"))))
+    engine.start()
+    outcomes = [f.result(timeout=60) for f in futures]
+    engine.stop()
+    assert all(o["metrics"]["loss:sum"] > 0 for o in outcomes[:2])
+    assert (tmp_path / "a" / "weights" / "after-one-step" / "state.safetensors").exists()
+    assert engine.timings.snapshot("a")["phases"]["forward_backward.execute"]["mean_batch"] == 2

@@ -9,6 +9,8 @@ row's LoRA delta and gradient touch only its own slot, and losses are per-datum 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -16,10 +18,11 @@ import torch
 from torch import nn
 
 from lilo.backend import losses
+from lilo.backend.checkpoints import AdapterState, checked_name, read_state, write_peft, write_state
 from lilo.backend.lora import attach_multi_lora, projection_kind, target_names
 from lilo.backend.optimizer import AdamParams, SlotAdamW
-from lilo.backend.types import Datum, LoraSpec, TrainInput
-from lilo.engine.commands import Command
+from lilo.backend.types import Datum, LoadRequest, LoraSpec, TrainInput
+from lilo.engine.commands import SAVE_WEIGHTS, Command
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
 DEFAULT_MAX_ADAPTERS = 16
@@ -35,8 +38,11 @@ class Adapter:
 
 class TorchBackend:
     def __init__(self, model: nn.Module, *, max_adapters: int = DEFAULT_MAX_ADAPTERS,
-                 max_rank: int = DEFAULT_MAX_RANK) -> None:
+                 max_rank: int = DEFAULT_MAX_RANK, checkpoint_dir: Path | None = None,
+                 base_model_name: str = "") -> None:
         self.model = model.eval()
+        self.checkpoint_dir = checkpoint_dir or Path(tempfile.gettempdir()) / "lilo-checkpoints"
+        self.base_model_name = base_model_name or str(getattr(model.config, "_name_or_path", ""))
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
         self.max_rank = max_rank
@@ -148,14 +154,57 @@ class TorchBackend:
     def sample(self, commands: Sequence[Command]) -> list[Any]:
         return [NotImplementedError("sampling is not available on this backend yet") for _ in commands]
 
-    def load_weights(self, command: Command) -> Any:
-        raise NotImplementedError("load_weights is not available on this backend yet")
+    # --- checkpoints ---------------------------------------------------------------------------------------
+    def _slices(self, adapter: Adapter):
+        """(key, A or B parameter index, slice of the slot) of every projection the adapter trains."""
+        targets = set(target_names(adapter.spec.train_attn, adapter.spec.train_mlp, adapter.spec.train_unembed))
+        rank = adapter.spec.rank
+        for n, path in enumerate(self.layers):
+            if projection_kind(path) in targets:
+                yield f"{path}.lora_A", 2 * n, (adapter.slot, slice(0, rank))
+                yield f"{path}.lora_B", 2 * n + 1, (adapter.slot, slice(None), slice(0, rank))
 
-    def capture(self, command: Command) -> Any:
-        raise NotImplementedError("checkpoints are not available on this backend yet")
+    def capture(self, command: Command) -> tuple[str, AdapterState]:
+        """Copy the adapter (and for save_weights its optimizer state) to CPU; the slot may change right after."""
+        adapter = self._adapter(command.model_id)
+        name = checked_name(command.payload.name)
+        with_optimizer = command.kind == SAVE_WEIGHTS
+        tensors = {}
+        for key, index, where in self._slices(adapter):
+            tensors[key] = self._parameters[index][where].detach().to("cpu", copy=True)
+            if with_optimizer:
+                tensors[f"{key}.exp_avg"] = self.optimizer.exp_avg[index][where].to("cpu", copy=True)
+                tensors[f"{key}.exp_avg_sq"] = self.optimizer.exp_avg_sq[index][where].to("cpu", copy=True)
+        step = self.optimizer.steps.get(adapter.slot, 0) if with_optimizer else None
+        return name, AdapterState(adapter.spec, tensors, step)
 
-    def persist(self, command: Command, captured: Any) -> Any:
-        raise NotImplementedError("checkpoints are not available on this backend yet")
+    def persist(self, command: Command, captured: tuple[str, AdapterState]) -> dict[str, str]:
+        name, state = captured
+        if "/" in command.model_id or command.model_id in ("", ".", ".."):
+            raise InvalidRequestError(f"Model id {command.model_id!r} cannot name a checkpoint directory.")
+        if command.kind == SAVE_WEIGHTS:
+            directory = write_state(state, self.checkpoint_dir / command.model_id / "weights" / name)
+        else:
+            directory = write_peft(state, self.checkpoint_dir / command.model_id / "sampler_weights" / name,
+                                   self.base_model_name)
+        return {"path": str(directory)}
+
+    def load_weights(self, command: Command) -> dict[str, str]:
+        """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights."""
+        request: LoadRequest = command.payload
+        state = read_state(Path(request.path))
+        self.remove_adapter(command.model_id)
+        self.add_adapter(command.model_id, state.spec)
+        adapter = self.adapters[command.model_id]
+        with torch.no_grad():
+            for key, index, where in self._slices(adapter):
+                self._parameters[index][where] = state.tensors[key].to(self._parameters[index].device)
+                if request.optimizer and state.step is not None:
+                    self.optimizer.exp_avg[index][where] = state.tensors[f"{key}.exp_avg"]
+                    self.optimizer.exp_avg_sq[index][where] = state.tensors[f"{key}.exp_avg_sq"]
+        if request.optimizer and state.step is not None:
+            self.optimizer.steps[adapter.slot] = state.step
+        return {"path": request.path}
 
 
 def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: int) -> None:

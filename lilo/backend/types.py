@@ -36,3 +36,16 @@ class TrainInput:
     @property
     def tokens(self) -> int:
         return sum(len(datum.tokens) for datum in self.data)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRequest:
+    """``save_weights`` (adapter + optimizer) or ``save_weights_for_sampler`` (PEFT adapter), by the command's kind."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    path: str
+    optimizer: bool = True

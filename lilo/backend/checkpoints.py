@@ -1,0 +1,79 @@
+"""Adapter checkpoints: capture a slot's state to CPU (compute lane), write it to disk (persist lane), load it back.
+
+Two formats:
+- ``save_weights``: the adapter and its optimizer state (``state.safetensors`` + ``meta.json``), so training
+  resumes exactly after ``load_weights``;
+- ``save_weights_for_sampler``: the adapter alone in PEFT's format (``adapter_config.json`` +
+  ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads onto the same base model.
+Names are plain file names; nothing a client sends can point outside the checkpoint directory, and nothing read
+back is unpickled (safetensors and JSON only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lilo.backend.types import LoraSpec
+from lilo.errors import InvalidRequestError
+
+STATE_FILE, META_FILE = "state.safetensors", "meta.json"
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclasses.dataclass
+class AdapterState:
+    """One adapter, copied out of its slot: per projection path, A ``(rank, in)`` and B ``(out, rank)``."""
+
+    spec: LoraSpec
+    tensors: dict[str, torch.Tensor]  # "<path>.lora_A" / "<path>.lora_B" (and ".exp_avg" / ".exp_avg_sq")
+    step: int | None = None  # optimizer steps taken; None when the optimizer state was not captured
+
+
+def checked_name(name: str) -> str:
+    if not NAME_PATTERN.match(name or "") or ".." in name:
+        raise InvalidRequestError(
+            f"Checkpoint name {name!r} is not allowed; use letters, digits, '.', '_' and '-' (at most 128), "
+            "starting with a letter or digit.")
+    return name
+
+
+def write_state(state: AdapterState, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({key: tensor.contiguous() for key, tensor in state.tensors.items()}, str(directory / STATE_FILE))
+    meta = {"spec": dataclasses.asdict(state.spec), "step": state.step}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2))
+    return directory
+
+
+def read_state(directory: Path) -> AdapterState:
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+        tensors = load_file(str(directory / STATE_FILE))
+    except FileNotFoundError:
+        raise InvalidRequestError(f"No weights checkpoint at {directory}; pass a path save_weights returned.") from None
+    return AdapterState(LoraSpec(**meta["spec"]), tensors, meta["step"])
+
+
+def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
+    """The adapter as PEFT saves one: keys ``base_model.model.<path>.lora_A.weight``, alpha and rank as trained."""
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {f"base_model.model.{key}.weight": tensor.contiguous() for key, tensor in state.tensors.items()
+               if key.endswith((".lora_A", ".lora_B"))}
+    save_file(weights, str(directory / PEFT_WEIGHTS))
+    targets = sorted({key.rsplit(".", 2)[-2] for key in state.tensors if key.endswith(".lora_A")})
+    config: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": state.spec.rank, "lora_alpha": state.spec.alpha or state.spec.rank, "lora_dropout": 0.0,
+        "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+    }
+    (directory / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
+    return directory
