@@ -221,3 +221,54 @@ def test_the_engine_drives_the_torch_backend_end_to_end(base, tmp_path):
     assert all(o["metrics"]["loss:sum"] > 0 for o in outcomes[:2])
     assert (tmp_path / "a" / "weights" / "after-one-step" / "state.safetensors").exists()
     assert engine.timings.snapshot("a")["phases"]["forward_backward.execute"]["mean_batch"] == 2
+
+
+def sample_command(model_id, seq, **settings):
+    from lilo.backend.sampling import SamplingRequest
+    from lilo.engine.commands import SAMPLE
+
+    request = SamplingRequest(**{"prompt": datum(7, length=10).tokens, "max_tokens": 6, **settings})
+    return Command(model_id, seq, SAMPLE, f"{model_id}:s{seq}", payload=request)
+
+
+def test_the_same_seed_gives_the_same_tokens_alone_or_in_a_batch(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0), "b": LoraSpec(seed=1)})
+    train_steps(backend, "a", [1])  # the adapters differ from the base and from each other
+    alone = backend.sample([sample_command("a", 1, seed=123, num_samples=2, temperature=0.9, top_k=50)])[0]
+    together = backend.sample([sample_command("b", 1, seed=7, prompt=[1, 2, 3]),
+                               sample_command("a", 1, seed=123, num_samples=2, temperature=0.9, top_k=50)])[1]
+    assert [s["tokens"] for s in alone["sequences"]] == [s["tokens"] for s in together["sequences"]]
+    assert alone["sequences"][0]["tokens"] != alone["sequences"][1]["tokens"]  # samples differ from each other
+    assert all(len(s["tokens"]) == 6 and s["stop_reason"] == "length" for s in alone["sequences"])
+    assert all(lp <= 0 for s in alone["sequences"] for lp in s["logprobs"])
+
+
+def test_greedy_sampling_matches_the_adapters_own_argmax(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    train_steps(backend, "a", [1])
+    result = backend.sample([sample_command("a", 1, temperature=0.0, max_tokens=3, prompt_logprobs=True)])[0]
+    tokens = list(datum(7, length=10).tokens)
+    expected = []
+    with torch.no_grad():
+        backend._route(torch.tensor([backend.adapters["a"].slot]))
+        for _ in range(3):
+            expected.append(int(backend.model(input_ids=torch.as_tensor([tokens + expected])).logits[0, -1].argmax()))
+        backend._route(None)
+    assert result["sequences"][0]["tokens"] == expected
+    assert result["prompt_logprobs"][0] is None and len(result["prompt_logprobs"]) == 10
+
+
+def test_a_stop_sequence_ends_a_sample(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    free = backend.sample([sample_command("a", 1, temperature=0.0, max_tokens=5)])[0]["sequences"][0]["tokens"]
+    stop = [free[2]]
+    stopped = backend.sample([sample_command("a", 2, temperature=0.0, max_tokens=5, stop=[stop])])[0]
+    assert stopped["sequences"][0]["tokens"] == free[:free.index(free[2]) + 1]
+    assert stopped["sequences"][0]["stop_reason"] == "stop"
+
+
+def test_a_bad_sampling_request_fails_alone(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    results = backend.sample([sample_command("a", 1, prompt=[5000]), sample_command("a", 2, seed=1)])
+    assert isinstance(results[0], InvalidRequestError) and "outside the vocabulary" in str(results[0])
+    assert len(results[1]["sequences"][0]["tokens"]) == 6

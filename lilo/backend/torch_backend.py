@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lilo.backend import losses
+from lilo.backend import losses, sampling
 from lilo.backend.checkpoints import AdapterState, checked_name, read_state, write_peft, write_state
 from lilo.backend.lora import attach_multi_lora, projection_kind, target_names
 from lilo.backend.optimizer import AdamParams, SlotAdamW
@@ -152,7 +152,22 @@ class TorchBackend:
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
 
     def sample(self, commands: Sequence[Command]) -> list[Any]:
-        return [NotImplementedError("sampling is not available on this backend yet") for _ in commands]
+        """Every command's samples in one batched generation, each row through its own adapter."""
+        results: list[Any] = [None] * len(commands)
+        valid = []
+        for i, command in enumerate(commands):
+            try:
+                self._adapter(command.model_id)
+                sampling.validate(command.payload, self.vocab_size)
+                valid.append(i)
+            except Exception as error:
+                results[i] = error
+        if valid:
+            generated = sampling.generate(self.model, self._route, [commands[i].payload for i in valid],
+                                          [self.adapters[commands[i].model_id].slot for i in valid])
+            for i, result in zip(valid, generated):
+                results[i] = result
+        return results
 
     # --- checkpoints ---------------------------------------------------------------------------------------
     def _slices(self, adapter: Adapter):

@@ -1,0 +1,145 @@
+"""Batched generation for many adapters at once: every row carries its own adapter slot, sampling settings and
+random generator, over one shared KV cache.
+
+Rows are left-padded prompts; each step runs one token per row through the model with per-row adapters, then
+samples per row: ``temperature`` (0: greedy), ``top_k``, ``top_p``, seeded by ``seed`` and the sample's index, so
+the same request gives the same tokens whatever else shares the batch. Reported logprobs are those of the sampled
+tokens under the temperature-scaled distribution; ``prompt_logprobs`` those of each prompt token given the ones
+before it (None for the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Callable, Sequence
+
+import torch
+
+from lilo.errors import InvalidRequestError
+
+STOP, LENGTH = "stop", "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRequest:
+    prompt: Sequence[int]
+    max_tokens: int = 16
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1: all tokens
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[Sequence[int]] = ()  # token-id sequences that end a sample
+    prompt_logprobs: bool = False
+
+
+@dataclasses.dataclass
+class Row:
+    request: int  # index of the request this row samples for
+    slot: int
+    settings: SamplingRequest
+    generator: torch.Generator
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    stop_reason: str | None = None
+
+
+def validate(request: SamplingRequest, vocab_size: int) -> None:
+    if not request.prompt:
+        raise InvalidRequestError("The prompt is empty; send at least one token.")
+    if min(request.prompt) < 0 or max(request.prompt) >= vocab_size:
+        raise InvalidRequestError(f"The prompt holds ids outside the vocabulary [0, {vocab_size}).")
+    if request.max_tokens < 1 or request.num_samples < 1:
+        raise InvalidRequestError("max_tokens and num_samples must be at least 1.")
+    if request.temperature < 0 or not 0 < request.top_p <= 1:
+        raise InvalidRequestError("temperature must be >= 0 and top_p in (0, 1].")
+
+
+def sample_next(logits: torch.Tensor, settings: SamplingRequest, generator: torch.Generator) -> tuple[int, float]:
+    """One token for one row from its last-position logits, and its logprob."""
+    if settings.temperature == 0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, -1)[token])
+    scaled = logits / settings.temperature
+    logprobs = torch.log_softmax(scaled, -1)
+    filtered = scaled.clone()
+    if 0 < settings.top_k < filtered.numel():
+        kth = torch.topk(filtered, settings.top_k).values[-1]
+        filtered[filtered < kth] = float("-inf")
+    if settings.top_p < 1.0:
+        ordered, order = torch.sort(filtered, descending=True)
+        cumulative = torch.cumsum(torch.softmax(ordered, -1), -1)
+        drop = cumulative - torch.softmax(ordered, -1) > settings.top_p  # keep the smallest prefix reaching top_p
+        filtered[order[drop]] = float("-inf")
+    token = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+def generate(model: torch.nn.Module, route: Callable[[torch.Tensor | None], None], requests: Sequence[SamplingRequest],
+             slots: Sequence[int]) -> list[dict]:
+    """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation."""
+    rows = [Row(i, slots[i], request, _generator(request.seed, k))
+            for i, request in enumerate(requests) for k in range(request.num_samples)]
+    width = max(len(request.prompt) for request in requests)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        prompt = torch.as_tensor(list(row.settings.prompt))
+        ids[r, width - len(prompt):] = prompt
+        mask[r, width - len(prompt):] = 1
+    prompt_logprobs: dict[int, list[float | None]] = {}
+    route(torch.tensor([row.slot for row in rows]))
+    try:
+        with torch.no_grad():
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            for r, row in enumerate(rows):
+                if row.settings.prompt_logprobs and row.request not in prompt_logprobs:
+                    prompt_logprobs[row.request] = _prompt_logprobs(out.logits[r], ids[r], len(row.settings.prompt))
+            logits, cache = out.logits[:, -1], out.cache
+            for _ in range(max(request.max_tokens for request in requests)):
+                next_ids = torch.zeros(len(rows), 1, dtype=torch.long)
+                for r, row in enumerate(rows):
+                    if row.stop_reason is None:
+                        token, logprob = sample_next(logits[r].float(), row.settings, row.generator)
+                        row.tokens.append(token)
+                        row.logprobs.append(logprob)
+                        row.stop_reason = _stopped(row)
+                        next_ids[r, 0] = token
+                if all(row.stop_reason is not None for row in rows):
+                    break
+                mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+                positions = positions[:, -1:] + 1
+                out = model(input_ids=next_ids, attention_mask=mask, position_ids=positions,
+                            cache=cache, use_cache=True)
+                logits, cache = out.logits[:, -1], out.cache
+    finally:
+        route(None)
+    results: list[dict] = [{"sequences": []} for _ in requests]
+    for row in rows:
+        results[row.request]["sequences"].append(
+            {"tokens": row.tokens, "logprobs": row.logprobs, "stop_reason": row.stop_reason or LENGTH})
+    for index, values in prompt_logprobs.items():
+        results[index]["prompt_logprobs"] = values
+    return results
+
+
+def _generator(seed: int | None, sample_index: int) -> torch.Generator:
+    """Sample k of a request draws from its own stream: the same seed gives the same tokens in any batch."""
+    base = seed if seed is not None else random.getrandbits(62)
+    return torch.Generator().manual_seed((base * 1_000_003 + sample_index) % 2**63)
+
+
+def _stopped(row: Row) -> str | None:
+    for stop in row.settings.stop:
+        if stop and row.tokens[-len(stop):] == list(stop):
+            return STOP
+    return LENGTH if len(row.tokens) >= row.settings.max_tokens else None
+
+
+def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, length: int) -> list[float | None]:
+    """Logprob of each prompt token given those before it (the row is left-padded to ``ids``' width)."""
+    start = ids.numel() - length
+    logprobs = torch.log_softmax(logits[start:-1].float(), -1).gather(-1, ids[start + 1:].unsqueeze(-1)).squeeze(-1)
+    return [None, *logprobs.tolist()]
