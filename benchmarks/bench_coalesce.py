@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lilo.backend.models import build_tiny_llama, load_base_model
+from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import Datum, LoraSpec, TrainInput
@@ -162,15 +162,18 @@ def optim_fused_speedup(base: nn.Module, adapters: int, repeats: int = 5) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["tiny"], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--adapters", default="1,4,8,16")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as directory:
-        base = load_base_model(build_tiny_llama(Path(directory) / "tiny"))
+    if args.model == "smollm2":
+        base = load_base_model(smollm2_directory())
+    else:
+        with tempfile.TemporaryDirectory() as directory:
+            base = load_base_model(build_tiny_llama(Path(directory) / "tiny"))
     flops = gemm_gflops()
     weights = matmul_parameters(base)
     results = []

