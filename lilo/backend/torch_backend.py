@@ -108,7 +108,10 @@ class TorchBackend:
             finally:
                 self._route(None)
             targets, _ = _padded([datum.loss_inputs["target_tokens"] for _, datum in rows])
-            target_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            # Fused log-softmax + gather (and its backward): the full (rows, tokens, vocab) log-probabilities of a
+            # 49k-token vocabulary never materialize.
+            target_logprobs = -torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
             total = torch.zeros(())
             row = 0
             for i, command, loss_fn, config in valid:
@@ -140,8 +143,9 @@ class TorchBackend:
         return loss_fn, config
 
     def _route(self, slots: torch.Tensor | None) -> None:
+        """Tell every LoRA layer which slot each row uses; a layer no routed adapter trains runs as the bare base."""
         for layer in self.layers.values():
-            layer.row_slots = slots
+            layer.row_slots = slots if slots is not None and bool(layer.scale[slots].any()) else None
 
     def optim_step(self, commands: Sequence[Command]) -> list[Any]:
         adapters = [self._adapter(command.model_id) for command in commands]
