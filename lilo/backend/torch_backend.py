@@ -27,6 +27,8 @@ from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
 DEFAULT_MAX_ADAPTERS = 16
 DEFAULT_MAX_RANK = 32
+# Padded tokens per forward/backward pass; a larger request is split into micro-batches.
+DEFAULT_MAX_BATCH_TOKENS = 8192
 
 
 @dataclasses.dataclass
@@ -39,8 +41,9 @@ class Adapter:
 class TorchBackend:
     def __init__(self, model: nn.Module, *, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  max_rank: int = DEFAULT_MAX_RANK, checkpoint_dir: Path | None = None,
-                 base_model_name: str = "") -> None:
+                 base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
         self.model = model.eval()
+        self.max_batch_tokens = max_batch_tokens
         self.checkpoint_dir = checkpoint_dir or Path(tempfile.gettempdir()) / "lilo-checkpoints"
         self.base_model_name = base_model_name or str(getattr(model.config, "_name_or_path", ""))
         for parameter in self.model.parameters():
@@ -98,39 +101,47 @@ class TorchBackend:
                 results[i] = error
         if not valid:
             return results
-        rows = [(command, datum) for _, command, _, _ in valid for datum in command.payload.data]
-        slots = torch.tensor([self.adapters[command.model_id].slot for command, _ in rows])
-        input_ids, mask = _padded([datum.tokens for _, datum in rows])
-        with torch.set_grad_enabled(not forward_only):
-            self._route(slots)
-            try:
-                logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
-            finally:
-                self._route(None)
-            targets, _ = _padded([datum.loss_inputs["target_tokens"] for _, datum in rows])
-            # Fused log-softmax + gather (and its backward): the full (rows, tokens, vocab) log-probabilities of a
-            # 49k-token vocabulary never materialize.
-            target_logprobs = -torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-            total = torch.zeros(())
-            row = 0
-            for i, command, loss_fn, config in valid:
-                outputs, loss_sum = [], torch.zeros(())
-                for datum in command.payload.data:
-                    length = len(datum.tokens)
-                    logprobs = target_logprobs[row, :length]
-                    inputs = {key: torch.as_tensor(np.asarray(value), dtype=torch.float32)
-                              for key, value in datum.loss_inputs.items() if key != "target_tokens"}
-                    elementwise = loss_fn(logprobs, inputs, config)
-                    loss_sum = loss_sum + elementwise.sum()
-                    outputs.append({"logprobs": logprobs.detach().tolist(),
-                                    "elementwise_loss": elementwise.detach().tolist()})
-                    row += 1
-                total = total + loss_sum
-                results[i] = {"loss_fn_outputs": outputs, "metrics": {"loss:sum": float(loss_sum.detach())}}
-            if not forward_only:
-                total.backward()
+        # One row per datum, tagged with its request; rows go through the model in micro-batches of at most
+        # max_batch_tokens (a lone longer row still runs), gradients accumulating across them.
+        rows = [(n, datum) for n, (_, command, _, _) in enumerate(valid) for datum in command.payload.data]
+        outputs: list[list[dict]] = [[] for _ in valid]
+        sums = [0.0] * len(valid)
+        for chunk in _micro_batches(rows, self.max_batch_tokens):
+            with torch.set_grad_enabled(not forward_only):
+                per_row = self._rows_forward(chunk, valid)
+                if not forward_only:
+                    torch.stack([loss for _, _, loss in per_row]).sum().backward()
+            for (n, _), (logprobs, elementwise, loss) in zip(chunk, per_row):
+                outputs[n].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
+                sums[n] += float(loss.detach())
+        for n, (i, _, _, _) in enumerate(valid):
+            results[i] = {"loss_fn_outputs": outputs[n], "metrics": {"loss:sum": sums[n]}}
         return results
+
+    def _rows_forward(self, chunk: Sequence[tuple[int, Datum]], valid: Sequence[tuple]) -> list[tuple]:
+        """(target logprobs, per-token loss, loss sum) of each row, the loss sums still attached to the graph."""
+        slots = torch.tensor([self.adapters[valid[n][1].model_id].slot for n, _ in chunk])
+        input_ids, mask = _padded([datum.tokens for _, datum in chunk])
+        self._route(slots)
+        try:
+            # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal path.
+            logits = self.model(input_ids=input_ids, attention_mask=None if bool(mask.all()) else mask).logits
+        finally:
+            self._route(None)
+        targets, _ = _padded([datum.loss_inputs["target_tokens"] for _, datum in chunk])
+        # Fused log-softmax + gather (and its backward): the full (rows, tokens, vocab) log-probabilities of a
+        # 49k-token vocabulary never materialize.
+        target_logprobs = -torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+        per_row = []
+        for row, (n, datum) in enumerate(chunk):
+            _, _, loss_fn, config = valid[n]
+            logprobs = target_logprobs[row, :len(datum.tokens)]
+            inputs = {key: torch.as_tensor(np.asarray(value), dtype=torch.float32)
+                      for key, value in datum.loss_inputs.items() if key != "target_tokens"}
+            elementwise = loss_fn(logprobs, inputs, config)
+            per_row.append((logprobs.detach(), elementwise.detach(), elementwise.sum()))
+        return per_row
 
     def _validate(self, command: Command) -> tuple[losses.LossFn, dict]:
         self._adapter(command.model_id)
@@ -244,6 +255,23 @@ def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: 
         if array.min() < 0 or array.max() >= vocab_size:
             raise InvalidRequestError(
                 f"Datum {index}: {key} holds ids outside the vocabulary [0, {vocab_size}); check the tokenizer.")
+
+
+def _micro_batches(rows: Sequence[tuple[int, Datum]], max_tokens: int) -> list[list[tuple[int, Datum]]]:
+    """Consecutive rows grouped so each group's padded size (rows x longest) stays within ``max_tokens``."""
+    batches: list[list[tuple[int, Datum]]] = []
+    current: list[tuple[int, Datum]] = []
+    longest = 0
+    for row in rows:
+        length = len(row[1].tokens)
+        if current and (len(current) + 1) * max(longest, length) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def _padded(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
