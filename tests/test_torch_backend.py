@@ -335,3 +335,38 @@ def test_micro_batches_accumulate_the_same_gradients_as_one_pass(base):
     for model_id in specs:
         for g_one, g_many in zip(slot_grads(whole, model_id), slot_grads(split, model_id)):
             assert (g_one - g_many).abs().max().item() <= 1e-5 * (g_one.abs().max().item() or 1.0)
+
+
+def test_gradients_equal_a_peft_reference_model(base):
+    from peft import LoraConfig, get_peft_model
+
+    from lilo.backend.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+
+    spec = LoraSpec(rank=4, alpha=8, seed=3)
+    backend = fresh_backend(base, {"a": spec})
+    train_steps(backend, "a", [1])  # B leaves zero, so both factors carry gradient
+    slot = backend.adapters["a"].slot
+    reference = get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(ATTENTION_PROJECTIONS + MLP_PROJECTIONS)))
+    with torch.no_grad():
+        for path, layer in backend.layers.items():
+            if path.endswith("lm_head"):
+                continue
+            theirs = reference.base_model.model.get_submodule(path)
+            theirs.lora_A["default"].weight.copy_(layer.lora_A[slot, :4])
+            theirs.lora_B["default"].weight.copy_(layer.lora_B[slot, :, :4])
+    sample = datum(77, length=30)
+    ours = backend.forward_backward([step("a", 3, [sample])], forward_only=False)[0]["metrics"]["loss:sum"]
+    logits = reference(input_ids=torch.as_tensor([sample.tokens])).logits[0]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(
+        -1, torch.as_tensor(sample.loss_inputs["target_tokens"]).unsqueeze(-1)).squeeze(-1)
+    theirs_loss = -(logprobs * torch.as_tensor(sample.loss_inputs["weights"], dtype=torch.float32)).sum()
+    theirs_loss.backward()
+    assert ours == pytest.approx(float(theirs_loss), rel=1e-5)
+    for path, layer in backend.layers.items():
+        if path.endswith("lm_head"):
+            continue
+        theirs = reference.base_model.model.get_submodule(path)
+        for ours_grad, their_grad in ((layer.lora_A.grad[slot, :4], theirs.lora_A["default"].weight.grad),
+                                      (layer.lora_B.grad[slot, :, :4], theirs.lora_B["default"].weight.grad)):
+            assert (ours_grad - their_grad).abs().max().item() <= 1e-5 * (their_grad.abs().max().item() or 1.0)
