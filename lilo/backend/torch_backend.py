@@ -83,6 +83,10 @@ class TorchBackend:
         del self.adapters[model_id]
         self._free_slots.append(adapter.slot)
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
     def _adapter(self, model_id: str) -> Adapter:
         adapter = self.adapters.get(model_id)
         if adapter is None:

@@ -1,0 +1,111 @@
+"""The trainer actor: one per GPU (a configured number on CPU), owning its adapters, its engine and its timing.
+
+All torch work of a trainer happens on one thread of its own: that thread loads the base model, builds the
+backend, then runs the engine's compute lane (on CPU, torch runs in parallel well only from one thread). The
+actor's event loop only hands commands to the engine and awaits their futures, so it keeps answering while a batch
+runs. Every trainer keeps its critical path always (``timing``) and pushes it to the cluster's timing actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.local import NAMESPACE
+from cluster.timing import TimingPublisher, get_timing_actor
+from lilo.backend.models import load_base_model, model_directory
+from lilo.backend.torch_backend import TorchBackend
+from lilo.backend.types import LoraSpec
+from lilo.engine.commands import Command
+from lilo.engine.engine import Engine
+from lilo.telemetry.critical_path import BACKEND_READY, SERVING_READY
+
+TRAINER_PREFIX = "lilo-trainer-"
+
+
+def trainer_name(index: int) -> str:
+    return f"{TRAINER_PREFIX}{index}"
+
+
+@ray.remote(max_restarts=0, max_concurrency=1000)
+class TrainerActor:
+    def __init__(self, name: str, base_model: str, *, max_adapters: int = 16, max_rank: int = 32,
+                 checkpoint_dir: str | None = None, model_cache_dir: str | None = None) -> None:
+        self.name = name
+        self.base_model = base_model
+        self._ready: Future = Future()
+        settings = dict(max_adapters=max_adapters, max_rank=max_rank, checkpoint_dir=checkpoint_dir,
+                        model_cache_dir=model_cache_dir)
+        self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
+                                              daemon=True)
+        self._torch_thread.start()
+
+    def _run_torch(self, max_adapters: int, max_rank: int, checkpoint_dir: str | None,
+                   model_cache_dir: str | None) -> None:
+        try:
+            directory = model_directory(self.base_model, Path(model_cache_dir) if model_cache_dir else None)
+            backend = TorchBackend(load_base_model(directory), max_adapters=max_adapters, max_rank=max_rank,
+                                   checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                                   base_model_name=self.base_model)
+            engine = Engine(backend, start=False)
+            engine.timings.mark(BACKEND_READY)
+            engine.start(compute_thread=False)
+            publisher = TimingPublisher(engine.timings, self.name, get_timing_actor()).start()
+            self._ready.set_result((engine, backend, publisher))
+        except BaseException as error:
+            self._ready.set_exception(error)
+            return
+        engine.run_compute_lane()
+
+    async def _engine(self) -> Engine:
+        engine, _, _ = await asyncio.wrap_future(self._ready)
+        return engine
+
+    async def ready(self) -> dict[str, Any]:
+        """Waits for the base model; says what this trainer serves."""
+        engine, backend, _ = await asyncio.wrap_future(self._ready)
+        engine.timings.mark(SERVING_READY)
+        return {"name": self.name, "base_model": self.base_model, "free_slots": backend.free_slots,
+                "vocab_size": backend.vocab_size}
+
+    async def create_model(self, model_id: str, spec: LoraSpec) -> str:
+        engine = await self._engine()
+        return await asyncio.wrap_future(engine.create_model(model_id, spec))
+
+    async def remove_model(self, model_id: str) -> str:
+        engine = await self._engine()
+        return await asyncio.wrap_future(engine.remove_model(model_id))
+
+    async def run(self, command: Command) -> Any:
+        """Queue a command in its model's order and return its result (or raise its own error)."""
+        engine = await self._engine()
+        return await asyncio.wrap_future(engine.submit(command))
+
+    async def timing(self, model_id: str | None = None, reset: bool = False, reader: str = "") -> dict | None:
+        """This trainer's critical path of one of its models (None if not here), or of all of them."""
+        engine = await self._engine()
+        if model_id is not None and not await self.has_model(model_id):
+            return None
+        return engine.timings.snapshot(model_id, reset=reset, reader=reader)
+
+    async def has_model(self, model_id: str) -> bool:
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        return model_id in backend.adapters
+
+    async def stop(self) -> None:
+        engine, _, publisher = await asyncio.wrap_future(self._ready)
+        publisher.stop()
+        engine.stop()
+
+
+def start_trainer(index: int, base_model: str, *, num_gpus: float = 0, num_cpus: float = 1,
+                  **options: Any) -> ray.actor.ActorHandle:
+    """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist."""
+    name = trainer_name(index)
+    return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
+                                lifetime="detached").remote(name, base_model, **options)

@@ -1,0 +1,65 @@
+"""A trainer actor on the real local cluster: its own torch thread, a real tiny model, and its timing served over
+HTTP by the trainer that owns the model."""
+
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+import ray
+
+from cluster.futures_actor import FUTURES_ACTOR_NAME
+from cluster.local import NAMESPACE
+from cluster.trainer_actor import start_trainer
+from lilo.backend.optimizer import AdamParams
+from lilo.backend.types import Datum, LoraSpec, TrainInput
+from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
+
+
+@pytest.fixture(scope="module")
+def trainer(ray_driver, tmp_path_factory):
+    index = 900 + uuid.uuid4().int % 99
+    actor = start_trainer(index, "lilo/tiny-llama", model_cache_dir=str(tmp_path_factory.mktemp("models")),
+                          checkpoint_dir=str(tmp_path_factory.mktemp("checkpoints")), max_adapters=4, max_rank=8)
+    info = ray.get(actor.ready.remote(), timeout=300)
+    yield actor, info
+    ray.get(actor.stop.remote(), timeout=60)
+    ray.kill(actor)
+
+
+def train_input(seed: int) -> TrainInput:
+    tokens = np.random.default_rng(seed).integers(0, 1000, 32)
+    return TrainInput(data=[Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
+                                                              "weights": np.ones(32, dtype=np.float32)})])
+
+
+def test_a_trainer_trains_its_models_on_its_own_torch_thread(trainer):
+    actor, info = trainer
+    assert info["base_model"] == "lilo/tiny-llama" and info["vocab_size"] == 1000
+    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    assert ray.get(actor.create_model.remote(model_id, LoraSpec(rank=4, seed=0))) == model_id
+    first = ray.get(actor.run.remote(Command(model_id, 1, FORWARD_BACKWARD, f"{model_id}:1", payload=train_input(1),
+                                             tokens=32)))
+    ray.get(actor.run.remote(Command(model_id, 2, OPTIM_STEP, f"{model_id}:2", payload=AdamParams(learning_rate=1e-2))))
+    again = ray.get(actor.run.remote(Command(model_id, 3, FORWARD_BACKWARD, f"{model_id}:3", payload=train_input(1),
+                                             tokens=32)))
+    assert again["metrics"]["loss:sum"] < first["metrics"]["loss:sum"]
+
+
+def test_a_placed_models_timing_is_answered_by_its_trainer(trainer, local_cluster):
+    actor, info = trainer
+    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    ray.get(actor.create_model.remote(model_id, LoraSpec(rank=4, seed=0)))
+    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    ray.get(futures.add_model.remote(model_id, "lilo/tiny-llama", {"rank": 4}))
+    ray.get(futures.place_model.remote(model_id, info["name"]))
+    ray.get(actor.run.remote(Command(model_id, 1, FORWARD_BACKWARD, f"{model_id}:1", payload=train_input(2),
+                                     tokens=32)))
+    url = f"{local_cluster.api_url}/api/v1/timing"
+    # Straight from the trainer: no push interval in between, and the trainer's own gauges.
+    body = httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": "test"}).json()
+    assert body["phases"]["forward_backward.execute"]["count"] == 1
+    assert body["phases"]["accept.execute"]["count"] == 1
+    assert {"trainer.backend_ready_s", "trainer.serving_ready_s", "trainer.first_model_ready_s"} <= set(body["gauges"])
+    again = httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": "test"}).json()
+    assert again["phases"]["forward_backward.execute"]["count"] == 0
