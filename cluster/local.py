@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import IO
 
 import psutil

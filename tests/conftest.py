@@ -12,10 +12,10 @@ from cluster.local import connect_driver, prepare_environment
 # Before anything imports Ray: every Ray process a test starts stays on loopback, and drivers speak the token auth.
 prepare_environment()
 
-import pytest
+import pytest  # noqa: E402 (after prepare_environment, on purpose)
 
-from helpers import Clock, free_port, lilo, short_home
-from lilo.settings import load_settings
+from helpers import Clock, free_port, lilo, short_home  # noqa: E402
+from lilo.settings import load_settings  # noqa: E402
 
 BASE_MODELS = ("lilo/tiny-llama", "HuggingFaceTB/SmolLM2-135M-Instruct")
 

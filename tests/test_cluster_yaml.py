@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
@@ -23,7 +24,7 @@ def test_cluster_yaml_passes_ray_validation():
 def test_ray_validation_rejects_a_broken_config():
     config = load()
     config["head_node_typo"] = config.pop("head_node_type")
-    with pytest.raises(Exception):
+    with pytest.raises(jsonschema.ValidationError, match="'head_node_typo' was unexpected"):
         validate_config(prepare_config(config))
 
 
