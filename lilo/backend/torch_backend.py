@@ -141,7 +141,7 @@ class TorchBackend:
         for row, (n, datum) in enumerate(chunk):
             _, _, loss_fn, config = valid[n]
             logprobs = target_logprobs[row, :len(datum.tokens)]
-            inputs = {key: torch.as_tensor(np.asarray(value), dtype=torch.float32)
+            inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32)
                       for key, value in datum.loss_inputs.items() if key != "target_tokens"}
             elementwise = loss_fn(logprobs, inputs, config)
             per_row.append((logprobs.detach(), elementwise.detach(), elementwise.sum()))

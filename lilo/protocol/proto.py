@@ -1,0 +1,105 @@
+"""The protobuf half of the Tinker wire format (package ``tinker_public``, SDK 0.38.0).
+
+``forward_backward`` requests arrive as protobuf (optionally zstd-compressed) and their results must go back as
+protobuf; the schema is the SDK's own generated module, so the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from lilo.backend.types import Datum, TrainInput
+from lilo.errors import InvalidRequestError
+
+_NUMPY_BY_DTYPE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBackwardCall:
+    model_id: str
+    seq_id: int
+    forward_only: bool
+    train: TrainInput
+
+
+def inflate(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+    """The request body, zstd-decompressed when so encoded, refusing to inflate past ``max_bytes``."""
+    if not content_encoding or content_encoding == "identity":
+        return body
+    if content_encoding != "zstd":
+        raise InvalidRequestError(f"Content-Encoding {content_encoding!r} is not supported; send zstd or none.")
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        inflated = reader.read(max_bytes + 1)
+    except zstandard.ZstdError as error:
+        raise InvalidRequestError(f"The zstd body could not be decompressed ({error}).") from None
+    if len(inflated) > max_bytes:
+        raise InvalidRequestError(f"The body inflates past {max_bytes} bytes; send smaller chunks.")
+    return inflated
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except DecodeError:
+        raise InvalidRequestError("The body is not a tinker_public.ForwardBackwardRequest protobuf.") from None
+    if not message.model_id:
+        raise InvalidRequestError("The request has no model_id; pass the model_id that create_model returned.")
+    if message.seq_id < 1:
+        raise InvalidRequestError(f"seq_id {message.seq_id} is not valid; training requests count from 1.")
+    data = [_datum(n, datum) for n, datum in enumerate(message.data)]
+    config: dict[str, Any] = dict(message.loss_fn_config)
+    for key, value in message.loss_fn_config_v2.items():  # v2 wins; it is the only one that carries strings
+        config[key] = value.text if value.WhichOneof("value") == "text" else value.number
+    train = TrainInput(data=data, loss_fn=message.loss_fn or "cross_entropy", loss_config=config)
+    return ForwardBackwardCall(message.model_id, message.seq_id, message.forward_only, train)
+
+
+def _datum(index: int, message: pb.Datum) -> Datum:
+    tokens: list[np.ndarray] = []
+    for chunk in message.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise InvalidRequestError(f"Datum {index}: {kind} chunks are not supported by this server; send text.")
+        tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+    inputs = {name: _tensor(index, name, tensor) for name, tensor in message.loss_fn_inputs.items()}
+    return Datum(tokens=np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32), loss_inputs=inputs)
+
+
+def _tensor(index: int, name: str, tensor: pb.Tensor) -> np.ndarray:
+    if tensor.WhichOneof("encoding") != "dense":
+        raise InvalidRequestError(f"Datum {index}: {name} is sparse; this server takes dense tensors only.")
+    dtype = _NUMPY_BY_DTYPE.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidRequestError(f"Datum {index}: {name} has an unsupported dtype ({tensor.dtype}).")
+    if len(tensor.dense) % dtype.itemsize:
+        raise InvalidRequestError(f"Datum {index}: {name} has a byte length that is not a whole number of values.")
+    values = np.frombuffer(tensor.dense, dtype=dtype)
+    if len(tensor.shape) > 1:
+        raise InvalidRequestError(f"Datum {index}: {name} has shape {list(tensor.shape)}; send one value per token.")
+    return values
+
+
+def encode_forward_backward_output(outputs: Sequence[Mapping[str, Sequence[float]]],
+                                   metrics: Mapping[str, float]) -> bytes:
+    """One ArrayRecord with a float32 field per output name (``logprobs``, ``elementwise_loss``), one row per
+    datum, as ``tinker.proto.response_conv`` reads it."""
+    message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for name, value in metrics.items():
+        message.metrics[name] = float(value)
+    record = message.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
+    for name in (outputs[0].keys() if outputs else ()):
+        arrays = [np.asarray(output[name], dtype="<f4") for output in outputs]
+        offsets = np.cumsum([0] + [array.nbytes for array in arrays], dtype=np.int64)
+        field = record.fields[name]
+        field.data = b"".join(array.tobytes() for array in arrays)
+        field.offsets = offsets.astype("<i8").tobytes()
+        field.dtype = pb.DTYPE_FLOAT32
+    return message.SerializeToString()
