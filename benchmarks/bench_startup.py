@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from cluster.local import cluster_processes, prepare_environment, read_state
+from lilo.backend.registry import DEFAULT_BASE_MODEL
 from lilo.settings import load_settings
 from serve.deploy import healthz
 
@@ -29,10 +30,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def measure(num_cpus: int | None) -> dict:
+def measure(num_cpus: int | None, base_model: str) -> dict:
     home = Path(tempfile.mkdtemp(prefix="lilo-b-", dir="/tmp"))
     settings = load_settings(env={}, home=home, http_port=free_port(), dashboard_port=free_port(), num_cpus=num_cpus)
-    args = ["--home", str(home), "--port", str(settings.http_port), "--dashboard-port", str(settings.dashboard_port)]
+    args = ["--home", str(home), "--port", str(settings.http_port), "--dashboard-port", str(settings.dashboard_port),
+            "--base-model", base_model]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
     try:
@@ -63,10 +65,11 @@ def measure(num_cpus: int | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-cpus", type=int, help="CPUs the Ray head offers (default: all)")
+    parser.add_argument("--base-model", default=DEFAULT_BASE_MODEL, help="what the trainer loads (cached after once)")
     args = parser.parse_args()
     prepare_environment()  # the environment `lilo up` gives Ray, for the clusters this starts
-    result = measure(args.num_cpus)
-    print(json.dumps({"bench": "startup", **{k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}}))
+    result = measure(args.num_cpus, args.base_model)
+    print(json.dumps({"bench": "startup", "base_model": args.base_model, **{k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}}))
 
 
 if __name__ == "__main__":

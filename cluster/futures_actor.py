@@ -74,10 +74,14 @@ class FuturesActor:
     # --- futures -------------------------------------------------------------------------------------------
     async def submit(self, submission: Submission) -> int:
         """Record one request; returns its id (an identical retry returns the first id; a clash raises 409)."""
+        return (await self.submit_once(submission)).request_id  # type: ignore[return-value]
+
+    async def submit_once(self, submission: Submission) -> SubmitOutcome:
+        """Like ``submit``, also saying whether it was a retry of a request already recorded (not to run again)."""
         outcome: SubmitOutcome = await self._committer.submit(submission)
         if outcome.error is not None:
             raise outcome.error
-        return outcome.request_id  # type: ignore[return-value]
+        return outcome
 
     async def complete(self, completions: Sequence[Completion]) -> bool:
         """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox."""
@@ -86,7 +90,7 @@ class FuturesActor:
             for completion in completions:
                 self._waiter.notify(FutureState(
                     completion.request_id, "completed" if completion.ok else "failed", completion.result,
-                    completion.error, completion.category))
+                    completion.error, completion.category, completion.request_type))
         return written
 
     async def retrieve(self, request_id: int | str, timeout_s: float = RETRIEVE_TIMEOUT_S) -> FutureState:

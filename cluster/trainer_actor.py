@@ -9,23 +9,35 @@ runs. Every trainer keeps its critical path always (``timing``) and pushes it to
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import orjson
 import ray
 
+from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.timing import TimingPublisher, get_timing_actor
 from lilo.backend.models import load_base_model, model_directory
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoraSpec
-from lilo.engine.commands import Command
+from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, Command
 from lilo.engine.engine import Engine
+from lilo.errors import LiloError
+from lilo.futures.store import Completion
+from lilo.protocol.proto import encode_forward_backward_output
+from lilo.settings import Settings
 from lilo.telemetry.critical_path import BACKEND_READY, SERVING_READY
 
+logger = logging.getLogger(__name__)
+
 TRAINER_PREFIX = "lilo-trainer-"
+# How often finished results go to the futures DB, together.
+FLUSH_EVERY_S = 0.02
 
 
 def trainer_name(index: int) -> str:
@@ -39,6 +51,8 @@ class TrainerActor:
         self.name = name
         self.base_model = base_model
         self._ready: Future = Future()
+        self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._flusher: asyncio.Task | None = None
         settings = dict(max_adapters=max_adapters, max_rank=max_rank, checkpoint_dir=checkpoint_dir,
                         model_cache_dir=model_cache_dir)
         self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
@@ -81,6 +95,44 @@ class TrainerActor:
         engine = await self._engine()
         return await asyncio.wrap_future(engine.remove_model(model_id))
 
+    async def submit(self, command: Command) -> None:
+        """Queue a command whose request id is a future in the futures DB: its result (or error) is written there
+        when it finishes, in batches with others'. Ordering and seq conflicts raise here, at once."""
+        engine = await self._engine()
+        self._start_flusher()
+        engine.submit(command).add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
+
+    async def create_model_future(self, model_id: str, spec: LoraSpec, request_id: str) -> None:
+        """Create a model; the create_model future ``request_id`` completes with ``{"model_id"}`` when it is ready."""
+        engine = await self._engine()
+        self._start_flusher()
+        engine.create_model(model_id, spec).add_done_callback(
+            lambda done: self._finished("create_model", request_id, done))
+
+    def _finished(self, kind: str, request_id: str, done: Future) -> None:
+        # Runs on the thread that finished the command; the flusher on the event loop writes it.
+        self._outbox.put(completion_for(kind, int(request_id), done))
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
+
+    async def _flush_forever(self) -> None:
+        futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+        pending: list[Completion] = []
+        while True:
+            while not self._outbox.empty():
+                pending.append(self._outbox.get_nowait())
+            if pending:
+                try:
+                    await futures_db.complete.remote(pending)
+                    pending = []
+                except Exception:
+                    logger.exception("writing %d result(s) to the futures DB failed; retrying", len(pending))
+                    futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+                    await asyncio.sleep(1.0)
+            await asyncio.sleep(FLUSH_EVERY_S)
+
     async def run(self, command: Command) -> Any:
         """Queue a command in its model's order and return its result (or raise its own error)."""
         engine = await self._engine()
@@ -103,9 +155,37 @@ class TrainerActor:
         engine.stop()
 
 
+def completion_for(kind: str, request_id: int, done: Future) -> Completion:
+    """The stored result of a finished command: protobuf for forward passes (as the SDK demands), JSON otherwise;
+    a failure carries its message and whether the client (``user``) or the server caused it."""
+    error = done.exception()
+    if error is not None:
+        category = "user" if isinstance(error, LiloError) else "server"
+        return Completion.failure(request_id, str(error), category, request_type=kind)
+    result = done.result()
+    if kind in (FORWARD_BACKWARD, FORWARD):
+        body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])
+    elif kind == "create_model":
+        body = orjson.dumps({"model_id": result, "type": "create_model"})
+    else:
+        body = orjson.dumps(result)
+    return Completion.success(request_id, body, request_type=kind)
+
+
 def start_trainer(index: int, base_model: str, *, num_gpus: float = 0, num_cpus: float = 1,
                   **options: Any) -> ray.actor.ActorHandle:
     """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist."""
     name = trainer_name(index)
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
                                 lifetime="detached").remote(name, base_model, **options)
+
+
+def start_trainers(settings: Settings) -> list[str]:
+    """The cluster's trainers for ``settings``: one per GPU when the cluster has GPUs, else ``settings.trainers``
+    on CPU; each serves the first configured base model. Returns their names once all are ready."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    count = settings.trainers or (gpus if gpus else 1)
+    handles = [start_trainer(index, settings.base_models[0], num_gpus=1 if gpus else 0, num_cpus=1,
+                             checkpoint_dir=str(settings.home / "checkpoints")) for index in range(count)]
+    infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)
+    return [info["name"] for info in infos]

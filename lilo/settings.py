@@ -36,6 +36,8 @@ class Settings:
     # None: every CPU of this machine.
     num_cpus: int | None = None
     base_models: tuple[str, ...] = (DEFAULT_BASE_MODEL,)
+    # Trainer actors: None means one per GPU, or one on a machine without GPUs.
+    trainers: int | None = None
     # Address of an existing Ray cluster to deploy onto ("auto" on a `ray up` head); None starts a private head.
     ray_address: str | None = None
     startup_timeout_s: float = 120.0
@@ -80,6 +82,8 @@ class Settings:
             ipaddress.ip_address(self.http_host)
         except ValueError:
             raise SettingsError(f"--host must be an IP address, got {self.http_host!r}.") from None
+        if self.trainers is not None and self.trainers < 1:
+            raise SettingsError(f"--trainers must be at least 1, got {self.trainers}.")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise SettingsError(f"--num-cpus must be at least 1, got {self.num_cpus}.")
         if not self.base_models:
@@ -103,6 +107,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_HTTP_PORT": ("http_port", int),
     "LILO_DASHBOARD_PORT": ("dashboard_port", int),
     "LILO_NUM_CPUS": ("num_cpus", int),
+    "LILO_TRAINERS": ("trainers", int),
     "LILO_RAY_ADDRESS": ("ray_address", str),
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
 }

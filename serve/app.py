@@ -7,8 +7,8 @@ Serve's ingress wrapper string annotations of body models do not resolve.)
 from typing import Any
 
 import ray
-from fastapi import FastAPI, HTTPException, Query, Response
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, HTTPException, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError
 
@@ -19,6 +19,9 @@ from cluster.timing import get_timing_actor
 from lilo import __version__
 from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
+from lilo.errors import InvalidRequestError
+from lilo.protocol.proto import decode_forward_backward, inflate
+from serve import training
 from serve.errors import install_error_handlers
 
 APP_NAME = "lilo"
@@ -29,9 +32,39 @@ api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible mult
 install_error_handlers(api)
 
 
-class RetrieveFutureRequest(BaseModel):
+MAX_BODY_BYTES = 64 << 20
+PROTOBUF = "application/x-protobuf"
+# Results the SDK accepts only as protobuf.
+PROTOBUF_RESULTS = {"forward_backward", "forward", "sample"}
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the SDK adds fields over versions; unknown ones are ignored
+
+
+class RetrieveFutureRequest(Body):
     request_id: str = Field(max_length=MAX_ID_CHARS)
     allow_metadata_only: bool = False
+
+
+class SessionRequest(Body):
+    session_id: str = Field(max_length=MAX_ID_CHARS)
+
+
+class CreateModelRequest(Body):
+    session_id: str = Field(max_length=MAX_ID_CHARS)
+    model_seq_id: int = Field(ge=0)
+    base_model: str = Field(max_length=MAX_ID_CHARS)
+    lora_config: dict[str, Any] | None = None
+
+
+class ModelRequest(Body):
+    model_id: str = Field(max_length=MAX_ID_CHARS)
+
+
+class OptimStepRequest(ModelRequest):
+    seq_id: int = Field(ge=1)
+    adam_params: dict[str, Any] = Field(default_factory=dict)
 
 
 @serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0})
@@ -39,9 +72,11 @@ class RetrieveFutureRequest(BaseModel):
 class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
-    def __init__(self, base_models: list[str]) -> None:
+    def __init__(self, base_models: list[str], trainers: list[str]) -> None:
         self._timing = get_timing_actor()
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+        self._base_models = list(base_models)
+        self._trainers = list(trainers)
         self._capabilities = {
             "supported_models": [
                 {
@@ -67,6 +102,58 @@ class LiloIngress:
     def get_server_capabilities(self) -> dict[str, Any]:
         return self._capabilities
 
+    @api.post("/api/v1/client/dynamic_config")
+    def client_dynamic_config(self) -> dict[str, Any]:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+
+    @api.post("/api/v1/create_session")
+    async def create_session(self, body: Body) -> dict[str, Any]:
+        session_id = training.new_session_id()
+        await self._futures.add_session.remote(session_id, info=body.model_dump())
+        return {"session_id": session_id, "type": "create_session"}
+
+    @api.post("/api/v1/session_heartbeat")
+    async def session_heartbeat(self, body: SessionRequest) -> dict[str, str]:
+        await self._futures.heartbeat.remote(body.session_id)
+        return {"type": "session_heartbeat"}
+
+    @api.post("/api/v1/sessions/{session_id}/finish")
+    def finish_session(self, session_id: str) -> dict[str, Any]:
+        return {}
+
+    @api.post("/api/v1/telemetry")
+    def telemetry(self) -> dict[str, str]:
+        return {"status": "accepted"}
+
+    @api.post("/api/v1/create_model")
+    async def create_model(self, body: CreateModelRequest) -> dict[str, str]:
+        if body.base_model not in self._base_models:
+            raise InvalidRequestError(
+                f"base_model {body.base_model!r} is not served here; use one of {', '.join(self._base_models)}.")
+        return await training.create_model(self._futures, self._trainers, body.model_dump(), tenant=None)
+
+    @api.post("/api/v1/get_info")
+    async def get_info(self, body: ModelRequest) -> dict[str, Any]:
+        model = await self._futures.model.remote(body.model_id)
+        base = model["base_model"]
+        return {"model_id": body.model_id, "model_data": {"arch": "llama", "model_name": base, "tokenizer_id": base},
+                "is_lora": True, "lora_rank": model["lora_config"].get("rank"), "model_name": base,
+                "type": "get_info"}
+
+    @api.post("/api/v1/forward_backward")
+    async def forward_backward(self, request: Request) -> dict[str, str]:
+        if PROTOBUF not in request.headers.get("content-type", ""):
+            raise HTTPException(status_code=415, detail=f"forward_backward takes a {PROTOBUF} body.")
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise HTTPException(status_code=413, detail=f"The body is over {MAX_BODY_BYTES} bytes; send chunks.")
+        call = decode_forward_backward(inflate(body, request.headers.get("content-encoding"), MAX_BODY_BYTES))
+        return await training.submit_forward_backward(self._futures, call, tenant=None)
+
+    @api.post("/api/v1/optim_step")
+    async def optim_step(self, body: OptimStepRequest) -> dict[str, str]:
+        return await training.submit_optim_step(self._futures, body.model_dump(), tenant=None)
+
     @api.post("/api/v1/retrieve_future", response_model=None)
     async def retrieve_future(self, body: RetrieveFutureRequest) -> Response | dict[str, Any]:
         """Long-poll one future: its result once finished, else ``try_again`` (the SDK re-polls at once)."""
@@ -75,7 +162,8 @@ class LiloIngress:
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         if state.status == "failed":
             return {"error": state.error, "category": state.category or "server"}
-        return Response(content=state.result, media_type="application/json")
+        media_type = PROTOBUF if state.request_type in PROTOBUF_RESULTS else "application/json"
+        return Response(content=state.result, media_type=media_type)
 
     @api.get("/api/v1/timing")
     async def timing(
@@ -111,6 +199,6 @@ class LiloIngress:
             return await self._timing.snapshot.remote(model_id, reset, reader)
 
 
-def build_application(settings: Settings) -> serve.Application:
-    """The Serve application for these settings."""
-    return LiloIngress.bind(list(settings.base_models))
+def build_application(settings: Settings, trainers: list[str]) -> serve.Application:
+    """The Serve application for these settings, routing to these trainer actors."""
+    return LiloIngress.bind(list(settings.base_models), trainers)

@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", dest="http_port", type=int, help="HTTP API port (default 8000)")
     up.add_argument("--dashboard-port", type=int, help="Ray dashboard port (default 8265)")
     up.add_argument("--num-cpus", type=int, help="CPUs the local Ray head offers (default: all)")
+    up.add_argument("--trainers", type=int, help="trainer actors (default: one per GPU, or one without GPUs)")
     up.add_argument(
         "--base-model", dest="base_models", action="append", metavar="NAME",
         help="base model to serve; repeat for several, the first is the default",
@@ -91,8 +92,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "base_models", "ray_address",
-              "startup_timeout_s")
+    fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "base_models",
+              "ray_address", "startup_timeout_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
 
 
@@ -146,15 +147,19 @@ def supervise(settings: Settings, detached: bool) -> int:
         # this process half-way through its shutdown; take the signals back so the shutdown runs to the end.
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
-        progress(f"Ray is up (GCS {gcs_address}); deploying the Serve application")
+        progress(f"Ray is up (GCS {gcs_address})")
         from cluster.futures_actor import get_futures_actor
         from cluster.timing import get_timing_actor
+        from cluster.trainer_actor import start_trainers
         from serve.deploy import deploy, wait_until_healthy
 
-        # Detached: both outlive this driver and every redeploy of the Serve app.
+        # Detached: they outlive this driver and every redeploy of the Serve app.
         get_timing_actor()
         get_futures_actor(str(settings.futures_db))
-        deploy(settings)
+        progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
+        trainers = start_trainers(settings)
+        progress(f"Trainers ready: {', '.join(trainers)}; deploying the Serve application")
+        deploy(settings, trainers)
         progress(f"Waiting for {settings.api_url}/api/v1/healthz")
         wait_until_healthy(settings.api_url, settings.startup_timeout_s)
         write_state(settings, dataclasses.replace(state, status="ready", gcs_address=gcs_address))
@@ -190,7 +195,11 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
             from cluster.local import NAMESPACE
             from cluster.timing import TIMING_ACTOR_NAME
 
-            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME):
+            from cluster.trainer_actor import TRAINER_PREFIX
+
+            ours = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                    if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX)]
+            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *ours):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
         progress(f"Serve shutdown failed ({error}); stopping Ray anyway")

@@ -11,12 +11,12 @@ from lilo.settings import Settings
 from serve.app import APP_NAME, build_application
 
 
-def deploy(settings: Settings) -> None:
+def deploy(settings: Settings, trainers: list[str]) -> None:
     """Start Serve's HTTP proxy on the configured address and (re)deploy the lilo application."""
     from ray import serve
 
     serve.start(http_options={"host": settings.http_host, "port": settings.http_port})
-    serve.run(build_application(settings), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_application(settings, trainers), name=APP_NAME, route_prefix="/", blocking=False)
 
 
 def healthz(api_url: str, timeout_s: float = 2.0) -> bool:

@@ -76,6 +76,13 @@ def test_arrays_take_the_narrowest_exact_type():
     assert codec.decode(blob) == zero_one
 
 
+def test_numpy_arrays_are_packed_in_their_own_type():
+    payload = {"tokens": np.arange(10, dtype=np.int32), "weights": np.linspace(0, 1, 10, dtype=np.float32)}
+    decoded = codec.decode(codec.encode(payload), arrays=True)
+    assert decoded["tokens"].dtype == np.int32 and decoded["tokens"].tolist() == list(range(10))
+    assert decoded["weights"].dtype == np.float32 and np.array_equal(decoded["weights"], payload["weights"])
+
+
 def test_decode_can_hand_out_arrays_without_copying():
     payload = step(0, n_tokens=512)
     blob = codec.encode(payload)

@@ -25,7 +25,7 @@ def settings():
 
 def up_args(settings) -> list[str]:
     return ["up", "--home", str(settings.home), "--port", str(settings.http_port),
-            "--dashboard-port", str(settings.dashboard_port), "--num-cpus", "1"]
+            "--dashboard-port", str(settings.dashboard_port), "--num-cpus", "1", "--base-model", "lilo/tiny-llama"]
 
 
 def wait_until_ready(settings, timeout_s: float = 120):

@@ -51,6 +51,14 @@ def _packed(values: list) -> tuple[str, bytes] | None:
     return None
 
 
+def _packed_array(array: np.ndarray) -> tuple[str, bytes] | None:
+    """A 1-D numeric numpy array, kept in its own type (it decodes back as that type's numbers)."""
+    code = {"int32": "i4", "int64": "i8", "float32": "f4", "float64": "f8"}.get(array.dtype.name)
+    if code is None or array.ndim != 1:
+        return None
+    return code, np.ascontiguousarray(array, dtype=_DTYPES[code]).tobytes()
+
+
 def encode(payload: Any) -> bytes:
     blobs: list[bytes] = []
     offset = 0
@@ -59,6 +67,15 @@ def encode(payload: Any) -> bytes:
         nonlocal offset
         if isinstance(value, dict):
             return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, np.ndarray):
+            packed = _packed_array(value)
+            if packed is None:
+                return walk(value.tolist())
+            code, blob = packed
+            blobs.append(blob)
+            ref = {REF: [code, offset, value.size]}
+            offset += len(blob)
+            return ref
         if isinstance(value, (list, tuple)):
             packed = _packed(value) if isinstance(value, list) else None
             if packed is None:

@@ -79,14 +79,16 @@ class Completion:
     result: bytes | None = None
     error: str | None = None
     category: str | None = None
+    # Known to whoever ran the request; lets a waiter in the writer's process answer without reading the row.
+    request_type: str = ""
 
     @classmethod
-    def success(cls, request_id: int, result: bytes) -> "Completion":
-        return cls(request_id, True, result=result)
+    def success(cls, request_id: int, result: bytes, request_type: str = "") -> "Completion":
+        return cls(request_id, True, result=result, request_type=request_type)
 
     @classmethod
-    def failure(cls, request_id: int, error: str, category: str = "server") -> "Completion":
-        return cls(request_id, False, error=error, category=category)
+    def failure(cls, request_id: int, error: str, category: str = "server", request_type: str = "") -> "Completion":
+        return cls(request_id, False, error=error, category=category, request_type=request_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,7 @@ class FutureState:
     result: bytes | None = None
     error: str | None = None
     category: str | None = None
+    request_type: str = ""
 
     @property
     def finished(self) -> bool:
@@ -438,7 +441,8 @@ _SCAN_ORDER = " ORDER BY model_id, seq_id, request_id"
 _SCAN_PENDING = _SCAN_COLUMNS + _SCAN_ORDER
 _SCAN_PENDING_OF = _SCAN_COLUMNS + " AND model_id IN ({marks})" + _SCAN_ORDER
 _LOAD_PAYLOADS = "SELECT request_id, payload FROM futures WHERE request_id IN ({marks})"
-_STATES = "SELECT request_id, status, result, error, error_category FROM futures WHERE request_id IN ({marks})"
+_STATES = ("SELECT request_id, status, result, error, error_category, request_type FROM futures "
+           "WHERE request_id IN ({marks})")
 
 
 def _scan_order(meta: PendingMeta) -> tuple:

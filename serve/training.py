@@ -1,0 +1,117 @@
+"""The training half of the Tinker API, behind the HTTP routes: sessions, models and their placement, and
+submissions that become futures and commands on the trainer that owns the model."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Sequence
+
+import ray
+from ray.actor import ActorHandle
+
+from cluster.local import NAMESPACE
+from cluster.placement import choose_trainer
+from lilo.backend.optimizer import AdamParams
+from lilo.backend.types import LoraSpec
+from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, Command
+from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.futures.store import Submission
+from lilo.protocol.proto import ForwardBackwardCall
+
+CREATE_MODEL = "create_model"
+ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
+def new_session_id() -> str:
+    return f"session-{uuid.uuid4().hex[:16]}"
+
+
+def model_id_for(session_id: str, model_seq_id: int) -> str:
+    # The SDK computes this itself for create-via-load, so every model id follows it.
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def lora_spec(lora_config: dict[str, Any]) -> LoraSpec:
+    try:
+        return LoraSpec(rank=int(lora_config["rank"]), seed=lora_config.get("seed"),
+                        train_attn=bool(lora_config.get("train_attn", True)),
+                        train_mlp=bool(lora_config.get("train_mlp", True)),
+                        train_unembed=bool(lora_config.get("train_unembed", True)))
+    except (KeyError, TypeError, ValueError):
+        raise InvalidRequestError("lora_config needs an integer rank (and optional seed, train_attn, train_mlp, "
+                                  "train_unembed).") from None
+
+
+def adam_params(raw: dict[str, Any]) -> AdamParams:
+    unknown = sorted(set(raw) - set(ADAM_KEYS))
+    if unknown:
+        raise InvalidRequestError(f"Unknown adam_params key(s) {', '.join(unknown)}; known: {', '.join(ADAM_KEYS)}.")
+    try:
+        return AdamParams(**{key: float(value) for key, value in raw.items()})
+    except (TypeError, ValueError):
+        raise InvalidRequestError("adam_params values must be numbers.") from None
+
+
+async def trainer_for(futures: ActorHandle, model_id: str) -> ActorHandle:
+    trainer = (await futures.placement.remote()).get(model_id)
+    if trainer is None:
+        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+    return ray.get_actor(trainer, namespace=NAMESPACE)
+
+
+async def place(futures: ActorHandle, trainers: Sequence[str]) -> str:
+    """A trainer for a new model: the least loaded with a free slot."""
+    free = {}
+    for name in trainers:
+        info = await ray.get_actor(name, namespace=NAMESPACE).ready.remote()
+        free[name] = info["free_slots"]
+    placed: dict[str, int] = {}
+    for trainer in (await futures.placement.remote()).values():
+        placed[trainer] = placed.get(trainer, 0) + 1
+    return choose_trainer(free, placed)
+
+
+async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict[str, Any],
+                       tenant: str | None) -> dict[str, str]:
+    model_id = model_id_for(body["session_id"], int(body["model_seq_id"]))
+    spec = lora_spec(body.get("lora_config") or {})
+    # seq 0 of a model is its creation: a retried create_model finds its first future instead of a second model.
+    outcome = await futures.submit_once.remote(
+        Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
+                   seq_id=0, tenant=tenant).prepared())
+    if not outcome.duplicate:
+        trainer = await place(futures, trainers)
+        await futures.add_model.remote(model_id, body["base_model"], body.get("lora_config") or {},
+                                       tenant=tenant, session_id=body["session_id"], trainer=trainer)
+        await ray.get_actor(trainer, namespace=NAMESPACE).create_model_future.remote(
+            model_id, spec, str(outcome.request_id))
+    return {"request_id": str(outcome.request_id), "model_id": model_id}
+
+
+async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, payload: Any, stored: Any,
+                 batch_key: Any = (), tokens: int = 0, tenant: str | None = None) -> dict[str, str]:
+    """Record the request (durably, deduplicated by seq) and hand it to the model's trainer."""
+    trainer = await trainer_for(futures, model_id)
+    submission = Submission(model_id, kind, stored, seq_id=seq_id, tenant=tenant).prepared()
+    outcome = await futures.submit_once.remote(submission)
+    if not outcome.duplicate:
+        command = Command(model_id, seq_id, kind, str(outcome.request_id), payload=payload,
+                          fingerprint=submission.payload_sha256, batch_key=batch_key, tokens=tokens)
+        await trainer.submit.remote(command)
+    return {"request_id": str(outcome.request_id), "model_id": model_id}
+
+
+async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCall,
+                                  tenant: str | None) -> dict[str, str]:
+    train = call.train
+    stored = {"loss_fn": train.loss_fn, "loss_config": dict(train.loss_config),
+              "data": [{"tokens": d.tokens, "inputs": dict(d.loss_inputs)} for d in train.data]}
+    kind = FORWARD if call.forward_only else FORWARD_BACKWARD
+    batch_key = (train.loss_fn, tuple(sorted(train.loss_config.items())))
+    return await submit(futures, call.model_id, call.seq_id, kind, train, stored, batch_key, train.tokens, tenant)
+
+
+async def submit_optim_step(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
+    params = adam_params(body.get("adam_params") or {})
+    return await submit(futures, body["model_id"], int(body["seq_id"]), OPTIM_STEP, params, body.get("adam_params"),
+                        tenant=tenant)
