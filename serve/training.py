@@ -14,8 +14,8 @@ from cluster.placement import choose_trainer
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import LoraSpec
 from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, Command
-from lilo.errors import InvalidRequestError, NotFoundError
-from lilo.futures.store import Submission
+from lilo.errors import InvalidRequestError, LiloError, NotFoundError
+from lilo.futures.store import Completion, Submission
 from lilo.protocol.proto import ForwardBackwardCall
 
 CREATE_MODEL = "create_model"
@@ -83,8 +83,8 @@ async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict
         trainer = await place(futures, trainers)
         await futures.add_model.remote(model_id, body["base_model"], body.get("lora_config") or {},
                                        tenant=tenant, session_id=body["session_id"], trainer=trainer)
-        await ray.get_actor(trainer, namespace=NAMESPACE).create_model_future.remote(
-            model_id, spec, str(outcome.request_id))
+        await _hand_over(futures, outcome.request_id, CREATE_MODEL, ray.get_actor(
+            trainer, namespace=NAMESPACE).create_model_future.remote(model_id, spec, str(outcome.request_id)))
     return {"request_id": str(outcome.request_id), "model_id": model_id}
 
 
@@ -97,8 +97,19 @@ async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, pa
     if not outcome.duplicate:
         command = Command(model_id, seq_id, kind, str(outcome.request_id), payload=payload,
                           fingerprint=submission.payload_sha256, batch_key=batch_key, tokens=tokens)
-        await trainer.submit.remote(command)
+        await _hand_over(futures, outcome.request_id, kind, trainer.submit.remote(command))
     return {"request_id": str(outcome.request_id), "model_id": model_id}
+
+
+async def _hand_over(futures: ActorHandle, request_id: int, kind: str, handed: Any) -> None:
+    """Await the trainer's acceptance; a refusal also fails the recorded future, so it never stays pending."""
+    try:
+        await handed
+    except Exception as error:
+        cause = getattr(error, "cause", None) or error
+        category = "user" if isinstance(cause, LiloError) else "server"
+        await futures.complete.remote([Completion.failure(request_id, str(cause), category, request_type=kind)])
+        raise
 
 
 async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCall,

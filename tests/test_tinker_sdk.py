@@ -41,3 +41,22 @@ def test_an_unknown_base_model_is_refused_with_a_message(local_cluster):
     with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
         with pytest.raises(tinker.APIStatusError, match="is not served here"):
             service.create_lora_training_client(base_model="no/such-model", rank=8).result(timeout=120)
+
+
+def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ray_driver):
+    import uuid
+
+    import httpx
+    import ray
+
+    from cluster.futures_actor import FUTURES_ACTOR_NAME
+    from cluster.local import NAMESPACE
+
+    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    model_id = f"ghost-{uuid.uuid4().hex[:8]}"  # placed on a trainer that never created it
+    ray.get(futures.add_model.remote(model_id, "lilo/tiny-llama", {"rank": 4}, trainer="lilo-trainer-0"))
+    response = httpx.post(f"{local_cluster.api_url}/api/v1/optim_step", timeout=60,
+                          json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+    assert response.status_code == 404
+    assert "Unknown model_id" in response.json()["detail"]
+    assert ray.get(futures.scan_pending.remote([model_id])) == []  # recorded, and failed: never pending
