@@ -91,10 +91,6 @@ class TrainerActor:
         engine = await self._engine()
         return await asyncio.wrap_future(engine.create_model(model_id, spec))
 
-    async def remove_model(self, model_id: str) -> str:
-        engine = await self._engine()
-        return await asyncio.wrap_future(engine.remove_model(model_id))
-
     async def submit(self, command: Command) -> None:
         """Queue a command whose request id is a future in the futures DB: its result (or error) is written there
         when it finishes, in batches with others'. Ordering and seq conflicts raise here, at once."""
