@@ -62,6 +62,18 @@ class ModelRequest(Body):
     model_id: str = Field(max_length=MAX_ID_CHARS)
 
 
+class SaveWeightsRequest(ModelRequest):
+    seq_id: int = Field(ge=1)
+    path: str | None = Field(None, max_length=MAX_ID_CHARS)
+
+
+class LoadWeightsRequest(Body):
+    model_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    seq_id: int | None = Field(None, ge=1)
+    path: str = Field(max_length=4 * MAX_ID_CHARS)
+    optimizer: bool = True
+
+
 class OptimStepRequest(ModelRequest):
     seq_id: int = Field(ge=1)
     adam_params: dict[str, Any] = Field(default_factory=dict)
@@ -153,6 +165,18 @@ class LiloIngress:
     @api.post("/api/v1/optim_step")
     async def optim_step(self, body: OptimStepRequest) -> dict[str, str]:
         return await training.submit_optim_step(self._futures, body.model_dump(), tenant=None)
+
+    @api.post("/api/v1/save_weights")
+    async def save_weights(self, body: SaveWeightsRequest) -> dict[str, str]:
+        return await training.submit_save(self._futures, body.model_dump(), "save_weights", tenant=None)
+
+    @api.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(self, body: SaveWeightsRequest) -> dict[str, str]:
+        return await training.submit_save(self._futures, body.model_dump(), "save_weights_for_sampler", tenant=None)
+
+    @api.post("/api/v1/load_weights")
+    async def load_weights(self, body: LoadWeightsRequest) -> dict[str, str]:
+        return await training.submit_load(self._futures, body.model_dump(), tenant=None)
 
     @api.post("/api/v1/retrieve_future", response_model=None)
     async def retrieve_future(self, body: RetrieveFutureRequest) -> Response | dict[str, Any]:

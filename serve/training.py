@@ -12,8 +12,8 @@ from ray.actor import ActorHandle
 from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer
 from lilo.backend.optimizer import AdamParams
-from lilo.backend.types import LoraSpec
-from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, Command
+from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
+from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, Command
 from lilo.errors import InvalidRequestError, LiloError, NotFoundError
 from lilo.futures.store import Completion, Submission
 from lilo.protocol.proto import ForwardBackwardCall
@@ -126,3 +126,21 @@ async def submit_optim_step(futures: ActorHandle, body: dict[str, Any], tenant: 
     params = adam_params(body.get("adam_params") or {})
     return await submit(futures, body["model_id"], int(body["seq_id"]), OPTIM_STEP, params, body.get("adam_params"),
                         tenant=tenant)
+
+
+async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, tenant: str | None) -> dict[str, str]:
+    name = body.get("path")
+    if not name:
+        raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name); sampler weights without a name "
+                                  "are not supported by this server yet.")
+    return await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
+                        {"path": name}, tenant=tenant)
+
+
+async def submit_load(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
+    if not body.get("model_id") or body.get("seq_id") is None:
+        raise InvalidRequestError("load_weights needs model_id and seq_id; creating a model by loading is not "
+                                  "supported by this server yet (create_model, then load_weights).")
+    request = LoadRequest(path=str(body["path"]), optimizer=bool(body.get("optimizer", True)))
+    return await submit(futures, body["model_id"], int(body["seq_id"]), LOAD_WEIGHTS, request,
+                        {"path": request.path, "optimizer": request.optimizer}, tenant=tenant)

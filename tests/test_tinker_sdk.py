@@ -60,3 +60,23 @@ def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ra
     assert response.status_code == 404
     assert "Unknown model_id" in response.json()["detail"]
     assert ray.get(futures.scan_pending.remote([model_id])) == []  # recorded, and failed: never pending
+
+
+def test_save_state_then_load_state_resumes_where_it_was(local_cluster):
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
+        training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120)
+        data = [memorize_datum()]
+        for _ in range(2):
+            training.forward_backward(data, "cross_entropy").result(timeout=120)
+            training.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=120)
+        at_save = training.forward(data, "cross_entropy").result(timeout=120).metrics["loss:sum"]
+        saved = training.save_state("two-steps").result(timeout=120)
+        assert saved.path.startswith("tinker://") and saved.path.endswith("/weights/two-steps")
+        training.forward_backward(data, "cross_entropy").result(timeout=120)
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=120)
+        moved = training.forward(data, "cross_entropy").result(timeout=120).metrics["loss:sum"]
+        training.load_state_with_optimizer(saved.path).result(timeout=120)
+        restored = training.forward(data, "cross_entropy").result(timeout=120).metrics["loss:sum"]
+        assert moved != at_save and restored == pytest.approx(at_save, rel=1e-6)
+        sampler = training.save_weights_for_sampler("for-sampling").result(timeout=120)
+        assert sampler.path.endswith("/sampler_weights/for-sampling")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from lilo.backend.checkpoints import local_directory
 from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.torch_backend import TorchBackend
@@ -186,7 +187,8 @@ def test_the_sampler_export_loads_in_peft_with_equal_logits(base, tmp_path):
     backend.checkpoint_dir = tmp_path
     train_steps(backend, "m", [1, 3])
     path = save(backend, "m", 5, "for-sampler", kind=SAVE_WEIGHTS_FOR_SAMPLER)
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    assert path == "tinker://m/sampler_weights/for-sampler"
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(local_directory(tmp_path, path))).eval()
     tokens = torch.as_tensor([datum(42).tokens])
     with torch.no_grad():
         backend._route(torch.tensor([backend.adapters["m"].slot]))
@@ -196,6 +198,15 @@ def test_the_sampler_export_loads_in_peft_with_equal_logits(base, tmp_path):
         bare = base(input_ids=tokens).logits
     assert not torch.allclose(ours, bare, atol=1e-4)  # the adapter really changes the output
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["tinker://m/weights/../../etc", "tinker://../weights/x", "file:///etc/passwd",
+                                  "tinker://m/other/x", "tinker://m/weights/a/b"])
+def test_load_paths_cannot_escape_the_checkpoint_directory(base, tmp_path, path):
+    backend = fresh_backend(base, {"m": LoraSpec(seed=0)})
+    backend.checkpoint_dir = tmp_path
+    with pytest.raises(InvalidRequestError):
+        backend.load_weights(Command("m", 1, LOAD_WEIGHTS, "m:1", payload=LoadRequest(path)))
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", "", ".hidden", "x" * 200])

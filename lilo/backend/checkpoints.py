@@ -24,6 +24,8 @@ from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
 
 STATE_FILE, META_FILE = "state.safetensors", "meta.json"
+TINKER_SCHEME = "tinker://"
+KIND_DIRECTORIES = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights"}
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -43,6 +45,21 @@ def checked_name(name: str) -> str:
             f"Checkpoint name {name!r} is not allowed; use letters, digits, '.', '_' and '-' (at most 128), "
             "starting with a letter or digit.")
     return name
+
+
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    """``tinker://<model_id>/{weights|sampler_weights}/<name>``: how clients name a checkpoint."""
+    return f"{TINKER_SCHEME}{model_id}/{KIND_DIRECTORIES[kind]}/{name}"
+
+
+def local_directory(root: Path, path: str) -> Path:
+    """Where a ``tinker://`` checkpoint lives under ``root``; anything that could leave ``root`` is refused."""
+    if not path.startswith(TINKER_SCHEME):
+        raise InvalidRequestError(f"Checkpoint path {path!r} is not a tinker:// path; pass one save_weights returned.")
+    parts = path[len(TINKER_SCHEME):].split("/")
+    if len(parts) != 3 or parts[1] not in KIND_DIRECTORIES.values() or parts[0] in ("", ".", ".."):
+        raise InvalidRequestError(f"Checkpoint path {path!r} is not of the form tinker://<run>/weights/<name>.")
+    return root / parts[0] / parts[1] / checked_name(parts[2])
 
 
 def write_state(state: AdapterState, directory: Path) -> Path:

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from lilo.backend import losses, sampling
-from lilo.backend.checkpoints import AdapterState, checked_name, read_state, write_peft, write_state
+from lilo.backend.checkpoints import (
+    AdapterState, checked_name, local_directory, read_state, tinker_path, write_peft, write_state,
+)
 from lilo.backend.lora import attach_multi_lora, projection_kind, target_names
 from lilo.backend.optimizer import AdamParams, SlotAdamW
 from lilo.backend.types import Datum, LoadRequest, LoraSpec, TrainInput
@@ -213,20 +215,20 @@ class TorchBackend:
         return name, AdapterState(adapter.spec, tensors, step)
 
     def persist(self, command: Command, captured: tuple[str, AdapterState]) -> dict[str, str]:
+        """Write the captured adapter; returns its ``tinker://`` path (the directory is ``local_directory`` of it)."""
         name, state = captured
-        if "/" in command.model_id or command.model_id in ("", ".", ".."):
-            raise InvalidRequestError(f"Model id {command.model_id!r} cannot name a checkpoint directory.")
+        path = tinker_path(command.model_id, command.kind, name)
+        directory = local_directory(self.checkpoint_dir, path)
         if command.kind == SAVE_WEIGHTS:
-            directory = write_state(state, self.checkpoint_dir / command.model_id / "weights" / name)
+            write_state(state, directory)
         else:
-            directory = write_peft(state, self.checkpoint_dir / command.model_id / "sampler_weights" / name,
-                                   self.base_model_name)
-        return {"path": str(directory)}
+            write_peft(state, directory, self.base_model_name)
+        return {"path": path}
 
     def load_weights(self, command: Command) -> dict[str, str]:
         """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights."""
         request: LoadRequest = command.payload
-        state = read_state(Path(request.path))
+        state = read_state(local_directory(self.checkpoint_dir, request.path))
         self.remove_adapter(command.model_id)
         self.add_adapter(command.model_id, state.spec)
         adapter = self.adapters[command.model_id]
