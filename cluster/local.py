@@ -30,6 +30,8 @@ from lilo.settings import Settings
 # ~/.ray/auth_token), which every other driver that connects to it must say as well.
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
 NAMESPACE = "lilo"
+# How long processes of a cluster may outlive its supervisor before `lilo down` kills them.
+ORPHAN_GRACE_S = 5.0
 
 
 class ClusterError(RuntimeError):
@@ -252,6 +254,9 @@ def stop_cluster(settings: Settings, supervisor_pid: int | None, timeout_s: floa
             pass
         deadline = time.monotonic() + timeout_s
         while _alive(processes) and time.monotonic() < deadline:
+            if not any(p.pid == supervisor_pid for p in _alive(processes)):
+                # The supervisor is gone: what it did not stop by now are orphans nobody else will stop.
+                deadline = min(deadline, time.monotonic() + ORPHAN_GRACE_S)
             time.sleep(0.1)
     leftovers = _alive(processes) + cluster_processes(settings, None)
     killed = []

@@ -1,6 +1,5 @@
 """`lilo up` then stop: nothing of that cluster remains, however it was stopped."""
 
-import os
 import shutil
 import signal
 import subprocess
@@ -25,17 +24,19 @@ def settings():
 
 def up_args(settings) -> list[str]:
     return ["up", "--home", str(settings.home), "--port", str(settings.http_port),
-            "--dashboard-port", str(settings.dashboard_port), "--num-cpus", "1", "--base-model", "lilo/tiny-llama"]
+            "--dashboard-port", str(settings.dashboard_port), "--num-cpus", "1", "--base-model", "lilo/tiny-llama",
+            "--timeout", "240"]
 
 
-def wait_until_ready(settings, timeout_s: float = 120):
+def wait_until_ready(settings, supervisor, log_path, timeout_s: float = 240):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = read_state(settings)
         if state is not None and state.status == "ready":
             return state
+        assert supervisor.poll() is None, f"lilo up exited with {supervisor.returncode}:\n{log_path.read_text()}"
         time.sleep(0.2)
-    raise AssertionError(f"lilo did not become ready within {timeout_s} s")
+    raise AssertionError(f"lilo did not become ready within {timeout_s} s:\n{log_path.read_text()}")
 
 
 def processes_of_running_cluster(settings) -> list[psutil.Process]:
@@ -55,10 +56,11 @@ def assert_nothing_remains(settings, processes):
 
 
 def test_ctrl_c_on_foreground_up_stops_every_process(settings):
-    with open(settings.home / "foreground.log", "w") as log:
+    log_path = settings.home / "foreground.log"
+    with open(log_path, "w") as log:
         supervisor = subprocess.Popen([LILO, *up_args(settings)], stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_until_ready(settings)
+        wait_until_ready(settings, supervisor, log_path)
         processes = processes_of_running_cluster(settings)
         supervisor.send_signal(signal.SIGINT)
         assert supervisor.wait(timeout=60) == 0
@@ -104,7 +106,11 @@ def test_down_cleans_up_after_a_supervisor_killed_hard(settings):
     started = lilo(*up_args(settings), "--detach")
     assert started.returncode == 0, started.stdout
     processes = processes_of_running_cluster(settings)
-    os.kill(read_state(settings).pid, signal.SIGKILL)
+    supervisor = psutil.Process(read_state(settings).pid)
+    supervisor.kill()
+    deadline = time.monotonic() + 30
+    while supervisor.is_running() and supervisor.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.1)
     stopped = lilo("down", "--home", str(settings.home))
     assert stopped.returncode == 0
     assert "nothing to stop" in stopped.stdout
