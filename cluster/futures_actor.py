@@ -124,6 +124,9 @@ class FuturesActor:
     async def placement(self) -> dict[str, str | None]:
         return await self._run(self._store.placement)
 
+    async def trainer_of(self, model_id: str) -> str | None:
+        return await self._run(self._store.trainer_of, model_id)
+
     async def model(self, model_id: str) -> dict[str, Any]:
         return await self._run(self._store.model, model_id)
 

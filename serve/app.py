@@ -19,6 +19,7 @@ from cluster.timing import get_timing_actor
 from lilo import __version__
 from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
+from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER
 from lilo.errors import InvalidRequestError
 from lilo.protocol.proto import decode_forward_backward, inflate
 from serve import training
@@ -168,11 +169,11 @@ class LiloIngress:
 
     @api.post("/api/v1/save_weights")
     async def save_weights(self, body: SaveWeightsRequest) -> dict[str, str]:
-        return await training.submit_save(self._futures, body.model_dump(), "save_weights", tenant=None)
+        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS, tenant=None)
 
     @api.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(self, body: SaveWeightsRequest) -> dict[str, str]:
-        return await training.submit_save(self._futures, body.model_dump(), "save_weights_for_sampler", tenant=None)
+        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_FOR_SAMPLER, tenant=None)
 
     @api.post("/api/v1/load_weights")
     async def load_weights(self, body: LoadWeightsRequest) -> dict[str, str]:
@@ -197,7 +198,7 @@ class LiloIngress:
         reader: str = Query("", max_length=MAX_ID_CHARS, description="whose interval reset refers to"),
     ) -> dict[str, Any]:
         """Critical path of one model (queue wait vs execute vs capture/persist, batch sharing), or the cluster's."""
-        snapshot = await self._ask_timing_actor(model_id, reset, reader)
+        snapshot = await self._timing_snapshot(model_id, reset, reader)
         if snapshot is None:
             raise HTTPException(
                 status_code=404,
@@ -206,11 +207,11 @@ class LiloIngress:
             )
         return snapshot
 
-    async def _ask_timing_actor(self, model_id: str | None, reset: bool, reader: str) -> dict[str, Any] | None:
+    async def _timing_snapshot(self, model_id: str | None, reset: bool, reader: str) -> dict[str, Any] | None:
         """A placed model's timing comes fresh from the trainer that owns it; everything else (the cluster view, a
         model no trainer holds any more) from the timing actor's merged view."""
         if model_id is not None:
-            trainer = (await self._futures.placement.remote()).get(model_id)
+            trainer = await self._futures.trainer_of.remote(model_id)
             if trainer is not None:
                 snapshot = await ray.get_actor(trainer, namespace=NAMESPACE).timing.remote(model_id, reset, reader)
                 if snapshot is not None:

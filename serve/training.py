@@ -53,7 +53,7 @@ def adam_params(raw: dict[str, Any]) -> AdamParams:
 
 
 async def trainer_for(futures: ActorHandle, model_id: str) -> ActorHandle:
-    trainer = (await futures.placement.remote()).get(model_id)
+    trainer = await futures.trainer_of.remote(model_id)
     if trainer is None:
         raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
     return ray.get_actor(trainer, namespace=NAMESPACE)

@@ -325,3 +325,19 @@ def test_a_database_on_a_network_filesystem_is_warned_about(tmp_path, monkeypatc
     monkeypatch.setattr(paths, "filesystem_type", lambda path: real(path, mounts))
     paths.prepare_db_path(tmp_path / "futures.db")
     assert "is on a nfs4 filesystem" in caplog.text
+
+
+def test_models_sessions_and_sampling_sessions_round_trip(store):
+    store.add_session("s1", tenant="t", info={"tags": ["a"]})
+    store.heartbeat("s1")
+    with pytest.raises(NotFoundError, match="Unknown session_id 'nope'"):
+        store.heartbeat("nope")
+    store.add_model("s1:train:0", "lilo/tiny-llama", {"rank": 4}, tenant="t", session_id="s1")
+    assert store.trainer_of("s1:train:0") is None and store.trainer_of("ghost") is None
+    store.place_model("s1:train:0", "lilo-trainer-1")
+    assert store.trainer_of("s1:train:0") == "lilo-trainer-1"
+    assert store.model("s1:train:0")["lora_config"] == {"rank": 4}
+    store.add_sampling_session("samp-1", "s1", "lilo/tiny-llama", model_path="tinker://s1:train:0/sampler_weights/x")
+    assert store.sampling_session("samp-1")["model_path"] == "tinker://s1:train:0/sampler_weights/x"
+    with pytest.raises(NotFoundError, match="Unknown sampling session 'samp-2'"):
+        store.sampling_session("samp-2")

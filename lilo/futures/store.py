@@ -386,16 +386,17 @@ class FuturesStore:
         with self.engine.connect() as connection:
             return dict(connection.execute(select(models.c.model_id, models.c.trainer)).all())
 
+    def trainer_of(self, model_id: str) -> str | None:
+        """The trainer one model lives on (None: unknown or unplaced): one row, for every submission's routing."""
+        with self.engine.connect() as connection:
+            return connection.execute(select(models.c.trainer).where(models.c.model_id == model_id)).scalar()
+
     def model(self, model_id: str) -> dict[str, Any]:
         with self.engine.connect() as connection:
             row = connection.execute(select(models).where(models.c.model_id == model_id)).mappings().first()
         if row is None:
             raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
         return {**row, "lora_config": orjson.loads(row["lora_config"])}
-
-    def remove_model(self, model_id: str) -> None:
-        with self.engine.begin() as connection:
-            connection.execute(models.delete().where(models.c.model_id == model_id))
 
     def add_session(self, session_id: str, *, tenant: str | None = None, info: dict | None = None) -> None:
         now = self._clock()
