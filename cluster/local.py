@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -202,6 +203,7 @@ def cluster_processes(settings: Settings, supervisor_pid: int | None) -> list[ps
     return _alive(list(processes.values()))
 
 
+@functools.cache
 def _ray_package_dir() -> str:
     spec = importlib.util.find_spec("ray")
     return next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else "/ray/"
@@ -253,8 +255,8 @@ def stop_cluster(settings: Settings, supervisor_pid: int | None, timeout_s: floa
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + timeout_s
-        while _alive(processes) and time.monotonic() < deadline:
-            if not any(p.pid == supervisor_pid for p in _alive(processes)):
+        while (alive := _alive(processes)) and time.monotonic() < deadline:
+            if not any(p.pid == supervisor_pid for p in alive):
                 # The supervisor is gone: what it did not stop by now are orphans nobody else will stop.
                 deadline = min(deadline, time.monotonic() + ORPHAN_GRACE_S)
             time.sleep(0.1)

@@ -194,7 +194,6 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
             from cluster.futures_actor import FUTURES_ACTOR_NAME
             from cluster.local import NAMESPACE
             from cluster.timing import TIMING_ACTOR_NAME
-
             from cluster.trainer_actor import TRAINER_PREFIX
 
             ours = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)

@@ -71,21 +71,17 @@ def encode(payload: Any) -> bytes:
             packed = _packed_array(value)
             if packed is None:
                 return walk(value.tolist())
-            code, blob = packed
-            blobs.append(blob)
-            ref = {REF: [code, offset, value.size]}
-            offset += len(blob)
-            return ref
-        if isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple)):
             packed = _packed(value) if isinstance(value, list) else None
             if packed is None:
                 return [walk(item) for item in value]
-            code, blob = packed
-            blobs.append(blob)
-            ref = {REF: [code, offset, len(value)]}
-            offset += len(blob)
-            return ref
-        return value
+        else:
+            return value
+        code, blob = packed
+        blobs.append(blob)
+        ref = {REF: [code, offset, len(value)]}
+        offset += len(blob)
+        return ref
 
     # Sorted keys: the same payload always encodes to the same bytes, so fingerprints compare retries.
     skeleton = orjson.dumps(walk(payload), option=orjson.OPT_SORT_KEYS)
