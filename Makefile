@@ -1,4 +1,4 @@
-# The two commands: `make demo` runs the service, `make test` runs the tests. Both set up .venv when missing.
+# The two commands: `make demo` runs the main job (four clients training at once), `make test` runs the tests. Both set up .venv when missing.
 PYTHON ?= python3
 VENV := .venv
 INSTALLED := $(VENV)/.installed
@@ -16,7 +16,7 @@ $(INSTALLED): pyproject.toml
 	@touch $@
 
 demo: $(INSTALLED)
-	$(VENV)/bin/lilo up
+	$(VENV)/bin/lilo demo
 
 test: $(INSTALLED)
 	$(VENV)/bin/python -m pytest

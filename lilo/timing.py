@@ -24,7 +24,7 @@ import sys
 import threading
 import urllib.parse
 import urllib.request
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 from lilo.telemetry.critical_path import LOG_EVENT, flatten
 
@@ -97,9 +97,12 @@ def _active_wandb_run() -> Any:
     return getattr(wandb, "run", None) if wandb is not None else None
 
 
-def _report(run: Any, model_id: str | None, step: int | None, metrics: dict[str, float]) -> None:
+def _report(run: Any, model_id: str | None, step: int | None, metrics: dict[str, float], file: TextIO | None) -> None:
     if run is None:
-        print(json.dumps({"event": LOG_EVENT, "model_id": model_id, "step": step, **metrics}), flush=True)
+        stream = file or sys.stdout
+        # One write per line: clients logging from several threads never interleave within a line.
+        stream.write(json.dumps({"event": LOG_EVENT, "model_id": model_id, "step": step, **metrics}) + "\n")
+        stream.flush()
         return
     run_id = getattr(run, "id", None) or str(id(run))
     if run_id not in _runs_with_step_metric:
@@ -110,11 +113,12 @@ def _report(run: Any, model_id: str | None, step: int | None, metrics: dict[str,
     run.log({**metrics, STEP_METRIC: step}, commit=False)
 
 
-def _fetch_and_report(run: Any, model_id: str | None, step: int | None, **fetch: Any) -> dict[str, float]:
+def _fetch_and_report(run: Any, model_id: str | None, step: int | None, file: TextIO | None,
+                      **fetch: Any) -> dict[str, float]:
     global _warned
     try:
         metrics = critical_path_metrics(model_id, **fetch)
-        _report(run, model_id, step, metrics)
+        _report(run, model_id, step, metrics, file)
         return metrics
     except Exception as error:
         if not _warned:
@@ -126,15 +130,16 @@ def _fetch_and_report(run: Any, model_id: str | None, step: int | None, **fetch:
 
 def log_critical_path(model_id: str | None, step: int | None = None, *, base_url: str | None = None,
                       api_key: str | None = None, reset: bool = True, background: bool = True,
-                      reader: str = DEFAULT_READER) -> dict[str, float] | None:
+                      reader: str = DEFAULT_READER, file: TextIO | None = None) -> dict[str, float] | None:
     """Log this model's critical path for ``step``; returns at once (None), or with ``background=False`` blocks
-    and returns the metrics ({} when the fetch failed). Never raises."""
+    and returns the metrics ({} when the fetch failed). Without a W&B run the JSON line goes to ``file``
+    (default stdout). Never raises."""
     try:
         run = _active_wandb_run()  # resolved here, on the caller's thread, so a run ending mid-fetch is not mixed up
         fetch = {"base_url": base_url, "api_key": api_key, "reset": reset, "reader": reader}
         if not background:
-            return _fetch_and_report(run, model_id, step, **fetch)
-        _reporter.submit(lambda: _fetch_and_report(run, model_id, step, **fetch))
+            return _fetch_and_report(run, model_id, step, file, **fetch)
+        _reporter.submit(lambda: _fetch_and_report(run, model_id, step, file, **fetch))
     except Exception:
         logger.debug("critical-path logging could not start", exc_info=True)
         return {} if not background else None

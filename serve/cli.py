@@ -1,4 +1,4 @@
-"""The `lilo` command: `lilo up`, `lilo status`, `lilo down`.
+"""The `lilo` command: `lilo up`, `lilo status`, `lilo down`, and `lilo demo` (the main job).
 
 `lilo up` runs a supervisor in the foreground (Ctrl-C stops everything it started); `lilo up --detach` runs the
 same supervisor in the background, shows its progress until the service answers, and returns. Exit codes: 0 ok,
@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     down = commands.add_parser("down", help="stop the running cluster and every process it started")
     add_home(down)
     down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait before killing what is left")
+
+    demo = commands.add_parser("demo", help="four SDK clients fine-tune four adapters at once (starts lilo if needed)")
+    add_home(demo)
+    demo.add_argument("--steps", type=int, default=25, help="training steps per client (default 25)")
+    demo.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    demo.add_argument("--keep", action="store_true", help="leave a cluster the demo started running afterwards")
     return parser
 
 
@@ -314,6 +320,34 @@ def cmd_down(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the demo against the running cluster, or start one for it (and stop it after, unless --keep)."""
+    from serve.demo import run_demo
+
+    settings = _settings(args)
+    state = running_state(settings)
+    if state is None:
+        print("Starting lilo for the demo (`lilo down` stops it; --keep leaves it running after the demo).", flush=True)
+        code = up_detached(settings, ["up", *(["--home", args.home] if args.home else [])])
+        if code != EXIT_OK:
+            return code
+    try:
+        run_demo(settings.api_url, steps=args.steps, learning_rate=args.learning_rate, home=settings.home)
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("Interrupted.", flush=True)
+        return EXIT_FAILED
+    except Exception as error:  # a failed client or an unreachable service: say so, then clean up
+        print(f"The demo failed: {error}", flush=True)
+        return EXIT_FAILED
+    finally:
+        started_here = state is None
+        if started_here and not args.keep:
+            ours = running_state(settings)
+            print("Stopping the lilo cluster the demo started...", flush=True)
+            stop_cluster(settings, ours.pid if ours else None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -322,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_up(args, argv)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "demo":
+            return cmd_demo(args)
         return cmd_down(args)
     except SettingsError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,139 @@
+"""K tinker SDK clients, each stepping its own adapter (forward_backward + optim_step) against a local lilo.
+
+Starts a private cluster (its own temp home, loopback only) serving ``--model``, then for each K runs K clients
+concurrently for ``--seconds``, each in a loop of forward_backward (``--rows`` sequences of ``--seq`` tokens) and
+optim_step, and stops the cluster. Per K:
+- ``tok_s``: training tokens per second, all clients together;
+- ``step_p50_ms`` / ``step_p99_ms``: a client's step (both futures resolved), as the client sees it;
+- ``overhead_p50_ms``: per operation, the median step minus what the trainer spent on it from the critical path
+  (its execute time, and its wait behind other models' executions), halved: the service's own cost (HTTP, the
+  futures DB, polling, scheduling);
+- ``fairness``: most steps any client completed over fewest.
+Prints one JSON line:
+{"bench": "service", "model": .., "results": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
+ "overhead_p50_ms": .., "fairness": ..}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+API_KEY = "tml-bench-service"
+READER = "bench-service"
+MODELS = {"tiny": "lilo/tiny-llama", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def lilo(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "serve.cli", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def client_loop(service, base_model: str, rows: int, seq: int, vocab: int, ready: threading.Barrier,
+                stop: threading.Event, out: dict) -> None:
+    from tinker import types
+
+    training = service.create_lora_training_client(base_model=base_model, rank=8).result()
+    rng = np.random.default_rng(abs(hash(training.model_id)) % 2**32)
+    tokens = rng.integers(0, vocab, (rows, seq + 1))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                        loss_fn_inputs={"target_tokens": row[1:].tolist(), "weights": [1.0] * seq}) for row in tokens]
+    adam = types.AdamParams(learning_rate=1e-4)
+    training.forward_backward(data, "cross_entropy").result()  # warm-up, outside the window
+    training.optim_step(adam).result()
+    out["model_id"] = training.model_id
+    steps = []
+    ready.wait()
+    while not stop.is_set():
+        started = time.perf_counter()
+        backward = training.forward_backward(data, "cross_entropy")
+        optim = training.optim_step(adam)
+        backward.result()
+        optim.result()
+        steps.append(time.perf_counter() - started)
+    out["steps"] = steps
+
+
+def trainer_seconds(base_url: str, model_id: str) -> float:
+    """Seconds the trainer spent executing this model's work, or queued behind other models', since last read."""
+    from lilo.timing import critical_path_metrics
+
+    metrics = critical_path_metrics(model_id, base_url=base_url, api_key=API_KEY, reset=True, reader=READER)
+    return sum(metrics.get(f"lilo/{kind}.{part}.total_s", 0.0)
+               for kind in ("forward_backward", "optim_step") for part in ("execute", "queue_wait_others"))
+
+
+def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int) -> dict:
+    import tinker
+
+    services = [tinker.ServiceClient(base_url=base_url, api_key=API_KEY) for _ in range(clients)]
+    outs: list[dict] = [{} for _ in range(clients)]
+    ready, stop = threading.Barrier(clients + 1), threading.Event()
+    threads = [threading.Thread(target=client_loop, args=(services[i], base_model, rows, seq, vocab, ready, stop,
+                                                          outs[i])) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    ready.wait(timeout=600)
+    for out in outs:
+        trainer_seconds(base_url, out["model_id"])  # start this reader's interval at the window
+    started = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=600)
+    elapsed = time.perf_counter() - started
+    steps = [out["steps"] for out in outs]
+    all_steps = np.array([s for client in steps for s in client])
+    busy_per_step = [trainer_seconds(base_url, out["model_id"]) / max(len(out["steps"]), 1) for out in outs]
+    for service in services:
+        service.close("success").result()
+    step_p50 = float(np.percentile(all_steps, 50))
+    return {
+        "clients": clients,
+        "tok_s": round(sum(len(s) for s in steps) * rows * seq / elapsed, 1),
+        "step_p50_ms": round(step_p50 * 1e3, 1),
+        "step_p99_ms": round(float(np.percentile(all_steps, 99)) * 1e3, 1),
+        "overhead_p50_ms": round(max(step_p50 - float(np.median(busy_per_step)), 0.0) / 2 * 1e3, 1),
+        "fairness": round(max(len(s) for s in steps) / max(min(len(s) for s in steps), 1), 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--port", type=int, default=8710)
+    args = parser.parse_args()
+    os.environ["TINKER_TELEMETRY"] = "0"
+    home = Path(tempfile.mkdtemp(prefix="lilo-bs-", dir="/tmp"))
+    base_model = MODELS[args.model]
+    lilo("up", "--detach", "--home", str(home), "--port", str(args.port), "--dashboard-port", str(args.port + 1),
+         "--base-model", base_model)
+    try:
+        from lilo.backend.models import model_directory
+
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_directory(base_model)).vocab_size
+        base_url = f"http://127.0.0.1:{args.port}"
+        results = [run(base_url, base_model, int(k), args.seconds, args.rows, args.seq, vocab)
+                   for k in args.clients.split(",")]
+    finally:
+        lilo("down", "--home", str(home))
+    print(json.dumps({"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq,
+                      "seconds": args.seconds, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
