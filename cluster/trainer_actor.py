@@ -20,7 +20,7 @@ import orjson
 import ray
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
-from cluster.local import NAMESPACE
+from cluster.local import NAMESPACE, ClusterError
 from cluster.timing import TimingPublisher, get_timing_actor
 from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
 from lilo.backend.torch_backend import TorchBackend
@@ -177,12 +177,24 @@ def start_trainer(index: int, base_model: str, *, num_gpus: float = 0, num_cpus:
 
 
 def start_trainers(settings: Settings) -> list[str]:
-    """The cluster's trainers for ``settings``: one per GPU when the cluster has GPUs, else ``settings.trainers``
-    on CPU; each serves the first configured base model. Returns their names once all are ready."""
+    """The cluster's trainers for ``settings``; returns their names once all are ready. Each serves one base model:
+    with GPUs, one trainer per GPU, the GPUs dealt out over the configured base models in turn; on CPU,
+    ``settings.trainers`` (default 1) per base model."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    count = settings.trainers or (gpus if gpus else 1)
-    handles = [start_trainer(index, settings.base_models[0], num_gpus=1 if gpus else 0, num_cpus=1,
+    models = settings.base_models
+    if gpus:
+        count = max(settings.trainers or gpus, len(models))
+        served = [models[index % len(models)] for index in range(count)]
+    else:
+        served = [model for model in models for _ in range(settings.trainers or 1)]
+    handles = [start_trainer(index, model, num_gpus=1 if gpus else 0, num_cpus=1,
                              checkpoint_dir=str(settings.home / "checkpoints"), device=settings.device)
-               for index in range(count)]
-    infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)
+               for index, model in enumerate(served)]
+    try:
+        infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(
+            f"{len(handles)} trainer(s) were not ready within {settings.startup_timeout_s:.0f} s. Each needs "
+            f"{'1 GPU' if gpus else '1 CPU'} of the cluster's resources ({ray.cluster_resources()}); give the "
+            "cluster more (--num-cpus), start fewer (--trainers), or allow more time (--timeout).") from None
     return [info["name"] for info in infos]

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from lilo.backend.registry import DEFAULT_BASE_MODEL, known_base_models
+from lilo.backend.registry import DEFAULT_BASE_MODEL, is_servable, unservable_message
 from lilo.futures.paths import default_db_path
 
 # Ray puts unix sockets under <temp dir>/session_<timestamp>_<pid>/sockets/..., and a unix socket path may not
@@ -92,11 +92,9 @@ class Settings:
             raise SettingsError(f"--device must be auto, cpu or cuda, got {self.device!r}.")
         if not self.base_models:
             raise SettingsError("Configure at least one base model (--base-model NAME).")
-        unknown = [name for name in self.base_models if name not in known_base_models()]
+        unknown = [name for name in self.base_models if not is_servable(name)]
         if unknown:
-            raise SettingsError(
-                f"Unknown base model(s) {', '.join(unknown)}; known: {', '.join(known_base_models())}."
-            )
+            raise SettingsError(unservable_message(unknown))
         if self.ray_address is None and len(str(self.ray_temp_dir)) > MAX_RAY_TEMP_DIR_CHARS:
             raise SettingsError(
                 f"The Ray temp dir {self.ray_temp_dir} is too long for Ray's unix sockets "

@@ -59,12 +59,13 @@ async def trainer_for(futures: ActorHandle, model_id: str) -> ActorHandle:
     return ray.get_actor(trainer, namespace=NAMESPACE)
 
 
-async def place(futures: ActorHandle, trainers: Sequence[str]) -> str:
-    """A trainer for a new model: the least loaded with a free slot."""
+async def place(futures: ActorHandle, trainers: Sequence[str], base_model: str) -> str:
+    """A trainer for a new model: of those serving its base model, the least loaded with a free slot."""
     free = {}
     for name in trainers:
         info = await ray.get_actor(name, namespace=NAMESPACE).ready.remote()
-        free[name] = info["free_slots"]
+        if info["base_model"] == base_model:
+            free[name] = info["free_slots"]
     placed: dict[str, int] = {}
     for trainer in (await futures.placement.remote()).values():
         placed[trainer] = placed.get(trainer, 0) + 1
@@ -80,7 +81,7 @@ async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict
         Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
                    seq_id=0, tenant=tenant).prepared())
     if not outcome.duplicate:
-        trainer = await place(futures, trainers)
+        trainer = await place(futures, trainers, body["base_model"])
         await futures.add_model.remote(model_id, body["base_model"], body.get("lora_config") or {},
                                        tenant=tenant, session_id=body["session_id"], trainer=trainer)
         await _hand_over(futures, outcome.request_id, CREATE_MODEL, ray.get_actor(

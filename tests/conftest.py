@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -17,7 +19,9 @@ import pytest  # noqa: E402 (after prepare_environment, on purpose)
 from helpers import Clock, free_port, lilo, short_home  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402
 
-BASE_MODELS = ("lilo/tiny-llama", "HuggingFaceTB/SmolLM2-135M-Instruct")
+# The registered tiny model, and a second one served from a local directory (built in local_cluster).
+TINY_DIRECTORY = Path(tempfile.gettempdir()) / f"lilo-tiny-dir-{os.getpid()}"
+BASE_MODELS = ("lilo/tiny-llama", str(TINY_DIRECTORY))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +42,12 @@ class RunningCluster:
 
 @pytest.fixture(scope="session")
 def local_cluster() -> Iterator[RunningCluster]:
+    from lilo.backend.models import build_tiny_llama
+
+    build_tiny_llama(TINY_DIRECTORY, seed=1)
     cluster = RunningCluster(short_home(), free_port(), free_port(), BASE_MODELS)
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
-            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "2"]
+            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "6", "--trainers", "2"]
     for name in cluster.base_models:
         args += ["--base-model", name]
     started = lilo(*args)
@@ -52,6 +59,7 @@ def local_cluster() -> Iterator[RunningCluster]:
     finally:
         stopped = lilo("down", "--home", str(cluster.home))
         shutil.rmtree(cluster.home, ignore_errors=True)
+        shutil.rmtree(TINY_DIRECTORY, ignore_errors=True)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
 
 

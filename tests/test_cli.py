@@ -57,7 +57,8 @@ def test_status_without_a_cluster_exits_3(empty_home):
 
 
 def test_bad_settings_are_usage_errors_with_a_message(empty_home):
-    result = lilo("up", "--home", str(empty_home), "--base-model", "no/such-model")
+    result = lilo("up", "--home", str(empty_home), "--base-model", "no-such-model")
     assert result.returncode == 2
-    assert "Unknown base model(s) no/such-model" in result.stderr
+    assert "Unknown base model(s) no-such-model" in result.stderr
+    assert "a local directory with a transformers config.json" in result.stderr
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in result.stderr

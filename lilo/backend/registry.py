@@ -1,11 +1,16 @@
 """Base models lilo can serve, by the name clients ask for.
 
-Knows only names and facts clients see (context length); loading the weights is the backend's job.
+A served name is a registered one (below), a local directory holding a transformers model (``config.json``), or
+a hub id (``org/name``, where a hub is reachable). Knows only names and facts clients see (context length);
+loading the weights is the backend's job.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +40,34 @@ _REGISTRY: dict[str, BaseModelSpec] = {
 }
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def known_base_models() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def is_servable(name: str) -> bool:
+    return name in _REGISTRY or (Path(name) / "config.json").is_file() or bool(HUB_ID.match(name))
+
+
+def unservable_message(names: list[str]) -> str:
+    return (f"Unknown base model(s) {', '.join(names)}; use a registered name ({', '.join(_REGISTRY)}), a local "
+            "directory with a transformers config.json, or a hub id like org/name.")
+
+
 def base_model_spec(name: str) -> BaseModelSpec:
-    try:
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"Unknown base model {name!r}; known: {', '.join(_REGISTRY)}.") from None
+    if not is_servable(name):
+        raise KeyError(unservable_message([name]))
+    config_file = Path(name) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(name).to_dict()
+    where = "a local directory" if config_file.is_file() else "from the hub"
+    return BaseModelSpec(name, max_context_length=int(config.get("max_position_embeddings", 2048)),
+                         description=f"{config.get('model_type', 'a model')} {where}")

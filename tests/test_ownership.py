@@ -1,0 +1,57 @@
+"""Every request for a model reaches the trainer that owns it, checked from the trainers' side.
+
+The session cluster runs two trainers per base model (the registered tiny model and one from a local directory).
+"""
+
+import numpy as np
+import pytest
+import ray
+import tinker
+from tinker import types
+
+from cluster.futures_actor import FUTURES_ACTOR_NAME
+from cluster.local import NAMESPACE
+
+
+@pytest.fixture(autouse=True)
+def no_sdk_telemetry(monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+def datum(seed: int) -> types.Datum:
+    tokens = np.random.default_rng(seed).integers(0, 1000, 17).tolist()
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 16})
+
+
+def test_each_model_runs_only_on_its_owner_across_trainers_and_base_models(local_cluster, ray_driver):
+    steps = 2
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
+        clients = [service.create_lora_training_client(base_model=base, rank=4).result(timeout=120)
+                   for base in local_cluster.base_models for _ in range(4)]
+        for step in range(steps):
+            futures = [(c.forward_backward([datum(n)], "cross_entropy"), c.optim_step(types.AdamParams()))
+                       for n, c in enumerate(clients)]
+            for backward, optim in futures:
+                backward.result(timeout=120)
+                optim.result(timeout=120)
+    futures_actor = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    placement = ray.get(futures_actor.placement.remote())
+    trainers = sorted(set(placement.values()))
+    served = {name: ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote())["base_model"]
+              for name in trainers}
+    owners = {client.model_id: placement[client.model_id] for client in clients}
+    # Each base model's four models are spread over both of its trainers, and each sits on a trainer serving it.
+    for n, base in enumerate(local_cluster.base_models):
+        ours = [owners[c.model_id] for c in clients[4 * n:4 * n + 4]]
+        assert len(set(ours)) == 2 and all(served[owner] == base for owner in ours)
+    for model_id, owner in owners.items():
+        for name in trainers:
+            trainer = ray.get_actor(name, namespace=NAMESPACE)
+            snapshot = ray.get(trainer.timing.remote(model_id))
+            if name == owner:
+                # The owner ran every step of it: forward_backward and optim_step, `steps` times each.
+                assert snapshot["phases"]["forward_backward.execute"]["count"] == steps
+                assert snapshot["phases"]["optim_step.execute"]["count"] == steps
+            else:
+                assert snapshot is None  # no other trainer ever held it
