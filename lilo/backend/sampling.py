@@ -31,7 +31,9 @@ class SamplingRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: Sequence[Sequence[int]] = ()  # token-id sequences that end a sample
+    stop_strings: Sequence[str] = ()  # text that ends a sample (needs the base model's tokenizer)
     prompt_logprobs: bool = False
+    base_only: bool = False  # the bare base model, no adapter (the request named only a base model)
 
 
 @dataclasses.dataclass
