@@ -22,7 +22,7 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.timing import TimingPublisher, get_timing_actor
-from lilo.backend.models import load_base_model, model_directory
+from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoraSpec
 from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, SAMPLE, Command
@@ -47,25 +47,25 @@ def trainer_name(index: int) -> str:
 @ray.remote(max_restarts=0, max_concurrency=1000)
 class TrainerActor:
     def __init__(self, name: str, base_model: str, *, max_adapters: int = 16, max_rank: int = 32,
-                 checkpoint_dir: str | None = None, model_cache_dir: str | None = None) -> None:
+                 checkpoint_dir: str | None = None, model_cache_dir: str | None = None, device: str = "auto") -> None:
         self.name = name
         self.base_model = base_model
         self._ready: Future = Future()
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._flusher: asyncio.Task | None = None
         settings = dict(max_adapters=max_adapters, max_rank=max_rank, checkpoint_dir=checkpoint_dir,
-                        model_cache_dir=model_cache_dir)
+                        model_cache_dir=model_cache_dir, device=device)
         self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
                                               daemon=True)
         self._torch_thread.start()
 
     def _run_torch(self, max_adapters: int, max_rank: int, checkpoint_dir: str | None,
-                   model_cache_dir: str | None) -> None:
+                   model_cache_dir: str | None, device: str) -> None:
         try:
             directory = model_directory(self.base_model, Path(model_cache_dir) if model_cache_dir else None)
-            backend = TorchBackend(load_base_model(directory), max_adapters=max_adapters, max_rank=max_rank,
-                                   checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-                                   base_model_name=self.base_model)
+            backend = TorchBackend(load_base_model(directory, resolve_device(device)), max_adapters=max_adapters,
+                                   max_rank=max_rank, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                                   base_model_name=self.base_model, decode=load_decoder(directory))
             engine = Engine(backend, start=False)
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
@@ -191,6 +191,7 @@ def start_trainers(settings: Settings) -> list[str]:
     gpus = int(ray.cluster_resources().get("GPU", 0))
     count = settings.trainers or (gpus if gpus else 1)
     handles = [start_trainer(index, settings.base_models[0], num_gpus=1 if gpus else 0, num_cpus=1,
-                             checkpoint_dir=str(settings.home / "checkpoints")) for index in range(count)]
+                             checkpoint_dir=str(settings.home / "checkpoints"), device=settings.device)
+               for index in range(count)]
     infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)
     return [info["name"] for info in infos]

@@ -41,6 +41,8 @@ class Settings:
     # Address of an existing Ray cluster to deploy onto ("auto" on a `ray up` head); None starts a private head.
     ray_address: str | None = None
     startup_timeout_s: float = 120.0
+    # Where trainers compute: "auto" (CUDA when the trainer has a GPU, else CPU), "cpu" or "cuda".
+    device: str = "auto"
 
     @property
     def ray_temp_dir(self) -> Path:
@@ -86,6 +88,8 @@ class Settings:
             raise SettingsError(f"--trainers must be at least 1, got {self.trainers}.")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise SettingsError(f"--num-cpus must be at least 1, got {self.num_cpus}.")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise SettingsError(f"--device must be auto, cpu or cuda, got {self.device!r}.")
         if not self.base_models:
             raise SettingsError("Configure at least one base model (--base-model NAME).")
         unknown = [name for name in self.base_models if name not in known_base_models()]
@@ -110,6 +114,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_TRAINERS": ("trainers", int),
     "LILO_RAY_ADDRESS": ("ray_address", str),
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
+    "LILO_DEVICE": ("device", str),
 }
 
 

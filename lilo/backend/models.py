@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -33,14 +34,39 @@ def build_tiny_llama(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def load_base_model(source: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``from_pretrained`` on a directory or hub id; the weights are frozen."""
+def resolve_device(preference: str = "auto") -> torch.device:
+    """``auto``: CUDA when this process sees a GPU (Ray gives each trainer one), else the CPU."""
+    if preference == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(preference)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"Device {preference!r} was asked for, but torch sees no CUDA GPU here; use auto or cpu.")
+    return device
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 for the frozen base on a GPU (LoRA weights and optimizer state stay fp32); fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_base_model(source: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """``from_pretrained`` on a directory or hub id, onto ``device`` in its compute dtype; the weights are frozen."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=compute_dtype(device)).to(device)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model.eval()
+
+
+def load_decoder(directory: Path) -> Callable[[Sequence[int]], str] | None:
+    """The model's detokenizer (for stop strings), or None when the directory ships no tokenizer."""
+    if not (directory / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory).decode
 
 
 def default_cache_dir() -> Path:

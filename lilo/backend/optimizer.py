@@ -1,19 +1,22 @@
 """AdamW per adapter slot; the steps of several adapters in one call run as one fused update.
 
-Each adapter owns one slice (its slot) of every LoRA parameter it trains. The optimizer keeps first and second
-moments shaped like the parameters, so a slot's state is the same slice of them. A step for models m1..mk gathers
-all their slices and runs AdamW with ``torch._foreach_*`` kernels over the whole list, each slice with its own
-model's hyperparameters (learning rate, betas, eps, weight decay) and its own step count, after clipping each
-model's gradient by its own total norm.
+Every adapter's parameters are one row of the ``LoraBank``'s ``(slots, D)`` weights, its gradients the same row of
+the gradient tensor, and the optimizer keeps both moments in the same layout. A step for models m1..mk is one norm
+kernel over their k rows and one call of torch's fused AdamW kernel per distinct set of hyperparameters (learning
+rate, betas, eps, weight decay), each row with its own step count, after clipping each model's gradient by its own
+total norm.
+Entries an adapter does not train (rank padding, projections it leaves alone) have zero weights and zero
+gradients, so a step leaves them exactly zero.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import torch
+
+from lilo.errors import InvalidRequestError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,68 +28,58 @@ class AdamParams:
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0  # 0: no clipping
 
+    def __post_init__(self) -> None:
+        if not (self.learning_rate >= 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0
+                and self.weight_decay >= 0 and self.grad_clip_norm >= 0):
+            raise InvalidRequestError(
+                f"Invalid AdamParams {self}: use learning_rate >= 0, 0 <= beta1, beta2 < 1, eps > 0, "
+                "weight_decay >= 0 and grad_clip_norm >= 0.")
+
 
 class SlotAdamW:
-    def __init__(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        self.parameters = list(parameters)
-        self.exp_avg = [torch.zeros_like(p) for p in self.parameters]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.parameters]
-        self.steps: dict[int, int] = {}
+    def __init__(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
+        self.weights, self.grads = weights, grads
+        self.exp_avg = torch.zeros_like(weights)
+        self.exp_avg_sq = torch.zeros_like(weights)
+        # One step counter per slot, as a tensor: the fused kernel reads each row's own count.
+        self.step_counts = torch.zeros(weights.shape[0], dtype=torch.float32, device=weights.device)
 
     def reset_slot(self, slot: int) -> None:
         """A reused slot starts from zeroed state."""
-        with torch.no_grad():
-            for m, v in zip(self.exp_avg, self.exp_avg_sq):
-                m[slot].zero_()
-                v[slot].zero_()
-        self.steps[slot] = 0
+        self.exp_avg[slot].zero_()
+        self.exp_avg_sq[slot].zero_()
+        self.grads[slot].zero_()
+        self.step_counts[slot] = 0
+
+    def steps(self, slot: int) -> int:
+        return int(self.step_counts[slot])
+
+    def set_steps(self, slot: int, steps: int) -> None:
+        self.step_counts[slot] = steps
 
     def zero_grad(self, slots: Sequence[int]) -> None:
-        for p in self.parameters:
-            if p.grad is not None:
-                p.grad[list(slots)] = 0
+        for slot in slots:
+            self.grads[slot].zero_()
 
     @torch.no_grad()
-    def step(self, slots: Sequence[int], params: Sequence[AdamParams],
-             trained: Sequence[Sequence[int]] | None = None) -> list[float]:
-        """One fused AdamW step for these slots (slot i with ``params[i]``); ``trained[i]`` lists the indices of
-        ``self.parameters`` slot i trains (default: all). Returns each slot's gradient norm before clipping."""
-        trained = trained or [range(len(self.parameters))] * len(slots)
-        p_list, g_list, m_list, v_list, owner = [], [], [], [], []
-        for i, (slot, indices) in enumerate(zip(slots, trained)):
-            for j in indices:
-                p = self.parameters[j]
-                if p.grad is None:
-                    continue
-                p_list.append(p[slot])
-                g_list.append(p.grad[slot])
-                m_list.append(self.exp_avg[j][slot])
-                v_list.append(self.exp_avg_sq[j][slot])
-                owner.append(i)
-        if not p_list:
-            return [0.0] * len(slots)
-        norms_per_tensor = torch._foreach_norm(g_list)
-        squared = [0.0] * len(slots)
-        for i, norm in zip(owner, norms_per_tensor):
-            squared[i] += float(norm) ** 2
-        grad_norms = [math.sqrt(total) for total in squared]
-        clip = [min(1.0, params[i].grad_clip_norm / (grad_norms[i] + 1e-6)) if params[i].grad_clip_norm > 0 else 1.0
-                for i in range(len(slots))]
+    def step(self, slots: Sequence[int], params: Sequence[AdamParams]) -> list[float]:
+        """One fused AdamW step for these slots (slot i with ``params[i]``); returns each slot's gradient norm
+        before clipping. Slots sharing hyperparameters go through one call of torch's fused AdamW kernel (one
+        pass over their rows); each row keeps its own step count."""
+        grads = [self.grads[slot] for slot in slots]
+        norms = torch.stack(torch._foreach_norm(grads)).tolist()
+        clip = [min(1.0, h.grad_clip_norm / (norm + 1e-6)) if h.grad_clip_norm > 0 else 1.0
+                for h, norm in zip(params, norms)]
         if any(c < 1.0 for c in clip):
-            torch._foreach_mul_(g_list, [clip[i] for i in owner])
-
-        for slot in slots:
-            self.steps[slot] = self.steps.get(slot, 0) + 1
-        hp = [params[i] for i in owner]
-        t = [self.steps[slots[i]] for i in owner]
-        torch._foreach_mul_(p_list, [1.0 - h.learning_rate * h.weight_decay for h in hp])
-        torch._foreach_mul_(m_list, [h.beta1 for h in hp])
-        torch._foreach_add_(m_list, torch._foreach_mul(g_list, [1.0 - h.beta1 for h in hp]))
-        torch._foreach_mul_(v_list, [h.beta2 for h in hp])
-        torch._foreach_addcmul_(v_list, g_list, g_list, [1.0 - h.beta2 for h in hp])
-        denom = torch._foreach_sqrt(v_list)
-        torch._foreach_div_(denom, [math.sqrt(1.0 - h.beta2 ** step) for h, step in zip(hp, t)])
-        torch._foreach_add_(denom, [h.eps for h in hp])
-        torch._foreach_addcdiv_(p_list, m_list, denom,
-                                [-h.learning_rate / (1.0 - h.beta1 ** step) for h, step in zip(hp, t)])
-        return grad_norms
+            torch._foreach_mul_(grads, clip)
+        self.step_counts[list(slots)] += 1
+        groups: dict[AdamParams, list[int]] = {}
+        for slot, h in zip(slots, params):
+            groups.setdefault(h, []).append(slot)
+        for h, members in groups.items():
+            torch._fused_adamw_(
+                [self.weights[s] for s in members], [self.grads[s] for s in members],
+                [self.exp_avg[s] for s in members], [self.exp_avg_sq[s] for s in members], [],
+                [self.step_counts[s] for s in members], lr=h.learning_rate, beta1=h.beta1, beta2=h.beta2,
+                weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
+        return norms

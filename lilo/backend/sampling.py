@@ -1,11 +1,12 @@
 """Batched generation for many adapters at once: every row carries its own adapter slot, sampling settings and
 random generator, over one shared KV cache.
 
-Rows are left-padded prompts; each step runs one token per row through the model with per-row adapters, then
-samples per row: ``temperature`` (0: greedy), ``top_k``, ``top_p``, seeded by ``seed`` and the sample's index, so
+Rows are left-padded prompts; each step runs one token per row through the model with per-row adapters (or none:
+``BASE_SLOT``), then samples per row: ``temperature`` (0: greedy), ``top_k``, ``top_p``, seeded by ``seed`` and the sample's index, so
 the same request gives the same tokens whatever else shares the batch. Reported logprobs are those of the sampled
 tokens under the temperature-scaled distribution; ``prompt_logprobs`` those of each prompt token given the ones
-before it (None for the first).
+before it (None for the first). A sample ends at ``max_tokens`` (stop reason ``length``) or once its tokens end
+with a stop token sequence or their text contains a stop string (``stop``, the stop included).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ class Row:
     stop_reason: str | None = None
 
 
-def validate(request: SamplingRequest, vocab_size: int) -> None:
+Decode = Callable[[Sequence[int]], str]
+
+
+def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -> None:
     if not request.prompt:
         raise InvalidRequestError("The prompt is empty; send at least one token.")
     if min(request.prompt) < 0 or max(request.prompt) >= vocab_size:
@@ -56,6 +60,8 @@ def validate(request: SamplingRequest, vocab_size: int) -> None:
         raise InvalidRequestError("max_tokens and num_samples must be at least 1.")
     if request.temperature < 0 or not 0 < request.top_p <= 1:
         raise InvalidRequestError("temperature must be >= 0 and top_p in (0, 1].")
+    if request.stop_strings and decode is None:
+        raise InvalidRequestError("This base model has no tokenizer to match stop strings; send stop token ids.")
 
 
 def sample_next(logits: torch.Tensor, settings: SamplingRequest, generator: torch.Generator) -> tuple[int, float]:
@@ -78,9 +84,10 @@ def sample_next(logits: torch.Tensor, settings: SamplingRequest, generator: torc
     return token, float(logprobs[token])
 
 
-def generate(model: torch.nn.Module, route: Callable[[torch.Tensor | None], None], requests: Sequence[SamplingRequest],
-             slots: Sequence[int]) -> list[dict]:
+def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], None],
+             requests: Sequence[SamplingRequest], slots: Sequence[int], decode: Decode | None = None) -> list[dict]:
     """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation."""
+    device = next(model.parameters()).device
     rows = [Row(i, slots[i], request, _generator(request.seed, k))
             for i, request in enumerate(requests) for k in range(request.num_samples)]
     width = max(len(request.prompt) for request in requests)
@@ -91,31 +98,33 @@ def generate(model: torch.nn.Module, route: Callable[[torch.Tensor | None], None
         ids[r, width - len(prompt):] = prompt
         mask[r, width - len(prompt):] = 1
     prompt_logprobs: dict[int, list[float | None]] = {}
-    route(torch.tensor([row.slot for row in rows]))
+    ids, mask = ids.to(device), mask.to(device)
+    route([row.slot for row in rows])
     try:
         with torch.no_grad():
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             for r, row in enumerate(rows):
                 if row.settings.prompt_logprobs and row.request not in prompt_logprobs:
-                    prompt_logprobs[row.request] = _prompt_logprobs(out.logits[r], ids[r], len(row.settings.prompt))
-            logits, cache = out.logits[:, -1], out.cache
+                    prompt_logprobs[row.request] = _prompt_logprobs(out.logits[r].cpu(), ids[r].cpu(),
+                                                                    len(row.settings.prompt))
+            logits, cache = out.logits[:, -1].float().cpu(), out.cache
             for _ in range(max(request.max_tokens for request in requests)):
                 next_ids = torch.zeros(len(rows), 1, dtype=torch.long)
                 for r, row in enumerate(rows):
                     if row.stop_reason is None:
-                        token, logprob = sample_next(logits[r].float(), row.settings, row.generator)
+                        token, logprob = sample_next(logits[r], row.settings, row.generator)
                         row.tokens.append(token)
                         row.logprobs.append(logprob)
-                        row.stop_reason = _stopped(row)
+                        row.stop_reason = _stopped(row, decode)
                         next_ids[r, 0] = token
                 if all(row.stop_reason is not None for row in rows):
                     break
-                mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+                mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], dim=1)
                 positions = positions[:, -1:] + 1
-                out = model(input_ids=next_ids, attention_mask=mask, position_ids=positions,
+                out = model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
                             cache=cache, use_cache=True)
-                logits, cache = out.logits[:, -1], out.cache
+                logits, cache = out.logits[:, -1].float().cpu(), out.cache
     finally:
         route(None)
     results: list[dict] = [{"sequences": []} for _ in requests]
@@ -133,9 +142,13 @@ def _generator(seed: int | None, sample_index: int) -> torch.Generator:
     return torch.Generator().manual_seed((base * 1_000_003 + sample_index) % 2**63)
 
 
-def _stopped(row: Row) -> str | None:
+def _stopped(row: Row, decode: Decode | None) -> str | None:
     for stop in row.settings.stop:
         if stop and row.tokens[-len(stop):] == list(stop):
+            return STOP
+    if row.settings.stop_strings and decode is not None:
+        text = decode(row.tokens)
+        if any(stop and stop in text for stop in row.settings.stop_strings):
             return STOP
     return LENGTH if len(row.tokens) >= row.settings.max_tokens else None
 

@@ -23,7 +23,7 @@ from lilo.backend.checkpoints import (
     PEFT_WEIGHTS, TINKER_SCHEME, AdapterState, checked_name, local_directory, read_peft, read_state, tinker_path,
     write_peft, write_state,
 )
-from lilo.backend.lora import attach_multi_lora, projection_kind, target_names
+from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import AdamParams, SlotAdamW
 from lilo.backend.types import Datum, LoadRequest, LoraSpec, TrainInput
 from lilo.engine.commands import SAVE_WEIGHTS, Command
@@ -39,24 +39,27 @@ DEFAULT_MAX_BATCH_TOKENS = 8192
 class Adapter:
     slot: int
     spec: LoraSpec
-    trained: list[int]  # indices into the optimizer's parameter list this adapter trains
 
 
 class TorchBackend:
     def __init__(self, model: nn.Module, *, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  max_rank: int = DEFAULT_MAX_RANK, checkpoint_dir: Path | None = None,
-                 base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
+                 base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 decode: sampling.Decode | None = None) -> None:
         self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.decode = decode  # the base model's detokenizer, for stop strings
         self.max_batch_tokens = max_batch_tokens
         self.checkpoint_dir = checkpoint_dir or Path(tempfile.gettempdir()) / "lilo-checkpoints"
         self.base_model_name = base_model_name or str(getattr(model.config, "_name_or_path", ""))
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
         self.max_rank = max_rank
-        self.layers = attach_multi_lora(self.model, max_adapters, max_rank)
-        self._parameters = [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
-        self._kinds = [projection_kind(path) for path in self.layers for _ in range(2)]
-        self.optimizer = SlotAdamW(self._parameters)
+        self.bank = LoraBank(self.model, max_adapters, max_rank)
+        self.layers = self.bank.layers
+        self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
+        # CUDA runs the LoRA deltas as torch's grouped GEMM; on CPU batched GEMMs over gathered rows are faster.
+        self._grouped = self.device.type == "cuda"
         self.adapters: dict[str, Adapter] = {}
         # Sampler checkpoints held in slots (tinker path -> version loaded), least recently used first.
         self._samplers: OrderedDict[str, int] = OrderedDict()
@@ -77,8 +80,7 @@ class TorchBackend:
             else:
                 layer.clear_slot(slot)
         self.optimizer.reset_slot(slot)
-        trained = [i for i, kind in enumerate(self._kinds) if kind in targets]
-        self.adapters[model_id] = Adapter(slot, spec, trained)
+        self.adapters[model_id] = Adapter(slot, spec)
 
     def remove_adapter(self, model_id: str) -> None:
         adapter = self._adapter(model_id)
@@ -124,6 +126,8 @@ class TorchBackend:
         # One row per datum, tagged with its request; rows go through the model in micro-batches of at most
         # max_batch_tokens (a lone longer row still runs), gradients accumulating across them.
         rows = [(n, datum) for n, (_, command, _, _) in enumerate(valid) for datum in command.payload.data]
+        # Rows of one adapter side by side: one run each for the grouped GEMM; a request keeps its datum order.
+        rows.sort(key=lambda row: self.adapters[valid[row[0]][1].model_id].slot)
         outputs: list[list[dict]] = [[] for _ in valid]
         sums = [0.0] * len(valid)
         for chunk in _micro_batches(rows, self.max_batch_tokens):
@@ -140,15 +144,15 @@ class TorchBackend:
 
     def _rows_forward(self, chunk: Sequence[tuple[int, Datum]], valid: Sequence[tuple]) -> list[tuple]:
         """(target logprobs, per-token loss, loss sum) of each row, the loss sums still attached to the graph."""
-        slots = torch.tensor([self.adapters[valid[n][1].model_id].slot for n, _ in chunk])
-        input_ids, mask = _padded([datum.tokens for _, datum in chunk])
+        slots = [self.adapters[valid[n][1].model_id].slot for n, _ in chunk]
+        input_ids, mask = (t.to(self.device) for t in _padded([datum.tokens for _, datum in chunk]))
         self._route(slots)
         try:
             # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal path.
             logits = self.model(input_ids=input_ids, attention_mask=None if bool(mask.all()) else mask).logits
         finally:
             self._route(None)
-        targets, _ = _padded([datum.loss_inputs["target_tokens"] for _, datum in chunk])
+        targets = _padded([datum.loss_inputs["target_tokens"] for _, datum in chunk])[0].to(self.device)
         # Fused log-softmax + gather (and its backward): the full (rows, tokens, vocab) log-probabilities of a
         # 49k-token vocabulary never materialize.
         target_logprobs = -torch.nn.functional.cross_entropy(
@@ -157,7 +161,7 @@ class TorchBackend:
         for row, (n, datum) in enumerate(chunk):
             _, _, loss_fn, config = valid[n]
             logprobs = target_logprobs[row, :len(datum.tokens)]
-            inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32)
+            inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32, device=self.device)
                       for key, value in datum.loss_inputs.items() if key != "target_tokens"}
             elementwise = loss_fn(logprobs, inputs, config)
             per_row.append((logprobs.detach(), elementwise.detach(), elementwise.sum()))
@@ -173,16 +177,15 @@ class TorchBackend:
             _check_datum(n, datum, losses.REQUIRED_INPUTS[train.loss_fn], self.vocab_size)
         return loss_fn, config
 
-    def _route(self, slots: torch.Tensor | None) -> None:
-        """Tell every LoRA layer which slot each row uses; a layer no routed adapter trains runs as the bare base."""
-        for layer in self.layers.values():
-            layer.row_slots = slots if slots is not None and bool(layer.scale[slots].any()) else None
+    def _route(self, slots: Sequence[int] | None) -> None:
+        """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none)."""
+        self.bank.route(slots, grouped=self._grouped)
 
     def optim_step(self, commands: Sequence[Command]) -> list[Any]:
         adapters = [self._adapter(command.model_id) for command in commands]
         params = [command.payload if isinstance(command.payload, AdamParams) else AdamParams(**command.payload)
                   for command in commands]
-        norms = self.optimizer.step([a.slot for a in adapters], params, [a.trained for a in adapters])
+        norms = self.optimizer.step([a.slot for a in adapters], params)
         self.optimizer.zero_grad([a.slot for a in adapters])
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
 
@@ -190,19 +193,20 @@ class TorchBackend:
         """Every command's samples in one batched generation, each row through its own adapter (``model_id``: a
         training model, or a sampler checkpoint's tinker path) or none (``base_only``)."""
         results: list[Any] = [None] * len(commands)
-        slots = self._sampling_slots(commands)
-        valid = []
+        valid, slots = [], []
+        pinned: set[str] = set()
         for i, command in enumerate(commands):
             try:
-                if isinstance(slots[i], Exception):
-                    raise slots[i]
-                sampling.validate(command.payload, self.vocab_size)
+                request: sampling.SamplingRequest = command.payload
+                slot = BASE_SLOT if request.base_only else self._sampling_slot(command.model_id, pinned)
+                sampling.validate(request, self.vocab_size, self.decode)
                 valid.append(i)
+                slots.append(slot)
             except Exception as error:
                 results[i] = error
         if valid:
-            generated = sampling.generate(self.model, self._route, [commands[i].payload for i in valid],
-                                          [slots[i] for i in valid])
+            generated = sampling.generate(self.model, self._route, [commands[i].payload for i in valid], slots,
+                                          self.decode)
             for i, result in zip(valid, generated):
                 results[i] = result
         return results
@@ -223,12 +227,13 @@ class TorchBackend:
         name = checked_name(command.payload.name)
         with_optimizer = command.kind == SAVE_WEIGHTS
         tensors = {}
+        sources = {"": self.bank.weights}
+        if with_optimizer:
+            sources.update({".exp_avg": self.optimizer.exp_avg, ".exp_avg_sq": self.optimizer.exp_avg_sq})
         for key, index, where in self._slices(adapter):
-            tensors[key] = self._parameters[index][where].detach().to("cpu", copy=True)
-            if with_optimizer:
-                tensors[f"{key}.exp_avg"] = self.optimizer.exp_avg[index][where].to("cpu", copy=True)
-                tensors[f"{key}.exp_avg_sq"] = self.optimizer.exp_avg_sq[index][where].to("cpu", copy=True)
-        step = self.optimizer.steps.get(adapter.slot, 0) if with_optimizer else None
+            for suffix, flat in sources.items():
+                tensors[key + suffix] = self.bank.view(flat, index)[where].to("cpu", copy=True)
+        step = self.optimizer.steps(adapter.slot) if with_optimizer else None
         return name, AdapterState(adapter.spec, tensors, step)
 
     def persist(self, command: Command, captured: tuple[str, AdapterState]) -> dict[str, str]:
@@ -251,14 +256,14 @@ class TorchBackend:
         self.remove_adapter(command.model_id)
         self.add_adapter(command.model_id, state.spec)
         adapter = self.adapters[command.model_id]
-        with torch.no_grad():
-            for key, index, where in self._slices(adapter):
-                self._parameters[index][where] = state.tensors[key].to(self._parameters[index].device)
-                if request.optimizer and state.step is not None:
-                    self.optimizer.exp_avg[index][where] = state.tensors[f"{key}.exp_avg"]
-                    self.optimizer.exp_avg_sq[index][where] = state.tensors[f"{key}.exp_avg_sq"]
+        targets = {"": self.bank.weights}
         if request.optimizer and state.step is not None:
-            self.optimizer.steps[adapter.slot] = state.step
+            targets.update({".exp_avg": self.optimizer.exp_avg, ".exp_avg_sq": self.optimizer.exp_avg_sq})
+        for key, index, where in self._slices(adapter):
+            for suffix, flat in targets.items():
+                self.bank.view(flat, index)[where] = state.tensors[key + suffix].to(flat.device, flat.dtype)
+        if request.optimizer and state.step is not None:
+            self.optimizer.set_steps(adapter.slot, state.step)
         return {"path": request.path}
 
     # --- sampler checkpoints -------------------------------------------------------------------------------
@@ -270,35 +275,14 @@ class TorchBackend:
             raise NotFoundError(
                 f"No sampler checkpoint {path!r} here; pass a path save_weights_for_sampler returned.") from None
 
-    def _sampling_slots(self, commands: Sequence[Command]) -> list[int | Exception]:
-        """The slot each sample command runs through, or the error that fails it alone.
-
-        A sampler checkpoint goes into a slot on first use (evicting the least recently used other checkpoint when
-        every slot is taken) and stays there while it is used; the bare base model runs through an empty slot,
-        whose LoRA delta is zero. Base rows are placed last, so no checkpoint loaded for this batch takes theirs.
-        """
-        slots: list[int | Exception] = [0] * len(commands)
-        pinned: set[str] = set()
-        for i, command in enumerate(commands):
-            if command.payload.base_only:
-                continue
-            try:
-                if command.model_id.startswith(TINKER_SCHEME):
-                    self._load_sampler(command.model_id, pinned)
-                slots[i] = self._adapter(command.model_id).slot
-                pinned.add(command.model_id)
-            except Exception as error:
-                slots[i] = error
-        base = [i for i, command in enumerate(commands) if command.payload.base_only]
-        if base:
-            try:
-                self._make_room(pinned)
-                empty: int | Exception = self._free_slots[0]
-            except SaturatedError as error:
-                empty = error
-            for i in base:
-                slots[i] = empty
-        return slots
+    def _sampling_slot(self, key: str, pinned: set[str]) -> int:
+        """The slot of ``key``'s adapter: a training model's, or a sampler checkpoint's (a tinker path), which goes
+        into a slot on first use, evicting the least recently used other checkpoint not in ``pinned`` (those this
+        batch samples) when every slot is taken, and stays there while slots allow."""
+        if key.startswith(TINKER_SCHEME):
+            self._load_sampler(key, pinned)
+            pinned.add(key)
+        return self._adapter(key).slot
 
     def _load_sampler(self, path: str, pinned: Container[str]) -> None:
         version = self.sampler_version(path)
@@ -308,9 +292,9 @@ class TorchBackend:
             self._make_room(pinned)
             state = read_peft(local_directory(self.checkpoint_dir, path))
             self.add_adapter(path, state.spec)
-            with torch.no_grad():
-                for key, index, where in self._slices(self.adapters[path]):
-                    self._parameters[index][where] = state.tensors[key].to(self._parameters[index].device)
+            weights = self.bank.weights
+            for key, index, where in self._slices(self.adapters[path]):
+                self.bank.view(weights, index)[where] = state.tensors[key].to(weights.device, weights.dtype)
             self._samplers[path] = version
         self._samplers.move_to_end(path)
 
