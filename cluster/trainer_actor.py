@@ -25,11 +25,11 @@ from cluster.timing import TimingPublisher, get_timing_actor
 from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoraSpec
-from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, Command
+from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, SAMPLE, Command
 from lilo.engine.engine import Engine
 from lilo.errors import LiloError
 from lilo.futures.store import Completion
-from lilo.protocol.proto import encode_forward_backward_output
+from lilo.protocol.proto import encode_forward_backward_output, encode_sample_response
 from lilo.settings import Settings
 from lilo.telemetry.critical_path import BACKEND_READY, SERVING_READY
 
@@ -84,8 +84,15 @@ class TrainerActor:
         """Waits for the base model; says what this trainer serves."""
         engine, backend, _ = await asyncio.wrap_future(self._ready)
         engine.timings.mark(SERVING_READY)
+        eos = backend.model.config.eos_token_id
         return {"name": self.name, "base_model": self.base_model, "free_slots": backend.free_slots,
-                "vocab_size": backend.vocab_size}
+                "vocab_size": backend.vocab_size,
+                "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
+
+    async def check_sampler_checkpoint(self, path: str) -> None:
+        """Raises, with a message for the client, unless ``path`` is a sampler checkpoint this trainer can load."""
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        backend.sampler_version(path)
 
     async def create_model(self, model_id: str, spec: LoraSpec) -> str:
         engine = await self._engine()
@@ -152,8 +159,8 @@ class TrainerActor:
 
 
 def completion_for(kind: str, request_id: int, done: Future) -> Completion:
-    """The stored result of a finished command: protobuf for forward passes (as the SDK demands), JSON otherwise;
-    a failure carries its message and whether the client (``user``) or the server caused it."""
+    """The stored result of a finished command: protobuf for forward passes and samples (as the SDK demands), JSON
+    otherwise; a failure carries its message and whether the client (``user``) or the server caused it."""
     error = done.exception()
     if error is not None:
         category = "user" if isinstance(error, LiloError) else "server"
@@ -161,6 +168,8 @@ def completion_for(kind: str, request_id: int, done: Future) -> Completion:
     result = done.result()
     if kind in (FORWARD_BACKWARD, FORWARD):
         body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])
+    elif kind == SAMPLE:
+        body = encode_sample_response(result)
     elif kind == "create_model":
         body = orjson.dumps({"model_id": result, "type": "create_model"})
     else:

@@ -22,7 +22,7 @@ from lilo.settings import Settings
 from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER
 from lilo.errors import InvalidRequestError
 from lilo.protocol.proto import decode_forward_backward, inflate
-from serve import training
+from serve import sampling, training
 from serve.errors import install_error_handlers
 
 APP_NAME = "lilo"
@@ -66,6 +66,8 @@ class ModelRequest(Body):
 class SaveWeightsRequest(ModelRequest):
     seq_id: int = Field(ge=1)
     path: str | None = Field(None, max_length=MAX_ID_CHARS)
+    # save_weights_for_sampler without a path: the sampling session the saved weights open
+    sampling_session_seq_id: int | None = Field(None, ge=0)
 
 
 class LoadWeightsRequest(Body):
@@ -73,6 +75,30 @@ class LoadWeightsRequest(Body):
     seq_id: int | None = Field(None, ge=1)
     path: str = Field(max_length=4 * MAX_ID_CHARS)
     optimizer: bool = True
+
+
+class CreateSamplingSessionRequest(SessionRequest):
+    sampling_session_seq_id: int = Field(ge=0)
+    model_path: str | None = Field(None, max_length=4 * MAX_ID_CHARS)
+    base_model: str | None = Field(None, max_length=MAX_ID_CHARS)
+
+
+class SamplingParams(Body):
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[int] | list[str] | None = None
+
+
+class SampleRequest(Body):
+    sampling_session_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    seq_id: int = Field(ge=0)
+    num_samples: int = 1
+    prompt: dict[str, Any]
+    sampling_params: SamplingParams
+    prompt_logprobs: bool = False
 
 
 class OptimStepRequest(ModelRequest):
@@ -90,6 +116,7 @@ class LiloIngress:
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         self._base_models = list(base_models)
         self._trainers = list(trainers)
+        self._sampling = sampling.SamplingRouter(self._futures, trainers)
         self._capabilities = {
             "supported_models": [
                 {
@@ -173,7 +200,21 @@ class LiloIngress:
 
     @api.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(self, body: SaveWeightsRequest) -> dict[str, str]:
+        if body.path is None and body.sampling_session_seq_id is not None:
+            return await sampling.submit_ephemeral_save(self._futures, body.model_dump(), tenant=None)
         return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_FOR_SAMPLER, tenant=None)
+
+    @api.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(self, body: CreateSamplingSessionRequest) -> dict[str, str]:
+        return await sampling.create_sampling_session(self._futures, self._sampling, body.model_dump())
+
+    @api.get("/api/v1/samplers/{sampling_session_id}")
+    async def get_sampler(self, sampling_session_id: str) -> dict[str, Any]:
+        return await sampling.sampler(self._futures, sampling_session_id)
+
+    @api.post("/api/v1/asample")
+    async def asample(self, body: SampleRequest) -> dict[str, Any]:
+        return await sampling.submit_sample(self._futures, self._sampling, body.model_dump(), tenant=None)
 
     @api.post("/api/v1/load_weights")
     async def load_weights(self, body: LoadWeightsRequest) -> dict[str, str]:

@@ -3,6 +3,7 @@ submissions that become futures and commands on the trainer that owns the model.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any, Sequence
 
@@ -93,13 +94,22 @@ async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, pa
                  batch_key: Any = (), tokens: int = 0, tenant: str | None = None) -> dict[str, str]:
     """Record the request (durably, deduplicated by seq) and hand it to the model's trainer."""
     trainer = await trainer_for(futures, model_id)
-    submission = Submission(model_id, kind, stored, seq_id=seq_id, tenant=tenant).prepared()
+    request_id = await submit_to(futures, trainer, Submission(model_id, kind, stored, seq_id=seq_id, tenant=tenant),
+                                 Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
+                                         tokens=tokens))
+    return {"request_id": str(request_id), "model_id": model_id}
+
+
+async def submit_to(futures: ActorHandle, trainer: ActorHandle, submission: Submission, command: Command) -> int:
+    """Record ``submission`` (durably, deduplicated by its seq) and, unless it is a retry of a recorded one, hand
+    ``command`` to ``trainer`` under the new request id. Returns the request id."""
+    submission = submission.prepared()
     outcome = await futures.submit_once.remote(submission)
     if not outcome.duplicate:
-        command = Command(model_id, seq_id, kind, str(outcome.request_id), payload=payload,
-                          fingerprint=submission.payload_sha256, batch_key=batch_key, tokens=tokens)
-        await _hand_over(futures, outcome.request_id, kind, trainer.submit.remote(command))
-    return {"request_id": str(outcome.request_id), "model_id": model_id}
+        command = dataclasses.replace(command, request_id=str(outcome.request_id),
+                                      fingerprint=submission.payload_sha256)
+        await _hand_over(futures, outcome.request_id, command.kind, trainer.submit.remote(command))
+    return outcome.request_id
 
 
 async def _hand_over(futures: ActorHandle, request_id: int, kind: str, handed: Any) -> None:
@@ -132,8 +142,7 @@ async def submit_optim_step(futures: ActorHandle, body: dict[str, Any], tenant: 
 async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, tenant: str | None) -> dict[str, str]:
     name = body.get("path")
     if not name:
-        raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name); sampler weights without a name "
-                                  "are not supported by this server yet.")
+        raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
     return await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
                         {"path": name}, tenant=tenant)
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from lilo.engine.commands import (
-    FORWARD_BACKWARD, OPTIM_STEP, SAVE_WEIGHTS, Command,
+    FORWARD_BACKWARD, OPTIM_STEP, SAMPLE, SAVE_WEIGHTS, Command,
 )
 from lilo.engine.engine import Engine, EngineStopped
 from lilo.engine.scheduler import next_batch
@@ -299,3 +299,41 @@ def test_the_compute_lane_can_run_on_the_callers_thread(backend):
     stopper.join()
     assert step.result() == {"ran": "a:1"}
     assert lane_threads == [threading.current_thread()]
+
+
+def sample(session, seq, tokens=128):
+    return command(session, seq, kind=SAMPLE, tokens=tokens, key=())
+
+
+def test_samples_run_in_any_order_and_a_missing_seq_holds_nothing_up(backend):
+    engine = ready_engine(backend, [])
+    # seq 1 never arrives (refused at the door, say): 0 and 2 still run.
+    assert results([engine.submit(sample("s", 2)), engine.submit(sample("s", 0))]) == [{"ran": "s:2"}, {"ran": "s:0"}]
+    engine.stop()
+
+
+def test_ready_samples_of_many_clients_share_one_generation_within_the_budget(backend):
+    engine = paused_engine(backend, [], token_budget=300)
+    futures = [engine.submit(sample(s, 0)) for s in "pqr"]
+    engine.start()
+    results(futures)
+    assert [ids for name, ids in backend.calls if name == "sample"] == [["p:0", "q:0"], ["r:0"]]
+    engine.stop()
+
+
+def test_samples_and_training_take_turns(backend):
+    engine = paused_engine(backend, ["a"], token_budget=128)
+    futures = [engine.submit(sample("s", n)) for n in range(3)] + [engine.submit(command("a", n)) for n in (1, 2)]
+    engine.start()
+    results(futures)
+    assert [name for name, _ in backend.calls if name != "add"] == [
+        "sample", "forward_backward", "sample", "forward_backward", "sample"]
+    engine.stop()
+
+
+def test_stop_fails_queued_samples_too(backend):
+    engine = paused_engine(backend, [])
+    queued = engine.submit(sample("s", 0))
+    engine.stop()
+    with pytest.raises(EngineStopped):
+        queued.result(timeout=10)

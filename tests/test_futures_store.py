@@ -341,3 +341,12 @@ def test_models_sessions_and_sampling_sessions_round_trip(store):
     assert store.sampling_session("samp-1")["model_path"] == "tinker://s1:train:0/sampler_weights/x"
     with pytest.raises(NotFoundError, match="Unknown sampling session 'samp-2'"):
         store.sampling_session("samp-2")
+
+
+def test_a_retried_sampling_session_is_the_same_one_and_a_different_one_is_a_conflict(store):
+    path = "tinker://s1:train:0/sampler_weights/x"
+    store.add_sampling_session("s1:sample:0", "s1", "lilo/tiny-llama", model_path=path)
+    store.add_sampling_session("s1:sample:0", "s1", "lilo/tiny-llama", model_path=path)
+    assert store.sampling_session("s1:sample:0")["model_path"] == path
+    with pytest.raises(ConflictError, match="already exists"):
+        store.add_sampling_session("s1:sample:0", "s1", "lilo/tiny-llama")

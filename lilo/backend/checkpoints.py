@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from lilo.backend.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
 
@@ -52,14 +53,31 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
     return f"{TINKER_SCHEME}{model_id}/{KIND_DIRECTORIES[kind]}/{name}"
 
 
-def local_directory(root: Path, path: str) -> Path:
-    """Where a ``tinker://`` checkpoint lives under ``root``; anything that could leave ``root`` is refused."""
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """``(run, kind directory, name)`` of a ``tinker://`` checkpoint path; anything that could leave the
+    checkpoint directory is refused."""
     if not path.startswith(TINKER_SCHEME):
         raise InvalidRequestError(f"Checkpoint path {path!r} is not a tinker:// path; pass one save_weights returned.")
     parts = path[len(TINKER_SCHEME):].split("/")
     if len(parts) != 3 or parts[1] not in KIND_DIRECTORIES.values() or parts[0] in ("", ".", ".."):
         raise InvalidRequestError(f"Checkpoint path {path!r} is not of the form tinker://<run>/weights/<name>.")
-    return root / parts[0] / parts[1] / checked_name(parts[2])
+    return parts[0], parts[1], checked_name(parts[2])
+
+
+def sampler_run(path: str) -> str:
+    """The training run (model id) that saved the sampler checkpoint ``path``; other paths are refused."""
+    run, kind, _ = parse_tinker_path(path)
+    if kind != KIND_DIRECTORIES["save_weights_for_sampler"]:
+        raise InvalidRequestError(
+            f"{path!r} is not a sampler checkpoint; sample from a path save_weights_for_sampler returned "
+            "(tinker://<run>/sampler_weights/<name>).")
+    return run
+
+
+def local_directory(root: Path, path: str) -> Path:
+    """Where a ``tinker://`` checkpoint lives under ``root``."""
+    run, kind, name = parse_tinker_path(path)
+    return root / run / kind / name
 
 
 def write_state(state: AdapterState, directory: Path) -> Path:
@@ -94,3 +112,16 @@ def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
     }
     (directory / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     return directory
+
+
+def read_peft(directory: Path) -> AdapterState:
+    """An adapter ``write_peft`` wrote, back in the backend's keys (``<path>.lora_A``), with its rank and alpha."""
+    config = json.loads((directory / PEFT_CONFIG).read_text())
+    weights = load_file(str(directory / PEFT_WEIGHTS))
+    targets = set(config["target_modules"])
+    spec = LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                    train_attn=bool(targets & set(ATTENTION_PROJECTIONS)),
+                    train_mlp=bool(targets & set(MLP_PROJECTIONS)), train_unembed=UNEMBED in targets)
+    prefix, suffix = "base_model.model.", ".weight"
+    tensors = {key[len(prefix):-len(suffix)]: tensor for key, tensor in weights.items()}
+    return AdapterState(spec, tensors)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Container, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +20,8 @@ from torch import nn
 
 from lilo.backend import losses, sampling
 from lilo.backend.checkpoints import (
-    AdapterState, checked_name, local_directory, read_state, tinker_path, write_peft, write_state,
+    PEFT_WEIGHTS, TINKER_SCHEME, AdapterState, checked_name, local_directory, read_peft, read_state, tinker_path,
+    write_peft, write_state,
 )
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import AdamParams, SlotAdamW
@@ -59,6 +61,8 @@ class TorchBackend:
         # CUDA runs the LoRA deltas as torch's grouped GEMM; on CPU batched GEMMs over gathered rows are faster.
         self._grouped = self.device.type == "cuda"
         self.adapters: dict[str, Adapter] = {}
+        # Sampler checkpoints held in slots (tinker path -> version loaded), least recently used first.
+        self._samplers: OrderedDict[str, int] = OrderedDict()
         self._free_slots = list(range(max_adapters))
         self.vocab_size = self.model.get_output_embeddings().base.out_features
 
@@ -66,8 +70,7 @@ class TorchBackend:
     def add_adapter(self, model_id: str, spec: LoraSpec) -> None:
         if not 1 <= spec.rank <= self.max_rank:
             raise InvalidRequestError(f"LoRA rank {spec.rank} is out of range; use 1 to {self.max_rank}.")
-        if not self._free_slots:
-            raise SaturatedError(f"All {len(self.adapters)} adapter slots of this trainer are in use.")
+        self._make_room()
         slot = self._free_slots.pop(0)
         generator = torch.Generator().manual_seed(spec.seed) if spec.seed is not None else None
         targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
@@ -85,11 +88,22 @@ class TorchBackend:
             layer.clear_slot(adapter.slot)
         self.optimizer.zero_grad([adapter.slot])
         del self.adapters[model_id]
+        self._samplers.pop(model_id, None)
         self._free_slots.append(adapter.slot)
 
     @property
     def free_slots(self) -> int:
-        return len(self._free_slots)
+        # A cached sampler checkpoint gives its slot up to whoever needs one.
+        return len(self._free_slots) + len(self._samplers)
+
+    def _make_room(self, pinned: Container[str] = ()) -> None:
+        """Free a slot if none is: evict the least recently used sampler checkpoint not in ``pinned``."""
+        if self._free_slots:
+            return
+        evictable = next((key for key in self._samplers if key not in pinned), None)
+        if evictable is None:
+            raise SaturatedError(f"All {len(self.adapters)} adapter slots of this trainer are in use.")
+        self.remove_adapter(evictable)
 
     def _adapter(self, model_id: str) -> Adapter:
         adapter = self.adapters.get(model_id)
@@ -176,13 +190,15 @@ class TorchBackend:
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
 
     def sample(self, commands: Sequence[Command]) -> list[Any]:
-        """Every command's samples in one batched generation, each row through its own adapter (or none)."""
+        """Every command's samples in one batched generation, each row through its own adapter (``model_id``: a
+        training model, or a sampler checkpoint's tinker path) or none (``base_only``)."""
         results: list[Any] = [None] * len(commands)
         valid, slots = [], []
+        pinned: set[str] = set()
         for i, command in enumerate(commands):
             try:
                 request: sampling.SamplingRequest = command.payload
-                slot = BASE_SLOT if request.base_only else self._adapter(command.model_id).slot
+                slot = BASE_SLOT if request.base_only else self._sampling_slot(command.model_id, pinned)
                 sampling.validate(request, self.vocab_size, self.decode)
                 valid.append(i)
                 slots.append(slot)
@@ -229,6 +245,8 @@ class TorchBackend:
             write_state(state, directory)
         else:
             write_peft(state, directory, self.base_model_name)
+        if command.payload.sampling_session_id:
+            return {"path": path, "sampling_session_id": command.payload.sampling_session_id}
         return {"path": path}
 
     def load_weights(self, command: Command) -> dict[str, str]:
@@ -247,6 +265,38 @@ class TorchBackend:
         if request.optimizer and state.step is not None:
             self.optimizer.set_steps(adapter.slot, state.step)
         return {"path": request.path}
+
+    # --- sampler checkpoints -------------------------------------------------------------------------------
+    def sampler_version(self, path: str) -> int:
+        """When the sampler checkpoint ``path`` was written (a save under the same name again replaces it)."""
+        try:
+            return (local_directory(self.checkpoint_dir, path) / PEFT_WEIGHTS).stat().st_mtime_ns
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"No sampler checkpoint {path!r} here; pass a path save_weights_for_sampler returned.") from None
+
+    def _sampling_slot(self, key: str, pinned: set[str]) -> int:
+        """The slot of ``key``'s adapter: a training model's, or a sampler checkpoint's (a tinker path), which goes
+        into a slot on first use, evicting the least recently used other checkpoint not in ``pinned`` (those this
+        batch samples) when every slot is taken, and stays there while slots allow."""
+        if key.startswith(TINKER_SCHEME):
+            self._load_sampler(key, pinned)
+            pinned.add(key)
+        return self._adapter(key).slot
+
+    def _load_sampler(self, path: str, pinned: Container[str]) -> None:
+        version = self.sampler_version(path)
+        if self._samplers.get(path) != version:
+            if path in self.adapters:
+                self.remove_adapter(path)
+            self._make_room(pinned)
+            state = read_peft(local_directory(self.checkpoint_dir, path))
+            self.add_adapter(path, state.spec)
+            weights = self.bank.weights
+            for key, index, where in self._slices(self.adapters[path]):
+                self.bank.view(weights, index)[where] = state.tensors[key].to(weights.device, weights.dtype)
+            self._samplers[path] = version
+        self._samplers.move_to_end(path)
 
 
 def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: int) -> None:

@@ -43,6 +43,8 @@ class SaveRequest:
     """``save_weights`` (adapter + optimizer) or ``save_weights_for_sampler`` (PEFT adapter), by the command's kind."""
 
     name: str
+    # The sampling session an ephemeral sampler save opens (the SDK's save_weights_and_get_sampling_client).
+    sampling_session_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

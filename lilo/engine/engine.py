@@ -3,7 +3,8 @@
 Plain Python threads, no Ray: the compute lane runs one backend execution at a time (a coalesced batch, a fused
 optimizer step, a capture, an adapter being added), the persist lane writes checkpoints to disk meanwhile. Every
 command is resolved on its own ``concurrent.futures.Future`` as soon as its batch finishes, with its own error when
-only it failed.
+only it failed. Sample commands skip the models' ordered queues: they wait in one queue of their own, which takes
+its turn in the rotation like a model, each turn one generation over as many samples as fit the token budget.
 
 Telemetry: the engine reports through the Observer protocol only (``begin`` at submission, one ``span`` per
 physical batch with every model, ``request_ids``, ``n`` and ``ok``; ``capture:<kind>`` / ``persist:<kind>`` on
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 COMPUTE_LANE = "compute"
 PERSIST_LANE = "persist"
+# The place of sample commands in the rotation: they take turns with the models like one more model.
+SAMPLING_TURN = "\x00sampling"
 
 
 class EngineStopped(RuntimeError):
@@ -51,7 +54,11 @@ class Engine:
         self.timings = CriticalPath(clock=clock)
         self.observer = Observers(*([observer] if observer is not None else []), self.timings)
         self._queues: dict[str, ModelQueue] = {}
-        self._rotation: list[str] = []
+        # Samples are independent of each other and of training, so no model queue orders them: a client's
+        # samples may arrive in any order, and one refused at the door leaves no gap to wait for. Retries are
+        # deduplicated before they get here (by the futures DB).
+        self._samples: deque[tuple[Command, Future]] = deque()
+        self._rotation: list[str] = [SAMPLING_TURN]
         self._lifecycle: deque[Callable[[], None]] = deque()
         self._cv = threading.Condition()
         self._stopped = False
@@ -157,7 +164,11 @@ class Engine:
             if self._stopped:
                 raise EngineStopped("The engine is stopped; no new work is accepted.")
             future: Future = Future()
-            accepted = self._model_queue(command.model_id).offer(command, future)
+            if command.kind == SAMPLE:
+                self._samples.append((command, future))
+                accepted = future
+            else:
+                accepted = self._model_queue(command.model_id).offer(command, future)
             if accepted is future:
                 submitted = command.submitted_s or self._clock()
                 self.observer.begin(Operation(command.model_id, command.request_id, command.kind, submitted))
@@ -184,14 +195,29 @@ class Engine:
         if self._lifecycle:
             return self._lifecycle.popleft()
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
+        if self._samples:
+            heads[SAMPLING_TURN] = self._samples[0][0]
         batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce)
         if not batch:
             return None
-        taken = [self._queues[command.model_id].take_head() for command in batch]
+        if batch[0].kind == SAMPLE:
+            anchor, taken = SAMPLING_TURN, self._take_samples()
+        else:
+            anchor, taken = batch[0].model_id, [self._queues[command.model_id].take_head() for command in batch]
         # The anchor goes to the back of the rotation: the next turn starts with somebody else.
-        self._rotation.remove(batch[0].model_id)
-        self._rotation.append(batch[0].model_id)
+        self._rotation.remove(anchor)
+        self._rotation.append(anchor)
         return lambda: self._run(taken)
+
+    def _take_samples(self) -> list[tuple[Command, Future]]:
+        """The oldest samples that fit the token budget together (the first always runs), or one if not
+        coalescing: one generation, so training waits for at most one batch of samples per turn."""
+        taken = [self._samples.popleft()]
+        tokens = taken[0][0].tokens
+        while self._coalesce and self._samples and tokens + self._samples[0][0].tokens <= self._token_budget:
+            tokens += self._samples[0][0].tokens
+            taken.append(self._samples.popleft())
+        return taken
 
     def _run(self, taken: Sequence[tuple[Command, Future]]) -> None:
         commands = [command for command, _ in taken]
@@ -208,7 +234,8 @@ class Engine:
         ok = not any(isinstance(result, BaseException) for result in results)
         self.observer.span([c.model_id for c in commands], kind, COMPUTE_LANE, t0, t1,
                            request_ids=[c.request_id for c in commands], n=len(commands), ok=ok)
-        self._finish_heads(commands)
+        if kind != SAMPLE:  # samples were never any model queue's head
+            self._finish_heads(commands)
         for (_, future), result in zip(taken, results):
             self._settle(future, result)
 
@@ -272,6 +299,8 @@ class Engine:
         with self._cv:
             self._stopped = True
             held = [item for model_queue in self._queues.values() for item in model_queue.drain()]
+            held += self._samples
+            self._samples.clear()
             self._cv.notify_all()
         for command, future in held:
             self._settle(future, EngineStopped(f"The trainer stopped before request {command.request_id} ran."))

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import orjson
 from sqlalchemy import Engine, bindparam, create_engine, event, func, inspect, select, tuple_, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -414,10 +415,17 @@ class FuturesStore:
 
     def add_sampling_session(self, sampling_session_id: str, session_id: str, base_model: str,
                              model_path: str | None = None) -> None:
+        """Record a sampling session; a retry is a no-op, a different session under the same id a conflict."""
         with self.engine.begin() as connection:
-            connection.execute(sampling_sessions.insert().values(
+            connection.execute(sqlite_insert(sampling_sessions).values(
                 sampling_session_id=sampling_session_id, session_id=session_id, base_model=base_model,
-                model_path=model_path, created_at=self._clock()))
+                model_path=model_path, created_at=self._clock()).on_conflict_do_nothing())
+            row = connection.execute(select(sampling_sessions).where(
+                sampling_sessions.c.sampling_session_id == sampling_session_id)).mappings().one()
+        if (row["session_id"], row["base_model"], row["model_path"]) != (session_id, base_model, model_path):
+            raise ConflictError(
+                f"Sampling session {sampling_session_id!r} already exists for {row['model_path'] or row['base_model']!r};"
+                " create each sampling client with the session's next sampling_session_seq_id.")
 
     def sampling_session(self, sampling_session_id: str) -> dict[str, Any]:
         with self.engine.connect() as connection:

@@ -103,3 +103,19 @@ def encode_forward_backward_output(outputs: Sequence[Mapping[str, Sequence[float
         field.offsets = offsets.astype("<i8").tobytes()
         field.dtype = pb.DTYPE_FLOAT32
     return message.SerializeToString()
+
+
+def encode_sample_response(result: Mapping[str, Any]) -> bytes:
+    """A ``SampleResponse``: per sequence its int32 tokens, float32 logprobs and stop reason; the prompt's float32
+    logprobs with NaN where there is none (the first token), as ``tinker.proto.response_conv`` reads them."""
+    message = pb.SampleResponse()
+    for sequence in result["sequences"]:
+        message.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if sequence["stop_reason"] == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(sequence["tokens"], dtype="<i4").tobytes(),
+            logprobs=np.asarray(sequence["logprobs"], dtype="<f4").tobytes())
+    prompt_logprobs = result.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        message.prompt_logprobs = np.asarray([np.nan if value is None else value for value in prompt_logprobs],
+                                             dtype="<f4").tobytes()
+    return message.SerializeToString()

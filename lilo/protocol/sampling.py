@@ -1,0 +1,76 @@
+"""The JSON ``asample`` request of the Tinker API, decoded and checked at the edge into a ``SamplingRequest``.
+
+Everything the server can tell is wrong before the request runs is refused here, with a sentence saying what to
+change (the ingress answers 422), so a bad sample never becomes a stored future.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from lilo.backend.sampling import SamplingRequest
+from lilo.errors import InvalidRequestError
+
+MAX_NUM_SAMPLES = 128
+# Request fields of SDK 0.38 this server does not compute; asking for them is refused rather than ignored.
+UNSUPPORTED = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0,
+               "target_prompt_logprobs": None, "prompt_logprobs_last_n": None}
+
+
+def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_context_length: int,
+                          eos_token_ids: Sequence[int], base_only: bool) -> SamplingRequest:
+    """``body`` is the SDK's SampleRequest as JSON; the ids and lengths are those of the base model it runs on."""
+    for field, default in UNSUPPORTED.items():
+        if body.get(field, default) not in (default, None):
+            raise InvalidRequestError(f"{field} is not supported by this server; leave it out.")
+    prompt = prompt_tokens(body.get("prompt") or {})
+    if not prompt:
+        raise InvalidRequestError("The prompt is empty; send at least one token.")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise InvalidRequestError(f"The prompt holds token ids outside the vocabulary [0, {vocab_size}); check the "
+                                  "tokenizer.")
+    num_samples = body.get("num_samples", 1)
+    if not 1 <= num_samples <= MAX_NUM_SAMPLES:
+        raise InvalidRequestError(f"num_samples {num_samples} is out of range; ask for 1 to {MAX_NUM_SAMPLES}.")
+    params = body.get("sampling_params") or {}
+    room = max_context_length - len(prompt)
+    max_tokens = params.get("max_tokens")
+    max_tokens = room if max_tokens is None else max_tokens  # none given: up to the end of the context
+    if max_tokens < 1 or max_tokens > room:
+        raise InvalidRequestError(
+            f"max_tokens {max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context holds "
+            f"{max_context_length}; ask for 1 to {room} tokens, or send a shorter prompt.")
+    temperature, top_k, top_p = params.get("temperature", 1.0), params.get("top_k", -1), params.get("top_p", 1.0)
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < -1:
+        raise InvalidRequestError("temperature must be >= 0, top_p in (0, 1] and top_k -1 (all tokens) or more.")
+    stop_tokens, stop_strings = stops(params.get("stop"), eos_token_ids, vocab_size)
+    return SamplingRequest(prompt=prompt, max_tokens=max_tokens, num_samples=num_samples, temperature=temperature,
+                           top_k=top_k, top_p=top_p, seed=params.get("seed"), stop=stop_tokens,
+                           stop_strings=stop_strings, prompt_logprobs=bool(body.get("prompt_logprobs")),
+                           base_only=base_only)
+
+
+def prompt_tokens(model_input: Mapping[str, Any]) -> list[int]:
+    """The tokens of a ModelInput (``{"chunks": [...]}``); only text chunks are supported."""
+    tokens: list[int] = []
+    for chunk in model_input.get("chunks") or []:
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise InvalidRequestError(f"{chunk.get('type')} chunks are not supported by this server; send text.")
+        tokens.extend(chunk.get("tokens") or [])
+    return tokens
+
+
+def stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_ids: Sequence[int],
+          vocab_size: int) -> tuple[list[list[int]], list[str]]:
+    """(token stops, string stops) of ``sampling_params.stop``: absent means the end-of-sequence token, ``[]``
+    nothing, a list of ids any of those tokens, a string or list of strings that text."""
+    if stop is None:
+        return [[token] for token in eos_token_ids], []
+    if isinstance(stop, str):
+        return [], [stop]
+    if all(isinstance(item, str) for item in stop):
+        return [], list(stop)
+    if not all(isinstance(item, int) and 0 <= item < vocab_size for item in stop):
+        raise InvalidRequestError(f"stop must be a string, a list of strings, or a list of token ids in "
+                                  f"[0, {vocab_size}).")
+    return [[token] for token in stop], []

@@ -1,0 +1,166 @@
+"""The sampling half of the Tinker API: sampling sessions, ephemeral sampler weights, and ``asample``.
+
+How a sample finds its weights, kept simple:
+- A sampling session samples either a sampler checkpoint (``model_path``, a PEFT adapter that
+  ``save_weights_for_sampler`` wrote) or the bare base model. Sessions are rows in the futures DB; an
+  ephemeral sampler save (``save_weights_and_get_sampling_client``) is a sampler checkpoint with a generated name
+  (``ephemeral-<sampling_session_seq_id>``) whose session is recorded before the save runs.
+- Each session samples on one trainer (``cluster.placement.choose_sampling_trainer``): for a checkpoint, the
+  trainer of the training run that wrote it, else one serving the session's base model.
+- The trainer loads a checkpoint into a free adapter slot on first use and keeps it there while slots allow (the
+  least recently used one gives its slot up to whoever needs it, a new training model included); the bare base
+  model runs through no adapter. Samples of many sessions and checkpoints share one generation.
+- Samples skip the models' seq order; the engine gives them one turn in its rotation, each turn one generation
+  within the token budget, so training of other models waits for at most one batch of samples.
+- Retries are deduplicated on ``(sampling_session_id, seq_id)`` like training steps; ``sample_sequence_ids`` are
+  ``<request_id>:<k>``, the same for a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Sequence
+
+import ray
+from ray.actor import ActorHandle
+
+from cluster.local import NAMESPACE
+from cluster.placement import choose_sampling_trainer
+from lilo.backend.checkpoints import sampler_run, tinker_path
+from lilo.backend.registry import base_model_spec
+from lilo.backend.types import SaveRequest
+from lilo.engine.commands import SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command
+from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.futures.store import Submission
+from lilo.protocol.sampling import decode_sample_request
+from serve import training
+
+# Routes of this many sessions are remembered per ingress replica (they never change; past it, all are dropped).
+MAX_ROUTES = 100_000
+
+
+def sampling_session_id_for(owner: str, sampling_session_seq_id: int) -> str:
+    # The client counts sampling sessions per session, so the id is a function of what it sends: a retried
+    # create_sampling_session (or ephemeral save) names the same session.
+    return f"{owner}:sample:{sampling_session_seq_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where a session's samples run, and what they are checked against."""
+
+    trainer: str
+    model_path: str | None  # the sampler checkpoint; None: the bare base model
+    vocab_size: int
+    max_context_length: int
+    eos_token_ids: Sequence[int]
+
+
+class SamplingRouter:
+    """Routes sampling sessions to trainers. Trainer facts are asked once; a session's route is kept."""
+
+    def __init__(self, futures: ActorHandle, trainers: Sequence[str]) -> None:
+        self._futures = futures
+        self._trainers = list(trainers)
+        self._facts: dict[str, dict[str, Any]] | None = None
+        self._routes: dict[str, Route] = {}
+
+    async def trainer_facts(self) -> dict[str, dict[str, Any]]:
+        """Per trainer: what ``TrainerActor.ready`` says (its base model, vocabulary size, end-of-sequence ids)."""
+        if self._facts is None:
+            facts = await asyncio.gather(*(ray.get_actor(name, namespace=NAMESPACE).ready.remote()
+                                           for name in self._trainers))
+            self._facts = {fact["name"]: fact for fact in facts}
+        return self._facts
+
+    async def trainer_for(self, sampling_session_id: str, base_model: str, owner: str | None) -> str:
+        facts = await self.trainer_facts()
+        served = {name: fact["base_model"] for name, fact in facts.items()}
+        return choose_sampling_trainer(sampling_session_id, base_model, served, owner)
+
+    async def route(self, sampling_session_id: str) -> Route:
+        route = self._routes.get(sampling_session_id)
+        if route is None:
+            session = await self._futures.sampling_session.remote(sampling_session_id)
+            model_path = session["model_path"]
+            owner = await self._futures.trainer_of.remote(sampler_run(model_path)) if model_path else None
+            trainer = await self.trainer_for(sampling_session_id, session["base_model"], owner)
+            fact = (await self.trainer_facts())[trainer]
+            route = Route(trainer, model_path, fact["vocab_size"],
+                          base_model_spec(session["base_model"]).max_context_length, fact["eos_token_ids"])
+            if len(self._routes) >= MAX_ROUTES:
+                self._routes.clear()
+            self._routes[sampling_session_id] = route
+        return route
+
+
+async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any]) -> dict:
+    """A session sampling ``model_path`` (a sampler checkpoint) or, without one, the bare ``base_model``."""
+    sampling_session_id = sampling_session_id_for(body["session_id"], body["sampling_session_seq_id"])
+    model_path, base_model = body.get("model_path"), body.get("base_model")
+    if model_path:
+        run = await training_run(futures, model_path)
+        if base_model and base_model != run["base_model"]:
+            raise InvalidRequestError(f"{model_path!r} was trained on {run['base_model']!r}, not {base_model!r}; "
+                                      "leave base_model out or pass that one.")
+        base_model = run["base_model"]
+        trainer = await router.trainer_for(sampling_session_id, base_model, run["trainer"])
+        await ray.get_actor(trainer, namespace=NAMESPACE).check_sampler_checkpoint.remote(model_path)
+    elif base_model:
+        await router.trainer_for(sampling_session_id, base_model, None)  # refuses a base model no trainer serves
+    else:
+        raise InvalidRequestError("create_sampling_session needs a model_path (a sampler checkpoint) or a "
+                                  "base_model.")
+    await futures.add_sampling_session.remote(sampling_session_id, body["session_id"], base_model, model_path)
+    return {"sampling_session_id": sampling_session_id, "type": "create_sampling_session"}
+
+
+async def training_run(futures: ActorHandle, model_path: str) -> dict[str, Any]:
+    """The training model that saved the sampler checkpoint ``model_path``."""
+    run = sampler_run(model_path)
+    try:
+        return await futures.model.remote(run)
+    except NotFoundError:
+        raise NotFoundError(f"No training run {run!r} saved {model_path!r}; pass a path save_weights_for_sampler "
+                            "returned.") from None
+
+
+async def sampler(futures: ActorHandle, sampling_session_id: str) -> dict[str, Any]:
+    session = await futures.sampling_session.remote(sampling_session_id)
+    return {"sampler_id": sampling_session_id, "base_model": session["base_model"],
+            "model_path": session["model_path"]}
+
+
+async def submit_ephemeral_save(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
+    """``save_weights_for_sampler`` without a name: a sampler checkpoint whose future answers with the sampling
+    session that samples it. ``kind`` ``inflight`` is saved as a snapshot too."""
+    model_id, seq = body["model_id"], int(body["sampling_session_seq_id"])
+    model = await futures.model.remote(model_id)
+    name = f"ephemeral-{seq}"
+    sampling_session_id = sampling_session_id_for(model_id, seq)
+    await futures.add_sampling_session.remote(sampling_session_id, model["session_id"] or "", model["base_model"],
+                                              tinker_path(model_id, SAVE_WEIGHTS_FOR_SAMPLER, name))
+    return await training.submit(futures, model_id, int(body["seq_id"]), SAVE_WEIGHTS_FOR_SAMPLER,
+                                 SaveRequest(name, sampling_session_id),
+                                 {"path": name, "sampling_session_id": sampling_session_id}, tenant=tenant)
+
+
+async def submit_sample(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any],
+                        tenant: str | None) -> dict[str, Any]:
+    sampling_session_id = body.get("sampling_session_id")
+    if not sampling_session_id:
+        raise InvalidRequestError("asample needs the sampling_session_id that create_sampling_session returned.")
+    route = await router.route(sampling_session_id)
+    request = decode_sample_request(body, vocab_size=route.vocab_size, max_context_length=route.max_context_length,
+                                    eos_token_ids=route.eos_token_ids, base_only=route.model_path is None)
+    seq_id = int(body["seq_id"])
+    # The backend samples through the checkpoint named by the command's model id (a base-model sample through
+    # none; its id then only labels its timing).
+    command = Command(route.model_path or sampling_session_id, seq_id, SAMPLE, "", payload=request,
+                      tokens=request.num_samples * (len(request.prompt) + request.max_tokens))
+    request_id = await training.submit_to(
+        futures, ray.get_actor(route.trainer, namespace=NAMESPACE),
+        Submission(sampling_session_id, SAMPLE, dataclasses.asdict(request), seq_id=seq_id, tenant=tenant), command)
+    return {"request_id": str(request_id), "type": "sample",
+            "sample_sequence_ids": [f"{request_id}:{k}" for k in range(request.num_samples)]}

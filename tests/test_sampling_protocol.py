@@ -1,0 +1,72 @@
+"""The asample request and the SampleResponse, against the tinker SDK's own request type and decoder."""
+
+import math
+
+import pytest
+from tinker import types
+from tinker.proto.response_conv import deserialize_sample_response
+
+from lilo.errors import InvalidRequestError
+from lilo.protocol.proto import encode_sample_response
+from lilo.protocol.sampling import decode_sample_request
+
+LIMITS = {"vocab_size": 1000, "max_context_length": 32, "eos_token_ids": [2], "base_only": False}
+
+
+def sdk_body(prompt=(1, 2, 3), num_samples=2, **params) -> dict:
+    """An asample body exactly as the SDK sends it (pydantic, nulls left out)."""
+    request = types.SampleRequest(
+        sampling_session_id="s:sample:0", seq_id=0, num_samples=num_samples,
+        prompt=types.ModelInput.from_ints(list(prompt)),
+        sampling_params=types.SamplingParams(**{"max_tokens": 5, **params}))
+    return request.model_dump(mode="json", exclude_none=True)
+
+
+def test_an_sdk_sample_request_decodes_into_our_request():
+    request = decode_sample_request(sdk_body(temperature=0.7, top_k=50, top_p=0.9, seed=11, stop=[7, 9]), **LIMITS)
+    assert list(request.prompt) == [1, 2, 3]
+    assert (request.num_samples, request.max_tokens, request.temperature, request.top_k, request.top_p,
+            request.seed) == (2, 5, 0.7, 50, 0.9, 11)
+    assert request.stop == [[7], [9]] and not request.prompt_logprobs and not request.base_only
+
+
+@pytest.mark.parametrize("stop, tokens, strings", [
+    (None, [[2]], []),  # absent: the end-of-sequence token
+    ([], [], []),  # nothing stops it but max_tokens
+    ("\n\n", [], ["\n\n"]),
+    (["User:", "###"], [], ["User:", "###"]),
+])
+def test_stop_means_what_the_tinker_docs_say(stop, tokens, strings):
+    request = decode_sample_request(sdk_body(stop=stop), **LIMITS)
+    assert (request.stop, list(request.stop_strings)) == (tokens, strings)
+
+
+def test_without_max_tokens_a_sample_may_fill_the_context():
+    assert decode_sample_request(sdk_body(max_tokens=None), **LIMITS).max_tokens == 32 - 3
+
+
+@pytest.mark.parametrize("body, message", [
+    (sdk_body(prompt=[1, 1000]), "outside the vocabulary"),
+    (sdk_body(prompt=[]), "prompt is empty"),
+    (sdk_body(max_tokens=30), "ask for 1 to 29 tokens"),
+    (sdk_body(num_samples=500), "num_samples 500 is out of range"),
+    (sdk_body(temperature=-1.0), "temperature must be >= 0"),
+    (sdk_body(stop=[5, 5000]), "list of token ids"),
+    ({**sdk_body(), "topk_sample_logprobs": 3}, "topk_sample_logprobs is not supported"),
+    ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "image chunks"),
+])
+def test_a_request_that_cannot_run_is_refused_with_what_to_change(body, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        decode_sample_request(body, **LIMITS)
+
+
+def test_a_sample_response_we_encode_is_what_the_sdk_reads():
+    result = {"sequences": [{"tokens": [5, 6, 2], "logprobs": [-0.5, -1.0, -0.25], "stop_reason": "stop"},
+                            {"tokens": [7], "logprobs": [-2.0], "stop_reason": "length"}],
+              "prompt_logprobs": [None, -3.5, -0.75]}
+    decoded = deserialize_sample_response(encode_sample_response(result))
+    assert [s.tokens for s in decoded.sequences] == [[5, 6, 2], [7]]
+    assert [s.logprobs for s in decoded.sequences] == [[-0.5, -1.0, -0.25], [-2.0]]
+    assert [s.stop_reason for s in decoded.sequences] == ["stop", "length"]
+    first, *rest = decoded.prompt_logprobs
+    assert (first is None or math.isnan(first)) and rest == [-3.5, -0.75]

@@ -1,0 +1,130 @@
+"""The official tinker SDK (0.38.0), unchanged, samples from sampler checkpoints, from ephemeral sampler weights
+and from the bare base model on the local cluster."""
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+TINY = "lilo/tiny-llama"
+TIMEOUT_S = 120
+
+
+@pytest.fixture(autouse=True)
+def no_sdk_telemetry(monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+@pytest.fixture
+def service(local_cluster):
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as client:
+        yield client
+
+
+def memorized_tokens() -> list[int]:
+    return np.random.default_rng(3).integers(3, 1000, 16).tolist()
+
+
+def trained(service) -> tinker.TrainingClient:
+    """A LoRA adapter trained a few steps to memorize ``memorized_tokens``."""
+    training = service.create_lora_training_client(base_model=TINY, rank=8).result(timeout=TIMEOUT_S)
+    tokens = memorized_tokens()
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    for _ in range(4):
+        training.forward_backward([datum], "cross_entropy").result(timeout=TIMEOUT_S)
+        training.optim_step(types.AdamParams(learning_rate=3e-2)).result(timeout=TIMEOUT_S)
+    return training
+
+
+def sample(sampler, prompt=(5, 6, 7), num_samples=2, **params) -> types.SampleResponse:
+    params = types.SamplingParams(**{"max_tokens": 6, **params})
+    return sampler.sample(prompt=types.ModelInput.from_ints(list(prompt)), num_samples=num_samples,
+                          sampling_params=params).result(timeout=TIMEOUT_S)
+
+
+def tokens_of(response: types.SampleResponse) -> list[list[int]]:
+    return [list(sequence.tokens) for sequence in response.sequences]
+
+
+def test_a_saved_sampler_checkpoint_samples_and_scores_as_the_trained_adapter(service):
+    training = trained(service)
+    saved = training.save_weights_for_sampler("memorized").result(timeout=TIMEOUT_S)
+    # model_path alone: the SDK asks GET samplers/{id} for the base model.
+    sampler = service.create_sampling_client(model_path=saved.path).result(timeout=TIMEOUT_S)
+    response = sample(sampler, num_samples=3, temperature=0.0, stop=[])
+    assert len(response.sequences) == 3 and len({s.sequence_id for s in response.sequences}) == 3
+    assert all(len(s.tokens) == 6 and s.stop_reason == "length" for s in response.sequences)
+    assert all(len(s.logprobs) == 6 and max(s.logprobs) <= 0 for s in response.sequences)
+    # compute_logprobs scores each token given those before it, exactly as the trainer's forward pass does.
+    tokens = memorized_tokens()
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=TIMEOUT_S)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    forward = training.forward([datum], "cross_entropy").result(timeout=TIMEOUT_S)
+    assert scored[0] is None and len(scored) == len(tokens)
+    assert scored[1:] == pytest.approx(forward.loss_fn_outputs[0]["logprobs"].tolist(), abs=1e-4)
+
+
+def test_save_weights_and_get_sampling_client_samples_a_snapshot(service):
+    training = trained(service)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    first = tokens_of(sample(sampler, temperature=1.0, seed=17))
+    # Training goes on; the snapshot does not move, and the same seed gives the same tokens.
+    training.forward_backward([types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                                           loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3})],
+                              "cross_entropy").result(timeout=TIMEOUT_S)
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT_S)
+    assert tokens_of(sample(sampler, temperature=1.0, seed=17)) == first
+    assert first[0] != first[1]  # the samples of one request draw differently
+
+
+def test_the_bare_base_model_samples_and_scores_unlike_a_trained_adapter(service):
+    base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    response = sample(base, num_samples=2, temperature=0.8, top_k=50, top_p=0.95, seed=5)
+    assert all(1 <= len(tokens) <= 6 for tokens in tokens_of(response))
+    tokens = types.ModelInput.from_ints(memorized_tokens())
+    trained_sampler = trained(service).save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    base_score = sum(base.compute_logprobs(tokens).result(timeout=TIMEOUT_S)[1:])
+    trained_score = sum(trained_sampler.compute_logprobs(tokens).result(timeout=TIMEOUT_S)[1:])
+    assert trained_score > base_score  # training on the sequence made it likelier; the base model knows nothing of it
+
+
+def test_a_bad_sampling_request_is_a_4xx_that_says_what_to_change(service):
+    base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    with pytest.raises(tinker.APIStatusError, match="outside the vocabulary"):
+        sample(base, prompt=[5, 5000])
+    with pytest.raises(tinker.APIStatusError, match="ask for 1 to"):
+        sample(base, max_tokens=10_000)
+
+
+def test_sampling_what_does_not_exist_is_refused_with_a_message(service):
+    with pytest.raises(tinker.APIStatusError, match="No training run"):
+        service.create_sampling_client(model_path="tinker://nobody:train:0/sampler_weights/x").result(
+            timeout=TIMEOUT_S)
+    with pytest.raises(tinker.APIStatusError, match="not a sampler checkpoint"):
+        service.create_sampling_client(model_path="tinker://nobody:train:0/weights/x").result(timeout=TIMEOUT_S)
+    # Served for listing but held by no trainer in the test cluster (each trainer serves the first base model).
+    with pytest.raises(tinker.APIStatusError, match="No trainer serves base model"):
+        service.create_sampling_client(base_model="HuggingFaceTB/SmolLM2-135M-Instruct").result(timeout=TIMEOUT_S)
+
+
+def test_a_retried_asample_gets_the_same_future_and_sequence_ids(local_cluster):
+    import httpx
+
+    api = f"{local_cluster.api_url}/api/v1"
+    with httpx.Client(timeout=60) as http:
+        session_id = http.post(f"{api}/create_session", json={}).json()["session_id"]
+        created = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": TINY}
+        sampling_session_id = http.post(f"{api}/create_sampling_session", json=created).json()["sampling_session_id"]
+        assert http.post(f"{api}/create_sampling_session", json=created).json() == {
+            "sampling_session_id": sampling_session_id, "type": "create_sampling_session"}
+        assert http.get(f"{api}/samplers/{sampling_session_id}").json() == {
+            "sampler_id": sampling_session_id, "base_model": TINY, "model_path": None}
+        body = {"sampling_session_id": sampling_session_id, "seq_id": 0, "num_samples": 3,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                "sampling_params": {"max_tokens": 2, "seed": 1}}
+        first, again = (http.post(f"{api}/asample", json=body).json() for _ in range(2))
+        assert first == again and len(first["sample_sequence_ids"]) == 3
+        clash = http.post(f"{api}/asample", json={**body, "num_samples": 1})
+        assert clash.status_code == 409 and "different payload" in clash.json()["detail"]
