@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="four SDK clients fine-tune four adapters at once (starts lilo if needed)")
     add_home(demo)
     demo.add_argument("--steps", type=int, default=25, help="training steps per client (default 25)")
+    demo.add_argument("--base-model", dest="demo_base_model", default=None, metavar="NAME",
+                      help="base model to fine-tune (default SmolLM2-135M-Instruct; needs a chat tokenizer)")
     demo.add_argument("--learning-rate", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     demo.add_argument("--keep", action="store_true", help="leave a cluster the demo started running afterwards")
     return parser
@@ -328,11 +330,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     state = running_state(settings)
     if state is None:
         print("Starting lilo for the demo (`lilo down` stops it; --keep leaves it running after the demo).", flush=True)
-        code = up_detached(settings, ["up", *(["--home", args.home] if args.home else [])])
+        base = ["--base-model", args.demo_base_model] if args.demo_base_model else []
+        code = up_detached(settings, ["up", *(["--home", args.home] if args.home else []), *base])
         if code != EXIT_OK:
             return code
     try:
-        run_demo(settings.api_url, steps=args.steps, learning_rate=args.learning_rate, home=settings.home)
+        run_demo(settings.api_url, home=settings.home, base_model=args.demo_base_model or settings.base_models[0],
+                 steps=args.steps, learning_rate=args.learning_rate)
         return EXIT_OK
     except KeyboardInterrupt:
         print("Interrupted.", flush=True)

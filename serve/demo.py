@@ -52,14 +52,13 @@ class Progress:
     printed: int = 0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    def header(self) -> None:
-        print("step  " + "  ".join(f"{name:>8}" for name in self.names) + "   (loss per answer token)",
-              file=self.out, flush=True)
-
     def report(self, step: int, name: str, loss: float) -> None:
         with self.lock:
             self.losses.setdefault(step, {})[name] = loss
             while len(self.losses.get(self.printed, {})) == len(self.names):
+                if self.printed == 0:
+                    print("step  " + "  ".join(f"{name:>8}" for name in self.names) + "   (loss per answer token)",
+                          file=self.out, flush=True)
                 row = self.losses[self.printed]
                 print(f"{self.printed + 1:>4}  " + "  ".join(f"{row[name]:8.3f}" for name in self.names),
                       file=self.out, flush=True)
@@ -92,15 +91,16 @@ def greedy_answer(sampler: Any, tokenizer: Any, prompt: str) -> str:
     return tokenizer.decode(result.sequences[0].tokens, skip_special_tokens=True).strip()
 
 
-def train_one(service: Any, tokenizer: Any, task: Task, steps: int, learning_rate: float, progress: Progress,
-              samples: dict[str, dict[str, str]], model_ids: dict[str, str], critical_path: Callable[..., Any]) -> None:
+def train_one(service: Any, base_model: str, tokenizer: Any, task: Task, steps: int, learning_rate: float,
+              progress: Progress, samples: dict[str, dict[str, str]], model_ids: dict[str, str],
+              critical_path: Callable[..., Any]) -> None:
     """One client: create an adapter, sample, train ``steps`` steps (logging the critical path), sample again."""
     from tinker import types
 
-    training = service.create_lora_training_client(base_model=DEFAULT_BASE_MODEL, rank=16).result(timeout=600)
+    training = service.create_lora_training_client(base_model=base_model, rank=16).result(timeout=600)
     model_ids[task.name] = training.model_id
-    samples[task.name]["before"] = greedy_answer(training.save_weights_and_get_sampling_client(), tokenizer,
-                                                 task.prompts[0])
+    samples[task.name]["before"] = greedy_answer(training.save_weights_and_get_sampling_client().result(timeout=600),
+                                                 tokenizer, task.prompts[0])
     data = [chat_datum(tokenizer, prompt, task.answer) for prompt in task.prompts]
     answer_tokens = sum(sum(datum.loss_fn_inputs["weights"].tolist()) for datum in data)
     for step in range(steps):
@@ -110,8 +110,8 @@ def train_one(service: Any, tokenizer: Any, task: Task, steps: int, learning_rat
         optim.result(timeout=600)
         critical_path(training.model_id, step=step)
         progress.report(step, task.name, loss)
-    samples[task.name]["after"] = greedy_answer(training.save_weights_and_get_sampling_client(), tokenizer,
-                                                task.prompts[0])
+    samples[task.name]["after"] = greedy_answer(training.save_weights_and_get_sampling_client().result(timeout=600),
+                                                tokenizer, task.prompts[0])
 
 
 def time_table(base_url: str, model_ids: dict[str, str]) -> str:
@@ -129,38 +129,37 @@ def time_table(base_url: str, model_ids: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(base_url: str, *, steps: int = 25, learning_rate: float = 1e-3, home: Path,
-             out: TextIO = sys.stdout) -> dict[str, dict[str, str]]:
-    """Train the four tasks concurrently against ``base_url``; returns each task's samples before and after."""
+def run_demo(base_url: str, *, home: Path, base_model: str = DEFAULT_BASE_MODEL, steps: int = 25,
+             learning_rate: float = 1e-3, out: TextIO = sys.stdout) -> dict[str, dict[str, str]]:
+    """Train the four tasks concurrently against ``base_url``; returns each task's samples before and after.
+    ``base_model`` must ship a chat tokenizer in its directory."""
     import tinker
     from transformers import AutoTokenizer
 
-    from lilo.backend.models import smollm2_directory
+    from lilo.backend.models import model_directory
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_directory())
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(base_model))
     critical_path, finish = _critical_path_sink(base_url, home, out)
     progress = Progress([task.name for task in TASKS], out)
     samples: dict[str, dict[str, str]] = {task.name: {} for task in TASKS}
     model_ids: dict[str, str] = {}
     errors: list[BaseException] = []
     started = time.monotonic()
-    print(f"Four clients fine-tune four LoRA adapters of {DEFAULT_BASE_MODEL} at once, {steps} steps each.",
+    print(f"Four clients fine-tune four LoRA adapters of {base_model} at once, {steps} steps each.",
           file=out, flush=True)
     with tinker.ServiceClient(base_url=base_url, api_key=DEMO_API_KEY) as service:
 
         def client(task: Task) -> None:
             try:
-                train_one(service, tokenizer, task, steps, learning_rate, progress, samples, model_ids, critical_path)
+                train_one(service, base_model, tokenizer, task, steps, learning_rate, progress, samples, model_ids,
+                          critical_path)
             except BaseException as error:  # reported below, after the other clients finish
                 errors.append(error)
 
         threads = [threading.Thread(target=client, args=(task,), name=f"demo-{task.name}") for task in TASKS]
         for thread in threads:
             thread.start()
-        while not progress.printed and any(thread.is_alive() for thread in threads):
-            time.sleep(0.5)  # the header waits for the first samples, so it sits right above the losses
-        progress.header()
         for thread in threads:
             thread.join()
     finish()

@@ -19,7 +19,8 @@ import pytest  # noqa: E402 (after prepare_environment, on purpose)
 from helpers import Clock, free_port, lilo, short_home  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402
 
-# The registered tiny model, and a second one served from a local directory (built in local_cluster).
+# The registered tiny model, and a second one served from a local directory (built in local_cluster): a tiny
+# Llama with SmolLM2's vocabulary and chat tokenizer, so the demo runs on it too.
 TINY_DIRECTORY = Path(tempfile.gettempdir()) / f"lilo-tiny-dir-{os.getpid()}"
 BASE_MODELS = ("lilo/tiny-llama", str(TINY_DIRECTORY))
 
@@ -42,9 +43,13 @@ class RunningCluster:
 
 @pytest.fixture(scope="session")
 def local_cluster() -> Iterator[RunningCluster]:
-    from lilo.backend.models import build_tiny_llama
+    from transformers import AutoTokenizer
 
-    build_tiny_llama(TINY_DIRECTORY, seed=1)
+    from lilo.backend.models import build_tiny_llama, smollm2_directory
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_directory())
+    build_tiny_llama(TINY_DIRECTORY, seed=1, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(TINY_DIRECTORY)
     cluster = RunningCluster(short_home(), free_port(), free_port(), BASE_MODELS)
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
             "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "6", "--trainers", "2"]

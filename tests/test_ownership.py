@@ -26,25 +26,37 @@ def datum(seed: int) -> types.Datum:
 
 def test_each_model_runs_only_on_its_owner_across_trainers_and_base_models(local_cluster, ray_driver):
     steps = 2
+    futures_actor = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    trainers = [f"lilo-trainer-{i}" for i in range(4)]
+    served = {name: ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote())["base_model"]
+              for name in trainers}
+    # Placement fills the least loaded trainer first; earlier tests may have left the two of a base model uneven,
+    # so make enough models that both must get at least two of them.
+    loads = {name: 0 for name in trainers}
+    for owner in ray.get(futures_actor.placement.remote()).values():
+        loads[owner] += 1
+    counts = {}
+    for base in local_cluster.base_models:
+        pair = [loads[name] for name in trainers if served[name] == base]
+        assert len(pair) == 2
+        counts[base] = 4 + abs(pair[0] - pair[1])
     with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
-        clients = [service.create_lora_training_client(base_model=base, rank=4).result(timeout=120)
-                   for base in local_cluster.base_models for _ in range(4)]
-        for step in range(steps):
+        clients = {base: [service.create_lora_training_client(base_model=base, rank=4).result(timeout=120)
+                          for _ in range(counts[base])] for base in local_cluster.base_models}
+        everyone = [client for group in clients.values() for client in group]
+        for _ in range(steps):
             futures = [(c.forward_backward([datum(n)], "cross_entropy"), c.optim_step(types.AdamParams()))
-                       for n, c in enumerate(clients)]
+                       for n, c in enumerate(everyone)]
             for backward, optim in futures:
                 backward.result(timeout=120)
                 optim.result(timeout=120)
-    futures_actor = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
     placement = ray.get(futures_actor.placement.remote())
-    trainers = sorted(set(placement.values()))
-    served = {name: ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote())["base_model"]
-              for name in trainers}
-    owners = {client.model_id: placement[client.model_id] for client in clients}
-    # Each base model's four models are spread over both of its trainers, and each sits on a trainer serving it.
-    for n, base in enumerate(local_cluster.base_models):
-        ours = [owners[c.model_id] for c in clients[4 * n:4 * n + 4]]
-        assert len(set(ours)) == 2 and all(served[owner] == base for owner in ours)
+    owners = {client.model_id: placement[client.model_id] for client in everyone}
+    # Each base model's models are spread over both of its trainers, and each sits on a trainer serving it.
+    for base, group in clients.items():
+        ours = [owners[c.model_id] for c in group]
+        assert all(served[owner] == base for owner in ours)
+        assert all(ours.count(owner) >= 2 for owner in set(ours)) and len(set(ours)) == 2
     for model_id, owner in owners.items():
         for name in trainers:
             trainer = ray.get_actor(name, namespace=NAMESPACE)

@@ -104,7 +104,7 @@ def test_sampling_what_does_not_exist_is_refused_with_a_message(service):
             timeout=TIMEOUT_S)
     with pytest.raises(tinker.APIStatusError, match="not a sampler checkpoint"):
         service.create_sampling_client(model_path="tinker://nobody:train:0/weights/x").result(timeout=TIMEOUT_S)
-    # Served for listing but held by no trainer in the test cluster (each trainer serves the first base model).
+    # A base model this cluster does not serve.
     with pytest.raises(tinker.APIStatusError, match="No trainer serves base model"):
         service.create_sampling_client(base_model="HuggingFaceTB/SmolLM2-135M-Instruct").result(timeout=TIMEOUT_S)
 

@@ -11,7 +11,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -25,12 +25,13 @@ TINY_LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, n
                   num_key_value_heads=4, vocab_size=1000, max_position_embeddings=512)
 
 
-def build_tiny_llama(directory: Path, seed: int = 0) -> Path:
-    """A random-init tiny Llama saved with ``save_pretrained``, so tests load it through the real path."""
+def build_tiny_llama(directory: Path, seed: int = 0, **config: Any) -> Path:
+    """A random-init tiny Llama saved with ``save_pretrained``, so tests load it through the real path;
+    ``config`` overrides the tiny shape (a vocabulary to match some tokenizer, say)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(directory)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config})).save_pretrained(directory)
     return directory
 
 
