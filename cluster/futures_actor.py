@@ -130,6 +130,16 @@ class FuturesActor:
     async def model(self, model_id: str) -> dict[str, Any]:
         return await self._run(self._store.model, model_id)
 
+    async def route(self, model_id: str) -> str:
+        """The trainer for a model's new requests; raises (404, or 410 once unloaded) otherwise."""
+        return await self._run(self._store.route, model_id)
+
+    async def mark_unloaded(self, model_id: str) -> None:
+        await self._run(self._store.mark_unloaded, model_id)
+
+    async def training_runs(self, limit: int, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        return await self._run(self._store.training_runs, limit, offset)
+
     async def add_session(self, session_id: str, **owner: Any) -> None:
         await self._run(lambda: self._store.add_session(session_id, **owner))
 

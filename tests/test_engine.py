@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from lilo.engine.commands import (
-    FORWARD_BACKWARD, OPTIM_STEP, SAMPLE, SAVE_WEIGHTS, Command,
+    FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, SAMPLE, SAVE_WEIGHTS, Command,
 )
 from lilo.engine.engine import Engine, EngineStopped
 from lilo.engine.scheduler import next_batch
-from lilo.errors import ConflictError, NotFoundError
+from lilo.errors import ConflictError, GoneError, NotFoundError
 
 
 class RecordingBackend:
@@ -337,3 +337,32 @@ def test_stop_fails_queued_samples_too(backend):
     engine.stop()
     with pytest.raises(EngineStopped):
         queued.result(timeout=10)
+
+
+def test_unloading_a_model_runs_what_it_queued_in_order_then_frees_it_and_refuses_more(backend):
+    engine = paused_engine(backend, ["a"])
+    queued = [engine.submit(command("a", 1)), engine.submit(command("a", 2, kind=OPTIM_STEP, key=()))]
+    behind_a_gap = engine.submit(command("a", 4))  # seq 3 never arrives
+    unloaded = engine.unload_model("a")
+    with pytest.raises(GoneError, match="'a' was unloaded"):
+        engine.submit(command("a", 3))
+    engine.start()
+    assert results(queued) == [{"ran": "a:1"}, {"ran": "a:2"}]
+    assert unloaded.result(timeout=10) == "a"
+    with pytest.raises(NotFoundError, match="removed before request a:4 ran"):
+        behind_a_gap.result(timeout=10)
+    assert [name for name, _ in backend.calls] == ["add", "forward_backward", "optim_step", "remove"]
+    with pytest.raises(NotFoundError, match="Unknown model_id 'a'"):
+        engine.submit(command("a", 5))
+    engine.stop()
+
+
+def test_a_model_created_to_load_a_checkpoint_runs_the_load_as_seq_0_before_its_first_step(backend):
+    engine = Engine(backend, start=False)
+    engine.create_model("a", spec={"rank": 8}, first_seq=0)
+    step = engine.submit(command("a", 1))
+    load = engine.submit(command("a", 0, kind=LOAD_WEIGHTS, key=()))
+    engine.start()
+    results([load, step])
+    assert [name for name, _ in backend.calls] == ["add", "load_weights", "forward_backward"]
+    engine.stop()

@@ -202,6 +202,18 @@ def test_create_missing_indexes_backfills_an_old_database(tmp_path):
     assert reopened.create_missing_indexes() == []
 
 
+def test_create_missing_columns_backfills_an_old_models_table(tmp_path):
+    path = tmp_path / "old.db"
+    FuturesStore(path).close()
+    with sqlite3.connect(path) as old:
+        old.execute("ALTER TABLE models DROP COLUMN unloaded_at")
+        old.execute("ALTER TABLE models DROP COLUMN user_metadata")
+        old.execute("INSERT INTO models (model_id, base_model, lora_config, created_at) VALUES ('m', 'b', '{}', 1)")
+    reopened = FuturesStore(path)
+    assert reopened.model("m")["unloaded_at"] is None and reopened.model("m")["user_metadata"] is None
+    assert reopened.create_missing_columns() == []
+
+
 # --- completion -----------------------------------------------------------------------------------------------
 def test_completions_update_by_primary_key_in_one_transaction(store):
     ids = [store.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(5)]
@@ -350,3 +362,30 @@ def test_a_retried_sampling_session_is_the_same_one_and_a_different_one_is_a_con
     assert store.sampling_session("s1:sample:0")["model_path"] == path
     with pytest.raises(ConflictError, match="already exists"):
         store.add_sampling_session("s1:sample:0", "s1", "lilo/tiny-llama")
+
+
+def test_an_unloaded_model_is_refused_by_route_and_left_out_of_placement_but_stays_a_run(store):
+    store.add_model("s1:train:0", "lilo/tiny-llama", {"rank": 4}, trainer="lilo-trainer-0")
+    assert store.route("s1:train:0") == "lilo-trainer-0"
+    with pytest.raises(NotFoundError, match="Unknown model_id 'ghost'"):
+        store.route("ghost")
+    store.mark_unloaded("s1:train:0")
+    with pytest.raises(GoneError, match="'s1:train:0' was unloaded"):
+        store.route("s1:train:0")
+    assert store.placement() == {}
+    assert store.trainer_of("s1:train:0") == "lilo-trainer-0"  # its checkpoints are still where it was
+    runs, total = store.training_runs(limit=10)
+    assert total == 1 and runs[0]["unloaded_at"] is not None
+
+
+def test_training_runs_page_newest_first_with_the_latest_request_time(store, clock):
+    for n in range(3):
+        clock.now += 1
+        store.add_model(f"s:train:{n}", "lilo/tiny-llama", {"rank": 4}, user_metadata={"n": str(n)})
+    clock.now += 10
+    store.submit(Submission("s:train:0", "optim_step", {}, seq_id=1))
+    runs, total = store.training_runs(limit=2)
+    assert total == 3 and [run["model_id"] for run in runs] == ["s:train:2", "s:train:1"]
+    assert runs[0]["user_metadata"] == {"n": "2"} and runs[0]["last_request_time"] == runs[0]["created_at"]
+    (oldest,), _ = store.training_runs(limit=2, offset=2)
+    assert oldest["model_id"] == "s:train:0" and oldest["last_request_time"] == clock.now

@@ -27,7 +27,7 @@ from lilo.engine.commands import (
 )
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
-from lilo.errors import ConflictError, NotFoundError
+from lilo.errors import ConflictError, GoneError, NotFoundError
 from lilo.telemetry.critical_path import CriticalPath, Observer, Observers, Operation
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Engine:
         self._samples: deque[tuple[Command, Future]] = deque()
         self._rotation: list[str] = [SAMPLING_TURN]
         self._lifecycle: deque[Callable[[], None]] = deque()
+        self._unloading: dict[str, Future] = {}  # model -> its unload, waiting for the model's queue to run dry
         self._cv = threading.Condition()
         self._stopped = False
         self._persist_jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -88,13 +89,15 @@ class Engine:
         self._compute_loop()
 
     # --- models --------------------------------------------------------------------------------------------
-    def create_model(self, model_id: str, spec: Any) -> Future:
-        """Add an adapter; commands for it may be submitted at once and run once it is in place."""
+    def create_model(self, model_id: str, spec: Any, first_seq: int | None = None) -> Future:
+        """Add an adapter; commands for it may be submitted at once and run once it is in place. ``first_seq``
+        overrides the engine's first seq id for this model (a model created by loading a checkpoint runs that
+        load as its seq 0, before the client's first step)."""
         future: Future = Future()
         with self._cv:
             if model_id in self._queues:
                 raise ConflictError(f"Model {model_id!r} already exists on this trainer.")
-            self._queues[model_id] = ModelQueue(self._first_seq)
+            self._queues[model_id] = ModelQueue(self._first_seq if first_seq is None else first_seq)
             self._rotation.append(model_id)
             self.observer.register_model(model_id, spec)
             self._lifecycle.append(lambda: self._accept(model_id, spec, future))
@@ -107,6 +110,18 @@ class Engine:
         with self._cv:
             self._model_queue(model_id)
             self._lifecycle.append(lambda: self._remove(model_id, future))
+            self._cv.notify_all()
+        return future
+
+    def unload_model(self, model_id: str) -> Future:
+        """Drop an adapter once the commands it already holds in seq order have run; commands submitted from now
+        on are refused, and any held behind a seq that never arrived fail with a message when it goes."""
+        future: Future = Future()
+        with self._cv:
+            self._model_queue(model_id)
+            if model_id in self._unloading:
+                raise GoneError(f"Model {model_id!r} is already being unloaded.")
+            self._unloading[model_id] = future
             self._cv.notify_all()
         return future
 
@@ -164,6 +179,9 @@ class Engine:
             if self._stopped:
                 raise EngineStopped("The engine is stopped; no new work is accepted.")
             future: Future = Future()
+            if command.model_id in self._unloading:
+                raise GoneError(f"Model {command.model_id!r} was unloaded; create a new model (or one from a "
+                                "checkpoint) to train again.")
             if command.kind == SAMPLE:
                 self._samples.append((command, future))
                 accepted = future
@@ -194,6 +212,12 @@ class Engine:
         """Lifecycle first, then the next coalesced batch; called with the lock held."""
         if self._lifecycle:
             return self._lifecycle.popleft()
+        for model_id, unloaded in list(self._unloading.items()):
+            model_queue = self._queues.get(model_id)
+            if model_queue is None or (model_queue.ready and model_queue.head() is None and not model_queue.running):
+                # Nothing of it can run any more: what it held in order has run.
+                del self._unloading[model_id]
+                return lambda: self._remove(model_id, unloaded)
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
         if self._samples:
             heads[SAMPLING_TURN] = self._samples[0][0]
@@ -301,9 +325,13 @@ class Engine:
             held = [item for model_queue in self._queues.values() for item in model_queue.drain()]
             held += self._samples
             self._samples.clear()
+            unloads = list(self._unloading.values())
+            self._unloading.clear()
             self._cv.notify_all()
         for command, future in held:
             self._settle(future, EngineStopped(f"The trainer stopped before request {command.request_id} ran."))
+        for future in unloads:
+            self._settle(future, EngineStopped("The trainer stopped before the model was unloaded."))
         self._persist_jobs.put(None)
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():

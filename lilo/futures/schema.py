@@ -50,6 +50,10 @@ models = Table(
     Column("lora_config", Text, nullable=False),
     Column("trainer", String, nullable=True),
     Column("created_at", Float, nullable=False),
+    # Added after the first release: nullable, so an older file gains them with ALTER TABLE on open.
+    Column("user_metadata", Text, nullable=True),
+    # Set by unload_model: new requests for the model are refused; its row (and checkpoints) stay, as its run.
+    Column("unloaded_at", Float, nullable=True),
 )
 
 sessions = Table(

@@ -145,6 +145,7 @@ class FuturesStore:
         event.listen(self.engine, "before_cursor_execute", self._count_statement)
         event.listen(self.engine, "commit", self._count_commit)
         metadata.create_all(self.engine)
+        self.create_missing_columns()
         self.create_missing_indexes()
         # The scheduler's per-tick reads skip the pool: one long-lived connection (WAL: readers see every commit
         # and never block the writer), plain driver calls, counted by hand since no SQLAlchemy event sees them.
@@ -163,6 +164,20 @@ class FuturesStore:
         return (self.path.stat().st_size / 2**20, wal.stat().st_size / 2**20 if wal.exists() else 0.0)
 
     # --- schema --------------------------------------------------------------------------------------------
+    def create_missing_columns(self) -> list[str]:
+        """Add declared columns a database file created before they existed lacks (only nullable ones are ever
+        added to a table). Idempotent; returns ``table.column`` of those it added."""
+        added = []
+        with self.engine.begin() as connection:
+            for table in metadata.tables.values():
+                existing = {column["name"] for column in inspect(connection).get_columns(table.name)}
+                for column in table.columns:
+                    if column.name not in existing:
+                        kind = column.type.compile(dialect=self.engine.dialect)
+                        connection.exec_driver_sql(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}')
+                        added.append(f"{table.name}.{column.name}")
+        return added
+
     def create_missing_indexes(self) -> list[str]:
         """Add declared indexes a database file created before they existed lacks (create_all skips whole
         tables it finds). Idempotent; returns the names it created."""
@@ -371,11 +386,13 @@ class FuturesStore:
 
     # --- models, placement, sessions -----------------------------------------------------------------------
     def add_model(self, model_id: str, base_model: str, lora_config: dict, *, tenant: str | None = None,
-                  session_id: str | None = None, trainer: str | None = None) -> None:
+                  session_id: str | None = None, trainer: str | None = None,
+                  user_metadata: dict[str, str] | None = None) -> None:
         with self.engine.begin() as connection:
             connection.execute(models.insert().values(
                 model_id=model_id, tenant=tenant, session_id=session_id, base_model=base_model,
-                lora_config=orjson.dumps(lora_config).decode(), trainer=trainer, created_at=self._clock()))
+                lora_config=orjson.dumps(lora_config).decode(), trainer=trainer, created_at=self._clock(),
+                user_metadata=None if user_metadata is None else orjson.dumps(user_metadata).decode()))
 
     def place_model(self, model_id: str, trainer: str) -> None:
         with self.engine.begin() as connection:
@@ -383,21 +400,53 @@ class FuturesStore:
                 raise NotFoundError(f"Unknown model_id {model_id!r}; create the model first.")
 
     def placement(self) -> dict[str, str | None]:
-        """model_id -> the trainer it lives on (None while unplaced)."""
+        """model_id -> the trainer it lives on (None while unplaced), for every model not unloaded."""
         with self.engine.connect() as connection:
-            return dict(connection.execute(select(models.c.model_id, models.c.trainer)).all())
+            return dict(connection.execute(
+                select(models.c.model_id, models.c.trainer).where(models.c.unloaded_at.is_(None))).all())
 
     def trainer_of(self, model_id: str) -> str | None:
         """The trainer one model lives on (None: unknown or unplaced): one row, for every submission's routing."""
         with self.engine.connect() as connection:
             return connection.execute(select(models.c.trainer).where(models.c.model_id == model_id)).scalar()
 
+    def route(self, model_id: str) -> str:
+        """The trainer that takes new requests for a model; NotFoundError when unknown or unplaced, GoneError once
+        it was unloaded. One row, for every submission's routing."""
+        with self.engine.connect() as connection:
+            row = connection.execute(select(models.c.trainer, models.c.unloaded_at).where(
+                models.c.model_id == model_id)).first()
+        if row is None or row.trainer is None:
+            raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+        if row.unloaded_at is not None:
+            raise unloaded_error(model_id)
+        return row.trainer
+
+    def mark_unloaded(self, model_id: str) -> None:
+        """From now on ``route`` refuses the model (its row stays: it is a training run with checkpoints)."""
+        with self.engine.begin() as connection:
+            connection.execute(update(models).where(models.c.model_id == model_id, models.c.unloaded_at.is_(None))
+                               .values(unloaded_at=self._clock()))
+
     def model(self, model_id: str) -> dict[str, Any]:
         with self.engine.connect() as connection:
             row = connection.execute(select(models).where(models.c.model_id == model_id)).mappings().first()
         if row is None:
             raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
-        return {**row, "lora_config": orjson.loads(row["lora_config"])}
+        return _model_dict(row)
+
+    def training_runs(self, limit: int, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """One page of models, newest first, each with ``last_request_time`` (its latest submission still kept,
+        else its creation); and how many there are in all."""
+        with self.engine.connect() as connection:
+            total = connection.execute(select(func.count()).select_from(models)).scalar_one()
+            rows = connection.execute(select(models).order_by(models.c.created_at.desc(), models.c.model_id)
+                                      .limit(limit).offset(offset)).mappings().all()
+            ids = [row["model_id"] for row in rows]
+            latest = dict(connection.execute(select(futures.c.model_id, func.max(futures.c.submitted_at))
+                                             .where(futures.c.model_id.in_(ids)).group_by(futures.c.model_id)).all())
+        return [{**_model_dict(row), "last_request_time": max(row["created_at"], latest.get(row["model_id"]) or 0)}
+                for row in rows], total
 
     def add_session(self, session_id: str, *, tenant: str | None = None, info: dict | None = None) -> None:
         now = self._clock()
@@ -452,6 +501,17 @@ _SCAN_PENDING_OF = _SCAN_COLUMNS + " AND model_id IN ({marks})" + _SCAN_ORDER
 _LOAD_PAYLOADS = "SELECT request_id, payload FROM futures WHERE request_id IN ({marks})"
 _STATES = ("SELECT request_id, status, result, error, error_category, request_type FROM futures "
            "WHERE request_id IN ({marks})")
+
+
+def unloaded_error(model_id: str) -> GoneError:
+    return GoneError(f"Model {model_id!r} was unloaded (unload_model); create a new model, or one from a checkpoint "
+                     "of it (create_training_client_from_state), to train again.")
+
+
+def _model_dict(row: Any) -> dict[str, Any]:
+    user_metadata = row["user_metadata"]
+    return {**row, "lora_config": orjson.loads(row["lora_config"]),
+            "user_metadata": None if user_metadata is None else orjson.loads(user_metadata)}
 
 
 def _scan_order(meta: PendingMeta) -> tuple:
