@@ -137,8 +137,11 @@ class FuturesActor:
     async def mark_unloaded(self, model_id: str) -> None:
         await self._run(self._store.mark_unloaded, model_id)
 
-    async def training_runs(self, limit: int, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    async def training_runs(self, limit: int | None, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
         return await self._run(self._store.training_runs, limit, offset)
+
+    async def training_run(self, model_id: str) -> dict[str, Any]:
+        return await self._run(self._store.training_run, model_id)
 
     async def add_session(self, session_id: str, **owner: Any) -> None:
         await self._run(lambda: self._store.add_session(session_id, **owner))

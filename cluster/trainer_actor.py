@@ -22,10 +22,11 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE, ClusterError
 from cluster.timing import TimingPublisher, get_timing_actor
+from lilo.backend.checkpoint_index import CheckpointEntry, delete_checkpoint, list_checkpoints, weights_spec
 from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoraSpec
-from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, SAMPLE, Command
+from lilo.engine.commands import CREATE_MODEL, FORWARD, FORWARD_BACKWARD, SAMPLE, UNLOAD_MODEL, Command
 from lilo.engine.engine import Engine
 from lilo.errors import LiloError
 from lilo.futures.store import Completion
@@ -110,7 +111,36 @@ class TrainerActor:
         engine = await self._engine()
         self._start_flusher()
         engine.create_model(model_id, spec).add_done_callback(
-            lambda done: self._finished("create_model", request_id, done))
+            lambda done: self._finished(CREATE_MODEL, request_id, done))
+
+    async def create_model_from_checkpoint(self, model_id: str, spec: LoraSpec, load: Command) -> None:
+        """Create a model whose first command, its seq 0, is ``load`` (a load_weights of a checkpoint with
+        ``spec``): the client's steps (seq 1 on) run after it. ``load``'s future completes when it has run."""
+        engine = await self._engine()
+        engine.create_model(model_id, spec, first_seq=0)
+        await self.submit(load)
+
+    async def unload_future(self, model_id: str, request_id: str) -> None:
+        """Free the model's adapter slot once what it queued has run; the unload_model future ``request_id``
+        completes with ``{"model_id"}`` then. New commands for it are refused from now on."""
+        engine = await self._engine()
+        self._start_flusher()
+        engine.unload_model(model_id).add_done_callback(lambda done: self._finished(UNLOAD_MODEL, request_id, done))
+
+    # Checkpoints are read and deleted by the trainer that owns their run, where the files were written (see
+    # lilo.backend.checkpoint_index for what a multi-node cluster needs).
+    async def list_checkpoints(self, runs: list[str]) -> dict[str, list[CheckpointEntry]]:
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        return await asyncio.to_thread(lambda: {run: list_checkpoints(backend.checkpoint_dir, run) for run in runs})
+
+    async def delete_checkpoint(self, run: str, checkpoint_id: str) -> None:
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        await asyncio.to_thread(delete_checkpoint, backend.checkpoint_dir, run, checkpoint_id)
+
+    async def weights_spec(self, path: str) -> LoraSpec:
+        """The LoRA spec of the weights checkpoint ``path``; raises, with a message for the client, if there is none."""
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        return await asyncio.to_thread(weights_spec, backend.checkpoint_dir, path)
 
     def _finished(self, kind: str, request_id: str, done: Future) -> None:
         # Runs on the thread that finished the command; the flusher on the event loop writes it.
@@ -170,8 +200,8 @@ def completion_for(kind: str, request_id: int, done: Future) -> Completion:
         body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])
     elif kind == SAMPLE:
         body = encode_sample_response(result)
-    elif kind == "create_model":
-        body = orjson.dumps({"model_id": result, "type": "create_model"})
+    elif kind in (CREATE_MODEL, UNLOAD_MODEL):
+        body = orjson.dumps({"model_id": result, "type": kind})
     else:
         body = orjson.dumps(result)
     return Completion.success(request_id, body, request_type=kind)

@@ -21,13 +21,15 @@ from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
 from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER
 from lilo.errors import InvalidRequestError
+from lilo.futures.store import unloaded_error
 from lilo.protocol.proto import decode_forward_backward, inflate
-from serve import sampling, training
+from serve import runs, sampling, training
 from serve.errors import install_error_handlers
 
 APP_NAME = "lilo"
 INGRESS_NAME = "LiloIngress"
 MAX_ID_CHARS = 256
+MAX_PAGE = 1000  # training runs or checkpoints per listing page
 
 api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service")
 install_error_handlers(api)
@@ -71,8 +73,14 @@ class SaveWeightsRequest(ModelRequest):
 
 
 class LoadWeightsRequest(Body):
+    # Either model_id + seq_id (load into a model), or session_id + model_seq_id (create a model by loading).
     model_id: str | None = Field(None, max_length=MAX_ID_CHARS)
     seq_id: int | None = Field(None, ge=1)
+    session_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = Field(None, max_length=MAX_ID_CHARS)
+    optimizer_config: dict[str, Any] | None = None
+    user_metadata: dict[str, Any] | None = None
     path: str = Field(max_length=4 * MAX_ID_CHARS)
     optimizer: bool = True
 
@@ -175,6 +183,8 @@ class LiloIngress:
     @api.post("/api/v1/get_info")
     async def get_info(self, body: ModelRequest) -> dict[str, Any]:
         model = await self._futures.model.remote(body.model_id)
+        if model["unloaded_at"] is not None:
+            raise unloaded_error(body.model_id)
         base = model["base_model"]
         return {"model_id": body.model_id, "model_data": {"arch": "llama", "model_name": base, "tokenizer_id": base},
                 "is_lora": True, "lora_rank": model["lora_config"].get("rank"), "model_name": base,
@@ -218,7 +228,45 @@ class LiloIngress:
 
     @api.post("/api/v1/load_weights")
     async def load_weights(self, body: LoadWeightsRequest) -> dict[str, str]:
+        into_model = body.model_id is not None and body.seq_id is not None
+        creating = body.session_id is not None and body.model_seq_id is not None
+        if into_model == creating:
+            raise InvalidRequestError("load_weights takes either model_id and seq_id (load into that model) or "
+                                      "session_id and model_seq_id (create a model from the checkpoint).")
+        if creating:
+            return await training.create_model_from_checkpoint(self._futures, self._trainers, body.model_dump(),
+                                                               tenant=None)
         return await training.submit_load(self._futures, body.model_dump(), tenant=None)
+
+    # --- training runs, checkpoints and unloading (RestClient / CLI; serve/runs.py) -----------------------
+    @api.get("/api/v1/training_runs")
+    async def list_training_runs(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
+                                 offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        # access_scope and project_id (also sent) change nothing here: every run is the caller's, in one project.
+        return await runs.list_training_runs(self._futures, limit, offset)
+
+    @api.get("/api/v1/training_runs/{training_run_id}")
+    async def get_training_run(self, training_run_id: str) -> dict[str, Any]:
+        return await runs.get_training_run(self._futures, training_run_id)
+
+    @api.get("/api/v1/training_runs/{training_run_id}/checkpoints")
+    async def list_checkpoints(self, training_run_id: str) -> dict[str, Any]:
+        return await runs.list_checkpoints(self._futures, training_run_id)
+
+    # A checkpoint id has a slash in it (weights/<name>), and the SDK sends it unescaped.
+    @api.delete("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
+    async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> Response:
+        await runs.delete_checkpoint(self._futures, training_run_id, checkpoint_id)
+        return Response(status_code=204)
+
+    @api.get("/api/v1/checkpoints")
+    async def list_user_checkpoints(self, limit: int = Query(100, ge=1, le=MAX_PAGE),
+                                    offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        return await runs.list_user_checkpoints(self._futures, limit, offset)
+
+    @api.post("/api/v1/unload_model")
+    async def unload_model(self, body: ModelRequest) -> dict[str, str]:
+        return await training.submit_unload(self._futures, body.model_id, tenant=None)
 
     @api.post("/api/v1/retrieve_future", response_model=None)
     async def retrieve_future(self, body: RetrieveFutureRequest) -> Response | dict[str, Any]:

@@ -3,24 +3,31 @@ submissions that become futures and commands on the trainer that owns the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import ray
 from ray.actor import ActorHandle
 
 from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer
+from lilo.backend.checkpoint_index import WEIGHTS
+from lilo.backend.checkpoints import parse_tinker_path
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
-from lilo.engine.commands import FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, Command
-from lilo.errors import InvalidRequestError, LiloError, NotFoundError
+from lilo.engine.commands import (
+    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, UNLOAD_MODEL, Command,
+)
+from lilo.errors import ConflictError, InvalidRequestError, LiloError, NotFoundError
 from lilo.futures.store import Completion, Submission
 from lilo.protocol.proto import ForwardBackwardCall
 
-CREATE_MODEL = "create_model"
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+# The seq a model's unload is recorded under, apart from its steps (1 on) and its creation (0): one unload per
+# model, so a retried unload_model finds the first.
+UNLOAD_SEQ = -1
 
 
 def new_session_id() -> str:
@@ -53,11 +60,17 @@ def adam_params(raw: dict[str, Any]) -> AdamParams:
         raise InvalidRequestError("adam_params values must be numbers.") from None
 
 
+def user_metadata(raw: Any) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("user_metadata must be an object of strings.")
+    return {str(key): str(value) for key, value in raw.items()}
+
+
 async def trainer_for(futures: ActorHandle, model_id: str) -> ActorHandle:
-    trainer = await futures.trainer_of.remote(model_id)
-    if trainer is None:
-        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
-    return ray.get_actor(trainer, namespace=NAMESPACE)
+    """The trainer that takes the model's new requests (404 when unknown, 410 once unloaded)."""
+    return ray.get_actor(await futures.route.remote(model_id), namespace=NAMESPACE)
 
 
 async def place(futures: ActorHandle, trainers: Sequence[str], base_model: str) -> str:
@@ -77,16 +90,83 @@ async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict
                        tenant: str | None) -> dict[str, str]:
     model_id = model_id_for(body["session_id"], int(body["model_seq_id"]))
     spec = lora_spec(body.get("lora_config") or {})
-    # seq 0 of a model is its creation: a retried create_model finds its first future instead of a second model.
-    outcome = await futures.submit_once.remote(
-        Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
-                   seq_id=0, tenant=tenant).prepared())
+    # A full cluster is a 429 the client may retry, with nothing recorded; a retry of a model already created
+    # skips placement and finds its first future.
+    trainer = None if await futures.trainer_of.remote(model_id) else await place(futures, trainers, body["base_model"])
+    submission = Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
+                            seq_id=0, tenant=tenant)
+    return await _record_new_model(
+        futures, submission, trainer, body, body.get("lora_config") or {},
+        lambda actor, request_id: actor.create_model_future.remote(model_id, spec, request_id))
+
+
+async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[str], body: dict[str, Any],
+                                       tenant: str | None) -> dict[str, str]:
+    """Create-via-load (the SDK's ``create_training_client_from_state[_with_optimizer]``): a new model
+    ``{session_id}:train:{model_seq_id}`` on a trainer serving the checkpoint's base model, whose first command
+    (seq 0, its creation) loads the checkpoint's adapter, and its optimizer state when ``optimizer`` is true. A
+    retry finds the first future instead of a second model. The checkpoint is read by the trainer the new model is
+    placed on: on a multi-node cluster, the checkpoint directory must be shared storage."""
+    model_id = model_id_for(body["session_id"], int(body["model_seq_id"]))
+    path = str(body["path"])
+    run, kind, _ = parse_tinker_path(path)
+    if kind != WEIGHTS:
+        raise InvalidRequestError(f"{path!r} is not a training checkpoint; create a training client from a path "
+                                  "save_state (save_weights) returned: tinker://<run>/weights/<name>.")
+    try:
+        base_model = (await futures.model.remote(run))["base_model"]
+    except NotFoundError:
+        raise NotFoundError(f"No training run {run!r} here, so no checkpoint {path!r}; pass a path save_state "
+                            "returned.") from None
+    if body.get("base_model") not in (None, base_model):
+        raise InvalidRequestError(f"{path!r} was trained on {base_model!r}; leave base_model out or pass that one.")
+    if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
+        raise InvalidRequestError("Only the adamw optimizer is served here; leave optimizer_config out.")
+    request = LoadRequest(path=path, optimizer=bool(body.get("optimizer", True)))
+    trainer, spec = None, LoraSpec()
+    if not await futures.trainer_of.remote(model_id):
+        # Placed and checked before anything is recorded: a full cluster or a missing checkpoint is a plain 4xx.
+        trainer = await place(futures, trainers, base_model)
+        spec = await ray.get_actor(trainer, namespace=NAMESPACE).weights_spec.remote(path)
+    submission = Submission(model_id, LOAD_WEIGHTS, {"path": path, "optimizer": request.optimizer,
+                                                     "base_model": base_model}, seq_id=0, tenant=tenant).prepared()
+    return await _record_new_model(
+        futures, submission, trainer, {**body, "base_model": base_model}, dataclasses.asdict(spec),
+        lambda actor, request_id: actor.create_model_from_checkpoint.remote(model_id, spec, Command(
+            model_id, 0, LOAD_WEIGHTS, request_id, payload=request, fingerprint=submission.payload_sha256)))
+
+
+async def _record_new_model(futures: ActorHandle, submission: Submission, trainer: str | None, body: dict[str, Any],
+                            lora_config: dict[str, Any],
+                            start: Callable[[ActorHandle, str], Awaitable[None]]) -> dict[str, str]:
+    """Record a model's creation as its seq 0 (a retry finds the first future instead of a second model) and, when
+    it is new, add the model on ``trainer`` and ``start`` it there; a failure on the way fails the future."""
+    submission = submission.prepared()
+    outcome = await futures.submit_once.remote(submission)
     if not outcome.duplicate:
-        trainer = await place(futures, trainers, body["base_model"])
-        await futures.add_model.remote(model_id, body["base_model"], body.get("lora_config") or {},
-                                       tenant=tenant, session_id=body["session_id"], trainer=trainer)
-        await _hand_over(futures, outcome.request_id, CREATE_MODEL, ray.get_actor(
-            trainer, namespace=NAMESPACE).create_model_future.remote(model_id, spec, str(outcome.request_id)))
+        async with failing_future(futures, outcome.request_id, submission.request_type):
+            if trainer is None:  # it exists, but its seq 0 was pruned long ago
+                raise ConflictError(f"Model {submission.model_id!r} already exists; create each model with the "
+                                    "session's next model_seq_id.")
+            await futures.add_model.remote(submission.model_id, body["base_model"], lora_config,
+                                           tenant=submission.tenant, session_id=body["session_id"], trainer=trainer,
+                                           user_metadata=user_metadata(body.get("user_metadata")))
+            await start(ray.get_actor(trainer, namespace=NAMESPACE), str(outcome.request_id))
+    return {"request_id": str(outcome.request_id), "model_id": submission.model_id}
+
+
+async def submit_unload(futures: ActorHandle, model_id: str, tenant: str | None) -> dict[str, str]:
+    """unload_model: from now on new requests for the model are refused (410); its trainer frees its adapter slot
+    once what it queued before has run, and the future completes then. Its run and checkpoints stay."""
+    trainer = await futures.trainer_of.remote(model_id)
+    if trainer is None:
+        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+    outcome = await futures.submit_once.remote(
+        Submission(model_id, UNLOAD_MODEL, {}, seq_id=UNLOAD_SEQ, tenant=tenant).prepared())
+    if not outcome.duplicate:
+        async with failing_future(futures, outcome.request_id, UNLOAD_MODEL):
+            await futures.mark_unloaded.remote(model_id)
+            await ray.get_actor(trainer, namespace=NAMESPACE).unload_future.remote(model_id, str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": model_id}
 
 
@@ -108,14 +188,18 @@ async def submit_to(futures: ActorHandle, trainer: ActorHandle, submission: Subm
     if not outcome.duplicate:
         command = dataclasses.replace(command, request_id=str(outcome.request_id),
                                       fingerprint=submission.payload_sha256)
-        await _hand_over(futures, outcome.request_id, command.kind, trainer.submit.remote(command))
+        # A refusal by the trainer also fails the recorded future.
+        async with failing_future(futures, outcome.request_id, command.kind):
+            await trainer.submit.remote(command)
     return outcome.request_id
 
 
-async def _hand_over(futures: ActorHandle, request_id: int, kind: str, handed: Any) -> None:
-    """Await the trainer's acceptance; a refusal also fails the recorded future, so it never stays pending."""
+@contextlib.asynccontextmanager
+async def failing_future(futures: ActorHandle, request_id: int, kind: str) -> AsyncIterator[None]:
+    """Whatever fails inside also fails the recorded future ``request_id`` (then raises on), so a future is never
+    left pending by a step that did not happen."""
     try:
-        await handed
+        yield
     except Exception as error:
         cause = getattr(error, "cause", None) or error
         category = "user" if isinstance(cause, LiloError) else "server"
@@ -148,9 +232,7 @@ async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, ten
 
 
 async def submit_load(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
-    if not body.get("model_id") or body.get("seq_id") is None:
-        raise InvalidRequestError("load_weights needs model_id and seq_id; creating a model by loading is not "
-                                  "supported by this server yet (create_model, then load_weights).")
+    """load_weights into an existing model, in its seq order (the legacy form, with model_id and seq_id)."""
     request = LoadRequest(path=str(body["path"]), optimizer=bool(body.get("optimizer", True)))
     return await submit(futures, body["model_id"], int(body["seq_id"]), LOAD_WEIGHTS, request,
                         {"path": request.path, "optimizer": request.optimizer}, tenant=tenant)

@@ -12,6 +12,9 @@ SAMPLE = "sample"
 SAVE_WEIGHTS = "save_weights"
 SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
 LOAD_WEIGHTS = "load_weights"
+# Lifecycle requests: futures like the others, but never queued as commands.
+CREATE_MODEL = "create_model"
+UNLOAD_MODEL = "unload_model"
 
 # Kinds whose commands of several models may share one backend execution.
 COALESCING_KINDS = frozenset({FORWARD_BACKWARD, FORWARD, OPTIM_STEP, SAMPLE})

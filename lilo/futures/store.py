@@ -435,18 +435,32 @@ class FuturesStore:
             raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
         return _model_dict(row)
 
-    def training_runs(self, limit: int, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-        """One page of models, newest first, each with ``last_request_time`` (its latest submission still kept,
-        else its creation); and how many there are in all."""
+    def training_runs(self, limit: int | None, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """One page of models (``limit`` None: all), newest first, each with ``last_request_time``; and how many
+        there are in all."""
         with self.engine.connect() as connection:
             total = connection.execute(select(func.count()).select_from(models)).scalar_one()
             rows = connection.execute(select(models).order_by(models.c.created_at.desc(), models.c.model_id)
                                       .limit(limit).offset(offset)).mappings().all()
-            ids = [row["model_id"] for row in rows]
-            latest = dict(connection.execute(select(futures.c.model_id, func.max(futures.c.submitted_at))
-                                             .where(futures.c.model_id.in_(ids)).group_by(futures.c.model_id)).all())
+            return self._with_last_request_time(connection, rows), total
+
+    def training_run(self, model_id: str) -> dict[str, Any]:
+        """One model, with ``last_request_time``."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(select(models).where(models.c.model_id == model_id)).mappings().all()
+            if not rows:
+                raise NotFoundError(f"Unknown training run {model_id!r}; pass a model_id create_model returned.")
+            return self._with_last_request_time(connection, rows)[0]
+
+    @staticmethod
+    def _with_last_request_time(connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
+        """The rows as dicts with ``last_request_time``: the latest submission still kept, else the creation."""
+        latest: dict[str, float] = {}
+        for chunk in chunks([row["model_id"] for row in rows]):
+            latest.update(connection.execute(select(futures.c.model_id, func.max(futures.c.submitted_at))
+                                             .where(futures.c.model_id.in_(chunk)).group_by(futures.c.model_id)).all())
         return [{**_model_dict(row), "last_request_time": max(row["created_at"], latest.get(row["model_id"]) or 0)}
-                for row in rows], total
+                for row in rows]
 
     def add_session(self, session_id: str, *, tenant: str | None = None, info: dict | None = None) -> None:
         now = self._clock()

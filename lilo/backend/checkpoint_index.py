@@ -1,0 +1,122 @@
+"""Checkpoints on disk as clients see them: a training run's list, deleting one, and the LoRA spec of a weights
+checkpoint (to create a model from it).
+
+Layout (``checkpoints.local_directory``): ``<root>/<run>/{weights|sampler_weights}/<name>/``, written by the trainer
+that owns the run. These functions run on that trainer too (``TrainerActor.list_checkpoints`` and friends), so they
+see the files wherever they are; on a multi-node cluster, loading or sampling a checkpoint on a different trainer
+than the one that wrote it needs ``root`` on storage every node mounts (the cluster home on a shared filesystem).
+Nothing a client sends reaches outside ``root``: run ids and names are checked, and every directory is resolved and
+checked to lie under it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from lilo.backend.checkpoints import (
+    KIND_DIRECTORIES, META_FILE, PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, parse_tinker_path,
+)
+from lilo.backend.types import LoraSpec
+from lilo.errors import InvalidRequestError, NotFoundError
+
+WEIGHTS, SAMPLER_WEIGHTS = KIND_DIRECTORIES["save_weights"], KIND_DIRECTORIES["save_weights_for_sampler"]
+# The file each kind writes last: a directory without it is still being written (or its write was cut short).
+COMPLETE_MARKERS = {WEIGHTS: META_FILE, SAMPLER_WEIGHTS: PEFT_CONFIG}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointEntry:
+    """One checkpoint on disk: ``<run>/<kind>/<name>``, when it was written and its size."""
+
+    run: str
+    kind: str  # WEIGHTS or SAMPLER_WEIGHTS
+    name: str
+    time_s: float
+    size_bytes: int
+
+    @property
+    def checkpoint_id(self) -> str:
+        # What the SDK calls the checkpoint id: the tinker path without the run.
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def tinker_path(self) -> str:
+        return f"{TINKER_SCHEME}{self.run}/{self.checkpoint_id}"
+
+
+def list_checkpoints(root: Path, run: str) -> list[CheckpointEntry]:
+    """The complete checkpoints of ``run``, oldest first."""
+    found = []
+    for kind, marker in COMPLETE_MARKERS.items():
+        directory = _inside(root, root / _checked_run(run) / kind)
+        if not directory.is_dir():
+            continue
+        for entry in directory.iterdir():
+            if (entry / marker).is_file() and _checked_name_or_none(entry.name):
+                try:
+                    stats = [path.stat() for path in entry.iterdir() if path.is_file()]
+                except FileNotFoundError:  # deleted while we looked
+                    continue
+                if not stats:
+                    continue
+                found.append(CheckpointEntry(run, kind, entry.name, max(stat.st_mtime for stat in stats),
+                                             sum(stat.st_size for stat in stats)))
+    return sorted(found, key=lambda checkpoint: (checkpoint.time_s, checkpoint.checkpoint_id))
+
+
+def delete_checkpoint(root: Path, run: str, checkpoint_id: str) -> None:
+    """Remove ``<run>/<checkpoint_id>`` (``weights/<name>`` or ``sampler_weights/<name>``) from disk."""
+    directory = _inside(root, local_directory(root, checkpoint_path(run, checkpoint_id)))
+    if not directory.is_dir():
+        raise NotFoundError(f"Training run {run!r} has no checkpoint {checkpoint_id!r}; list its checkpoints for "
+                            "the ids there are.")
+    shutil.rmtree(directory)
+
+
+def checkpoint_path(run: str, checkpoint_id: str) -> str:
+    """The tinker path of ``checkpoint_id`` in ``run``; anything but ``{weights|sampler_weights}/<name>`` is
+    refused."""
+    kind, _, name = checkpoint_id.partition("/")
+    if kind not in COMPLETE_MARKERS or not name:
+        raise InvalidRequestError(f"Checkpoint id {checkpoint_id!r} is not of the form weights/<name> or "
+                                  "sampler_weights/<name>; pass an id the checkpoint list gave.")
+    checked_name(name)
+    return f"{TINKER_SCHEME}{_checked_run(run)}/{kind}/{name}"
+
+
+def weights_spec(root: Path, path: str) -> LoraSpec:
+    """The LoRA spec a ``save_weights`` checkpoint was saved with (read from its small metadata file only)."""
+    _, kind, _ = parse_tinker_path(path)
+    if kind != WEIGHTS:
+        raise InvalidRequestError(f"{path!r} is not a training checkpoint; pass a path save_state (save_weights) "
+                                  "returned: tinker://<run>/weights/<name>.")
+    try:
+        meta = json.loads((_inside(root, local_directory(root, path)) / META_FILE).read_text())
+    except FileNotFoundError:
+        raise NotFoundError(f"No training checkpoint {path!r} here (deleted, or never saved); pass a path "
+                            "save_state returned.") from None
+    return LoraSpec(**meta["spec"])
+
+
+def _checked_name_or_none(name: str) -> str | None:
+    try:
+        return checked_name(name)
+    except InvalidRequestError:
+        return None
+
+
+def _checked_run(run: str) -> str:
+    if run in ("", ".", "..") or "/" in run or "\\" in run or "\x00" in run:
+        raise InvalidRequestError(f"Training run id {run!r} is not one; pass a model_id create_model returned.")
+    return run
+
+
+def _inside(root: Path, directory: Path) -> Path:
+    """``directory``, once it is certain to lie under ``root`` (symlinks followed)."""
+    if not directory.resolve().is_relative_to(root.resolve()):
+        raise InvalidRequestError(f"{directory.name!r} lies outside the checkpoint directory; pass an id the "
+                                  "checkpoint list gave.")
+    return directory

@@ -1,0 +1,95 @@
+"""Training runs and their checkpoints, as the SDK's RestClient (and the ``tinker`` CLI) reads them.
+
+A training run is a model in the futures DB (an unloaded one stays a run). Its checkpoints are files the trainer
+that owns the run wrote, so listing and deleting them is asked of that trainer (``TrainerActor.list_checkpoints``,
+``delete_checkpoint``), never read from the ingress's disk: on a multi-node cluster the files are on the trainer's
+node (see ``lilo.backend.checkpoint_index``). Responses have the SDK's shapes: ``TrainingRun``,
+``TrainingRunsResponse``, ``Checkpoint``, ``CheckpointsListResponse``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from typing import Any, Iterable
+
+import ray
+from ray.actor import ActorHandle
+
+from cluster.local import NAMESPACE
+from lilo.backend.checkpoint_index import SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry
+from lilo.errors import NotFoundError
+
+# What a run without a tenant (no API keys yet) is owned by.
+LOCAL_OWNER = "local"
+CHECKPOINT_TYPES = {WEIGHTS: "training", SAMPLER_WEIGHTS: "sampler"}
+
+
+def timestamp(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat()
+
+
+def checkpoint_json(checkpoint: CheckpointEntry) -> dict[str, Any]:
+    """A checkpoint as the SDK's ``Checkpoint``."""
+    return {"checkpoint_id": checkpoint.checkpoint_id, "checkpoint_type": CHECKPOINT_TYPES[checkpoint.kind],
+            "time": timestamp(checkpoint.time_s), "tinker_path": checkpoint.tinker_path,
+            "size_bytes": checkpoint.size_bytes, "public": False, "user_metadata": None, "expires_at": None}
+
+
+def training_run_json(run: dict[str, Any], checkpoints: Iterable[CheckpointEntry]) -> dict[str, Any]:
+    """A model row of the futures DB (with ``last_request_time``) and its checkpoints as the SDK's ``TrainingRun``."""
+    newest = {}
+    for checkpoint in sorted(checkpoints, key=lambda c: c.time_s):
+        newest[checkpoint.kind] = checkpoint
+    return {"training_run_id": run["model_id"], "base_model": run["base_model"],
+            "model_owner": run["tenant"] or LOCAL_OWNER, "is_lora": True, "corrupted": False,
+            "lora_rank": run["lora_config"].get("rank"), "last_request_time": timestamp(run["last_request_time"]),
+            "last_checkpoint": checkpoint_json(newest[WEIGHTS]) if WEIGHTS in newest else None,
+            "last_sampler_checkpoint": (checkpoint_json(newest[SAMPLER_WEIGHTS]) if SAMPLER_WEIGHTS in newest
+                                        else None),
+            "user_metadata": run["user_metadata"]}
+
+
+async def checkpoints_of(runs: Iterable[dict[str, Any]]) -> dict[str, list[CheckpointEntry]]:
+    """The checkpoints of these runs (model rows), each asked of the trainer that owns the run, all at once."""
+    by_trainer: dict[str, list[str]] = {}
+    for run in runs:
+        if run["trainer"] is not None:
+            by_trainer.setdefault(run["trainer"], []).append(run["model_id"])
+    answers = await asyncio.gather(*(ray.get_actor(trainer, namespace=NAMESPACE).list_checkpoints.remote(owned)
+                                     for trainer, owned in by_trainer.items()))
+    return {run: found for answer in answers for run, found in answer.items()}
+
+
+async def list_training_runs(futures: ActorHandle, limit: int, offset: int) -> dict[str, Any]:
+    runs, total = await futures.training_runs.remote(limit, offset)
+    checkpoints = await checkpoints_of(runs)
+    return {"training_runs": [training_run_json(run, checkpoints.get(run["model_id"], [])) for run in runs],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+async def get_training_run(futures: ActorHandle, run_id: str) -> dict[str, Any]:
+    run = await futures.training_run.remote(run_id)
+    return training_run_json(run, (await checkpoints_of([run])).get(run_id, []))
+
+
+async def list_checkpoints(futures: ActorHandle, run_id: str) -> dict[str, Any]:
+    run = await futures.training_run.remote(run_id)
+    checkpoints = (await checkpoints_of([run])).get(run_id, [])
+    return {"checkpoints": [checkpoint_json(checkpoint) for checkpoint in checkpoints], "cursor": None}
+
+
+async def list_user_checkpoints(futures: ActorHandle, limit: int, offset: int) -> dict[str, Any]:
+    """Every run's checkpoints, newest first, one page of them."""
+    runs, _ = await futures.training_runs.remote(None, 0)
+    checkpoints = await checkpoints_of(runs)
+    newest_first = sorted((c for found in checkpoints.values() for c in found), key=lambda c: -c.time_s)
+    return {"checkpoints": [checkpoint_json(c) for c in newest_first[offset:offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(newest_first)}}
+
+
+async def delete_checkpoint(futures: ActorHandle, run_id: str, checkpoint_id: str) -> None:
+    run = await futures.training_run.remote(run_id)
+    if run["trainer"] is None:
+        raise NotFoundError(f"Training run {run_id!r} has no checkpoint {checkpoint_id!r}; it never ran.")
+    await ray.get_actor(run["trainer"], namespace=NAMESPACE).delete_checkpoint.remote(run_id, checkpoint_id)
