@@ -178,6 +178,9 @@ def test_unload_runs_what_was_queued_then_frees_the_slot_and_later_requests_are_
     # The run and its checkpoints stay: a new model can start from them.
     rest = tinker.RestClient(base_url=local_cluster.api_url, api_key="tml-local-test")
     assert saved in [c.tinker_path for c in rest.list_checkpoints(model_id).result(timeout=TIMEOUT_S).checkpoints]
-    assert loss(service.create_training_client_from_state(saved).result(timeout=TIMEOUT_S)) > 0
+    restarted = service.create_training_client_from_state(saved, user_metadata={"from": "before-unload"})
+    restarted = restarted.result(timeout=TIMEOUT_S)
+    assert loss(restarted) > 0
+    assert rest.get_training_run(restarted.model_id).result(timeout=TIMEOUT_S).user_metadata == {"from": "before-unload"}
     missing = api.post("/unload_model", json={"model_id": "no-such-model"})
     assert missing.status_code == 404 and "Unknown model_id" in missing.json()["detail"]
