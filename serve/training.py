@@ -123,7 +123,7 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
     if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
         raise InvalidRequestError("Only the adamw optimizer is served here; leave optimizer_config out.")
     request = LoadRequest(path=path, optimizer=bool(body.get("optimizer", True)))
-    trainer, spec = None, LoraSpec()
+    trainer, spec = None, LoraSpec()  # both stay unused when the model exists already
     if not await futures.trainer_of.remote(model_id):
         # Placed and checked before anything is recorded: a full cluster or a missing checkpoint is a plain 4xx.
         trainer = await place(futures, trainers, base_model)
