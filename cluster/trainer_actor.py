@@ -87,7 +87,7 @@ class TrainerActor:
         engine.timings.mark(SERVING_READY)
         eos = backend.model.config.eos_token_id
         return {"name": self.name, "base_model": self.base_model, "free_slots": backend.free_slots,
-                "vocab_size": backend.vocab_size,
+                "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
 
     async def check_sampler_checkpoint(self, path: str) -> None:
@@ -211,8 +211,9 @@ def start_trainer(index: int, base_model: str, *, num_gpus: float = 0, num_cpus:
                   **options: Any) -> ray.actor.ActorHandle:
     """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist."""
     name = trainer_name(index)
+    # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-                                lifetime="detached").remote(name, base_model, **options)
+                                lifetime="detached", scheduling_strategy="SPREAD").remote(name, base_model, **options)
 
 
 def start_trainers(settings: Settings) -> list[str]:
