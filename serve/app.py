@@ -243,26 +243,26 @@ class LiloIngress:
     async def list_training_runs(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
                                  offset: int = Query(0, ge=0)) -> dict[str, Any]:
         # access_scope and project_id (also sent) change nothing here: every run is the caller's, in one project.
-        return await runs.list_training_runs(self._futures, limit, offset)
+        return await runs.list_training_runs(self._futures, self._trainers, limit, offset)
 
     @api.get("/api/v1/training_runs/{training_run_id}")
     async def get_training_run(self, training_run_id: str) -> dict[str, Any]:
-        return await runs.get_training_run(self._futures, training_run_id)
+        return await runs.get_training_run(self._futures, self._trainers, training_run_id)
 
     @api.get("/api/v1/training_runs/{training_run_id}/checkpoints")
     async def list_checkpoints(self, training_run_id: str) -> dict[str, Any]:
-        return await runs.list_checkpoints(self._futures, training_run_id)
+        return await runs.list_checkpoints(self._futures, self._trainers, training_run_id)
 
     # A checkpoint id has a slash in it (weights/<name>), and the SDK sends it unescaped.
     @api.delete("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> Response:
-        await runs.delete_checkpoint(self._futures, training_run_id, checkpoint_id)
+        await runs.delete_checkpoint(self._futures, self._trainers, training_run_id, checkpoint_id)
         return Response(status_code=204)
 
     @api.get("/api/v1/checkpoints")
     async def list_user_checkpoints(self, limit: int = Query(100, ge=1, le=MAX_PAGE),
                                     offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        return await runs.list_user_checkpoints(self._futures, limit, offset)
+        return await runs.list_user_checkpoints(self._futures, self._trainers, limit, offset)
 
     @api.post("/api/v1/unload_model")
     async def unload_model(self, body: ModelRequest) -> dict[str, str]:

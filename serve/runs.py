@@ -3,7 +3,7 @@
 A training run is a model in the futures DB (an unloaded one stays a run). Its checkpoints are files the trainer
 that owns the run wrote, so listing and deleting them is asked of that trainer (``TrainerActor.list_checkpoints``,
 ``delete_checkpoint``), never read from the ingress's disk: on a multi-node cluster the files are on the trainer's
-node (see ``lilo.backend.checkpoint_index``). Responses have the SDK's shapes: ``TrainingRun``,
+node unless the checkpoint directory is shared storage (see ``lilo.backend.checkpoint_index``). Responses have the SDK's shapes: ``TrainingRun``,
 ``TrainingRunsResponse``, ``Checkpoint``, ``CheckpointsListResponse``.
 """
 
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import ray
 from ray.actor import ActorHandle
 
 from cluster.local import NAMESPACE
 from lilo.backend.checkpoint_index import SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry
-from lilo.errors import NotFoundError
 
 # What a run without a tenant (no API keys yet) is owned by.
 LOCAL_OWNER = "local"
@@ -50,46 +49,58 @@ def training_run_json(run: dict[str, Any], checkpoints: Iterable[CheckpointEntry
             "user_metadata": run["user_metadata"]}
 
 
-async def checkpoints_of(runs: Iterable[dict[str, Any]]) -> dict[str, list[CheckpointEntry]]:
-    """The checkpoints of these runs (model rows), each asked of the trainer that owns the run, all at once."""
+def file_keeper(owner: str | None, trainers: Sequence[str]) -> str:
+    """The trainer to ask about a run's files: the one that owns the run, or, when it is gone (a cluster restarted
+    with fewer trainers), the first trainer there is, which sees the same files on one machine or on shared
+    storage."""
+    if owner is not None:
+        try:
+            ray.get_actor(owner, namespace=NAMESPACE)
+            return owner
+        except ValueError:
+            pass
+    return trainers[0]
+
+
+async def checkpoints_of(runs: Iterable[dict[str, Any]], trainers: Sequence[str]) -> dict[str, list[CheckpointEntry]]:
+    """The checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all at once."""
     by_trainer: dict[str, list[str]] = {}
     for run in runs:
-        if run["trainer"] is not None:
-            by_trainer.setdefault(run["trainer"], []).append(run["model_id"])
+        by_trainer.setdefault(file_keeper(run["trainer"], trainers), []).append(run["model_id"])
     answers = await asyncio.gather(*(ray.get_actor(trainer, namespace=NAMESPACE).list_checkpoints.remote(owned)
                                      for trainer, owned in by_trainer.items()))
     return {run: found for answer in answers for run, found in answer.items()}
 
 
-async def list_training_runs(futures: ActorHandle, limit: int, offset: int) -> dict[str, Any]:
+async def list_training_runs(futures: ActorHandle, trainers: Sequence[str], limit: int, offset: int) -> dict[str, Any]:
     runs, total = await futures.training_runs.remote(limit, offset)
-    checkpoints = await checkpoints_of(runs)
+    checkpoints = await checkpoints_of(runs, trainers)
     return {"training_runs": [training_run_json(run, checkpoints.get(run["model_id"], [])) for run in runs],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
-async def get_training_run(futures: ActorHandle, run_id: str) -> dict[str, Any]:
+async def get_training_run(futures: ActorHandle, trainers: Sequence[str], run_id: str) -> dict[str, Any]:
     run = await futures.training_run.remote(run_id)
-    return training_run_json(run, (await checkpoints_of([run])).get(run_id, []))
+    return training_run_json(run, (await checkpoints_of([run], trainers)).get(run_id, []))
 
 
-async def list_checkpoints(futures: ActorHandle, run_id: str) -> dict[str, Any]:
+async def list_checkpoints(futures: ActorHandle, trainers: Sequence[str], run_id: str) -> dict[str, Any]:
     run = await futures.training_run.remote(run_id)
-    checkpoints = (await checkpoints_of([run])).get(run_id, [])
+    checkpoints = (await checkpoints_of([run], trainers)).get(run_id, [])
     return {"checkpoints": [checkpoint_json(checkpoint) for checkpoint in checkpoints], "cursor": None}
 
 
-async def list_user_checkpoints(futures: ActorHandle, limit: int, offset: int) -> dict[str, Any]:
+async def list_user_checkpoints(futures: ActorHandle, trainers: Sequence[str], limit: int,
+                                offset: int) -> dict[str, Any]:
     """Every run's checkpoints, newest first, one page of them."""
     runs, _ = await futures.training_runs.remote(None, 0)
-    checkpoints = await checkpoints_of(runs)
+    checkpoints = await checkpoints_of(runs, trainers)
     newest_first = sorted((c for found in checkpoints.values() for c in found), key=lambda c: -c.time_s)
     return {"checkpoints": [checkpoint_json(c) for c in newest_first[offset:offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(newest_first)}}
 
 
-async def delete_checkpoint(futures: ActorHandle, run_id: str, checkpoint_id: str) -> None:
+async def delete_checkpoint(futures: ActorHandle, trainers: Sequence[str], run_id: str, checkpoint_id: str) -> None:
     run = await futures.training_run.remote(run_id)
-    if run["trainer"] is None:
-        raise NotFoundError(f"Training run {run_id!r} has no checkpoint {checkpoint_id!r}; it never ran.")
-    await ray.get_actor(run["trainer"], namespace=NAMESPACE).delete_checkpoint.remote(run_id, checkpoint_id)
+    keeper = ray.get_actor(file_keeper(run["trainer"], trainers), namespace=NAMESPACE)
+    await keeper.delete_checkpoint.remote(run_id, checkpoint_id)

@@ -2,12 +2,17 @@
 and ``unload_model``, against the local cluster with the official tinker SDK (0.38.0) where it has the call, raw
 HTTP where it does not."""
 
+import uuid
+
 import httpx
 import numpy as np
 import pytest
+import ray
 import tinker
 from tinker import types
 
+from cluster.futures_actor import FUTURES_ACTOR_NAME
+from cluster.local import NAMESPACE
 from lilo.backend.checkpoints import local_directory
 
 TINY = "lilo/tiny-llama"
@@ -105,7 +110,7 @@ def test_create_via_load_retried_is_one_model_and_bad_paths_are_refused_with_a_m
     assert api.post("/get_info", json={"model_id": f"{session_id}:train:1"}).status_code == 404  # nothing created
 
 
-def test_the_rest_client_lists_runs_and_checkpoints_and_deletes_one(service, local_cluster, api):
+def test_the_rest_client_lists_runs_and_checkpoints_and_deletes_one(service, local_cluster, api, ray_driver):
     training = service.create_lora_training_client(base_model=TINY, rank=8).result(timeout=TIMEOUT_S)
     step(training)
     weights = training.save_state("listed").result(timeout=TIMEOUT_S).path
@@ -116,8 +121,13 @@ def test_the_rest_client_lists_runs_and_checkpoints_and_deletes_one(service, loc
     assert (run.training_run_id, run.base_model, run.lora_rank, run.is_lora) == (training.model_id, TINY, 8, True)
     assert run.last_checkpoint.tinker_path == weights and run.last_sampler_checkpoint.tinker_path == sampler
     assert rest.get_training_run_by_tinker_path(weights).result(timeout=TIMEOUT_S).training_run_id == training.model_id
+    # A run whose trainer is gone (a cluster restarted with fewer trainers) is still listed.
+    orphan = f"orphan-{uuid.uuid4().hex[:8]}"
+    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    ray.get(futures.add_model.remote(orphan, TINY, {"rank": 2}, trainer="lilo-trainer-gone"))
     listed = rest.list_training_runs(limit=100).result(timeout=TIMEOUT_S)
-    assert training.model_id in [r.training_run_id for r in listed.training_runs]
+    assert {training.model_id, orphan} <= {r.training_run_id for r in listed.training_runs}
+    assert rest.list_checkpoints(orphan).result(timeout=TIMEOUT_S).checkpoints == []
     assert listed.cursor.total_count >= len(listed.training_runs) and listed.cursor.limit == 100
     newest = rest.list_training_runs(limit=1).result(timeout=TIMEOUT_S)
     assert len(newest.training_runs) == 1 and newest.cursor.total_count == listed.cursor.total_count
@@ -151,11 +161,6 @@ def test_the_rest_client_lists_runs_and_checkpoints_and_deletes_one(service, loc
 
 def test_unload_runs_what_was_queued_then_frees_the_slot_and_later_requests_are_gone(service, local_cluster, api,
                                                                                        ray_driver):
-    import ray
-
-    from cluster.futures_actor import FUTURES_ACTOR_NAME
-    from cluster.local import NAMESPACE
-
     training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
     model_id = training.model_id
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
