@@ -4,6 +4,7 @@ submissions that become futures and commands on the trainer that owns the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
 from typing import Any, Sequence
 
@@ -53,18 +54,36 @@ def adam_params(raw: dict[str, Any]) -> AdamParams:
         raise InvalidRequestError("adam_params values must be numbers.") from None
 
 
+@functools.lru_cache(maxsize=None)
+def named_actor(name: str) -> ActorHandle:
+    """A handle to one of lilo's named actors, looked up once per process: each lookup is a blocking GCS round
+    trip, which would stall this event loop on every request."""
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+# model_id -> its trainer's name, as the futures DB placed it. A model stays on its trainer, so this saves the DB
+# actor a call per submission; an entry is dropped when its trainer cannot be reached.
+_owners: dict[str, str] = {}
+MAX_CACHED_OWNERS = 100_000
+
+
 async def trainer_for(futures: ActorHandle, model_id: str) -> ActorHandle:
-    trainer = await futures.trainer_of.remote(model_id)
+    trainer = _owners.get(model_id)
     if trainer is None:
-        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
-    return ray.get_actor(trainer, namespace=NAMESPACE)
+        trainer = await futures.trainer_of.remote(model_id)
+        if trainer is None:
+            raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+        if len(_owners) >= MAX_CACHED_OWNERS:
+            _owners.clear()
+        _owners[model_id] = trainer
+    return named_actor(trainer)
 
 
 async def place(futures: ActorHandle, trainers: Sequence[str], base_model: str) -> str:
     """A trainer for a new model: of those serving its base model, the least loaded with a free slot."""
     free = {}
     for name in trainers:
-        info = await ray.get_actor(name, namespace=NAMESPACE).ready.remote()
+        info = await named_actor(name).ready.remote()
         if info["base_model"] == base_model:
             free[name] = info["free_slots"]
     placed: dict[str, int] = {}
@@ -85,8 +104,8 @@ async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict
         trainer = await place(futures, trainers, body["base_model"])
         await futures.add_model.remote(model_id, body["base_model"], body.get("lora_config") or {},
                                        tenant=tenant, session_id=body["session_id"], trainer=trainer)
-        await _hand_over(futures, outcome.request_id, CREATE_MODEL, ray.get_actor(
-            trainer, namespace=NAMESPACE).create_model_future.remote(model_id, spec, str(outcome.request_id)))
+        await _hand_over(futures, outcome.request_id, CREATE_MODEL, named_actor(
+            trainer).create_model_future.remote(model_id, spec, str(outcome.request_id)))
     return {"request_id": str(outcome.request_id), "model_id": model_id}
 
 
@@ -94,9 +113,14 @@ async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, pa
                  batch_key: Any = (), tokens: int = 0, tenant: str | None = None) -> dict[str, str]:
     """Record the request (durably, deduplicated by seq) and hand it to the model's trainer."""
     trainer = await trainer_for(futures, model_id)
-    request_id = await submit_to(futures, trainer, Submission(model_id, kind, stored, seq_id=seq_id, tenant=tenant),
-                                 Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
-                                         tokens=tokens))
+    try:
+        request_id = await submit_to(futures, trainer, Submission(model_id, kind, stored, seq_id=seq_id,
+                                                                  tenant=tenant),
+                                     Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
+                                             tokens=tokens))
+    except ray.exceptions.RayActorError:
+        _owners.pop(model_id, None)  # the next request asks the futures DB where the model lives now
+        raise
     return {"request_id": str(request_id), "model_id": model_id}
 
 
