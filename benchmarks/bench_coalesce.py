@@ -6,9 +6,11 @@ after another, each with its own AdamW. A step is forward + backward + optimizer
 ``--seq`` tokens per adapter. Each figure is the median of ``--steps`` timed steps; the three variants take turns
 ``--rounds`` times and each keeps its best round (the machine may be shared). MFU = 4 x (matmul weights, output head included) x tokens/s / the fp32 FLOP/s of a
 2048x2048 matmul measured in the same run. ``optim_fused_speedup``: one fused AdamW step for N adapters against N
-separate ones; ``optim_ms``: that fused step's time. Prints one JSON line:
+separate ones; ``optim_ms``: that fused step's time. ``base_only_tok_s``: forward + backward of the same tokens
+through the frozen base alone, the ceiling of any LoRA method here; ``of_base_only``: coalesced over it. Prints one JSON line:
 {"bench": "coalesce", "model": .., "results": [{"adapters": N, "coalesced_tok_s": .., "serial_tok_s": ..,
- "peft_tok_s": .., "speedup_vs_serial": .., "speedup_vs_peft": .., "mfu": .., "optim_fused_speedup": .., "optim_ms": ..},
+ "peft_tok_s": .., "speedup_vs_serial": .., "speedup_vs_peft": .., "mfu": .., "base_only_tok_s": .., "of_base_only": ..,
+ "optim_fused_speedup": .., "optim_ms": ..},
  ...],
  "gemm_gflops": .., "adapter_mb": ..}
 """
@@ -143,6 +145,24 @@ def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) 
     return adapters * rows * seq / median_seconds(one_step, steps)
 
 
+def base_only_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) -> float:
+    """The ceiling for any LoRA method on this base: forward + backward of the same tokens through the frozen base
+    alone (gradients flowing back to the embeddings' output, as LoRA's need them), no adapter, no optimizer."""
+    model = copy.deepcopy(base)
+    rng = np.random.default_rng(0)
+    vocab = base.config.vocab_size
+    tokens = torch.as_tensor(rng.integers(0, vocab, (adapters * rows, seq)))
+
+    def one_step() -> None:
+        hidden = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
+        logits = model(inputs_embeds=hidden).logits
+        nn.functional.cross_entropy(logits.flatten(0, 1).float(), torch.roll(tokens, -1, dims=1).flatten(),
+                                    reduction="sum").backward()
+
+    one_step()
+    return adapters * rows * seq / median_seconds(one_step, steps)
+
+
 def optim_fused(base: nn.Module, adapters: int, repeats: int = 30) -> tuple[float, float]:
     """(speedup, ms): the median time of N separate optim_step calls over that of one call stepping all N, and
     that one call's median time (fresh gradients before each call, not timed)."""
@@ -188,11 +208,12 @@ def main() -> None:
     for adapters in [int(n) for n in args.adapters.split(",")]:
         # The three take turns, --rounds times, and each keeps its best round: slow spells of a shared machine
         # then hit all of them alike instead of whichever happened to run during one.
-        coalesced = serial = peft = 0.0
+        coalesced = serial = peft = base_only = 0.0
         for _ in range(args.rounds):
             coalesced = max(coalesced, engine_tok_s(base, adapters, args.rows, args.seq, args.steps, coalesce=True))
             serial = max(serial, engine_tok_s(base, adapters, args.rows, args.seq, args.steps, coalesce=False))
             peft = max(peft, peft_tok_s(base, adapters, args.rows, args.seq, args.steps))
+            base_only = max(base_only, base_only_tok_s(base, adapters, args.rows, args.seq, args.steps))
         speedup, optim_ms = optim_fused(base, adapters) if adapters > 1 else (1.0, 0.0)
         results.append({
             "adapters": adapters,
@@ -202,6 +223,8 @@ def main() -> None:
             "speedup_vs_serial": round(coalesced / serial, 2),
             "speedup_vs_peft": round(coalesced / peft, 2),
             "mfu": round(4 * weights * coalesced / (flops * 1e9), 3),
+            "base_only_tok_s": round(base_only, 1),
+            "of_base_only": round(coalesced / base_only, 2),
             "optim_fused_speedup": round(speedup, 2),
             "optim_ms": round(optim_ms, 2),
         })

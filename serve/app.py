@@ -302,7 +302,7 @@ class LiloIngress:
         if model_id is not None:
             trainer = await self._futures.trainer_of.remote(model_id)
             if trainer is not None:
-                snapshot = await ray.get_actor(trainer, namespace=NAMESPACE).timing.remote(model_id, reset, reader)
+                snapshot = await training.named_actor(trainer).timing.remote(model_id, reset, reader)
                 if snapshot is not None:
                     return snapshot
         try:

@@ -13,11 +13,10 @@ import asyncio
 import datetime
 from typing import Any, Iterable, Sequence
 
-import ray
 from ray.actor import ActorHandle
 
-from cluster.local import NAMESPACE
 from lilo.backend.checkpoint_index import SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry
+from serve.training import named_actor
 
 # What a run without a tenant (no API keys yet) is owned by.
 LOCAL_OWNER = "local"
@@ -55,7 +54,7 @@ def file_keeper(owner: str | None, trainers: Sequence[str]) -> str:
     storage."""
     if owner is not None:
         try:
-            ray.get_actor(owner, namespace=NAMESPACE)
+            named_actor(owner)
             return owner
         except ValueError:
             pass
@@ -67,7 +66,7 @@ async def checkpoints_of(runs: Iterable[dict[str, Any]], trainers: Sequence[str]
     by_trainer: dict[str, list[str]] = {}
     for run in runs:
         by_trainer.setdefault(file_keeper(run["trainer"], trainers), []).append(run["model_id"])
-    answers = await asyncio.gather(*(ray.get_actor(trainer, namespace=NAMESPACE).list_checkpoints.remote(owned)
+    answers = await asyncio.gather(*(named_actor(trainer).list_checkpoints.remote(owned)
                                      for trainer, owned in by_trainer.items()))
     return {run: found for answer in answers for run, found in answer.items()}
 
@@ -102,5 +101,5 @@ async def list_user_checkpoints(futures: ActorHandle, trainers: Sequence[str], l
 
 async def delete_checkpoint(futures: ActorHandle, trainers: Sequence[str], run_id: str, checkpoint_id: str) -> None:
     run = await futures.training_run.remote(run_id)
-    keeper = ray.get_actor(file_keeper(run["trainer"], trainers), namespace=NAMESPACE)
+    keeper = named_actor(file_keeper(run["trainer"], trainers))
     await keeper.delete_checkpoint.remote(run_id, checkpoint_id)

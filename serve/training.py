@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
@@ -68,16 +69,36 @@ def user_metadata(raw: Any) -> dict[str, str] | None:
     return {str(key): str(value) for key, value in raw.items()}
 
 
+@functools.lru_cache(maxsize=None)
+def named_actor(name: str) -> ActorHandle:
+    """A handle to one of lilo's named actors, looked up once per process: each lookup is a blocking GCS round
+    trip, which would stall this event loop on every request."""
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+# model_id -> its trainer's name, as the futures DB placed it. A model stays on its trainer, so this saves the DB
+# actor a call per submission; an entry is dropped when its trainer cannot be reached. (An unloaded model's
+# trainer refuses it, so a stale entry still gets the client a 410.)
+_owners: dict[str, str] = {}
+MAX_CACHED_OWNERS = 100_000
+
+
 async def trainer_for(futures: ActorHandle, model_id: str) -> ActorHandle:
     """The trainer that takes the model's new requests (404 when unknown, 410 once unloaded)."""
-    return ray.get_actor(await futures.route.remote(model_id), namespace=NAMESPACE)
+    trainer = _owners.get(model_id)
+    if trainer is None:
+        trainer = await futures.route.remote(model_id)
+        if len(_owners) >= MAX_CACHED_OWNERS:
+            _owners.clear()
+        _owners[model_id] = trainer
+    return named_actor(trainer)
 
 
 async def place(futures: ActorHandle, trainers: Sequence[str], base_model: str) -> str:
     """A trainer for a new model: of those serving its base model, the least loaded with a free slot."""
     free = {}
     for name in trainers:
-        info = await ray.get_actor(name, namespace=NAMESPACE).ready.remote()
+        info = await named_actor(name).ready.remote()
         if info["base_model"] == base_model:
             free[name] = info["free_slots"]
     placed: dict[str, int] = {}
@@ -127,7 +148,7 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
     if not await futures.trainer_of.remote(model_id):
         # Placed and checked before anything is recorded: a full cluster or a missing checkpoint is a plain 4xx.
         trainer = await place(futures, trainers, base_model)
-        spec = await ray.get_actor(trainer, namespace=NAMESPACE).weights_spec.remote(path)
+        spec = await named_actor(trainer).weights_spec.remote(path)
     submission = Submission(model_id, LOAD_WEIGHTS, {"path": path, "optimizer": request.optimizer,
                                                      "base_model": base_model}, seq_id=0, tenant=tenant).prepared()
     return await _record_new_model(
@@ -151,7 +172,7 @@ async def _record_new_model(futures: ActorHandle, submission: Submission, traine
             await futures.add_model.remote(submission.model_id, body["base_model"], lora_config,
                                            tenant=submission.tenant, session_id=body["session_id"], trainer=trainer,
                                            user_metadata=user_metadata(body.get("user_metadata")))
-            await start(ray.get_actor(trainer, namespace=NAMESPACE), str(outcome.request_id))
+            await start(named_actor(trainer), str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": submission.model_id}
 
 
@@ -166,7 +187,8 @@ async def submit_unload(futures: ActorHandle, model_id: str, tenant: str | None)
     if not outcome.duplicate:
         async with failing_future(futures, outcome.request_id, UNLOAD_MODEL):
             await futures.mark_unloaded.remote(model_id)
-            await ray.get_actor(trainer, namespace=NAMESPACE).unload_future.remote(model_id, str(outcome.request_id))
+            _owners.pop(model_id, None)  # this replica's next request for it is refused without a trainer call
+            await named_actor(trainer).unload_future.remote(model_id, str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": model_id}
 
 
@@ -174,9 +196,14 @@ async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, pa
                  batch_key: Any = (), tokens: int = 0, tenant: str | None = None) -> dict[str, str]:
     """Record the request (durably, deduplicated by seq) and hand it to the model's trainer."""
     trainer = await trainer_for(futures, model_id)
-    request_id = await submit_to(futures, trainer, Submission(model_id, kind, stored, seq_id=seq_id, tenant=tenant),
-                                 Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
-                                         tokens=tokens))
+    try:
+        request_id = await submit_to(futures, trainer, Submission(model_id, kind, stored, seq_id=seq_id,
+                                                                  tenant=tenant),
+                                     Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
+                                             tokens=tokens))
+    except ray.exceptions.RayActorError:
+        _owners.pop(model_id, None)  # the next request asks the futures DB where the model lives now
+        raise
     return {"request_id": str(request_id), "model_id": model_id}
 
 

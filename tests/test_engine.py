@@ -352,7 +352,7 @@ def test_unloading_a_model_runs_what_it_queued_in_order_then_frees_it_and_refuse
     with pytest.raises(NotFoundError, match="removed before request a:4 ran"):
         behind_a_gap.result(timeout=10)
     assert [name for name, _ in backend.calls] == ["add", "forward_backward", "optim_step", "remove"]
-    with pytest.raises(NotFoundError, match="Unknown model_id 'a'"):
+    with pytest.raises(GoneError, match="'a' was unloaded"):
         engine.submit(command("a", 5))
     engine.stop()
 

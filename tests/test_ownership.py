@@ -3,6 +3,9 @@
 The session cluster runs two trainers per base model (the registered tiny model and one from a local directory).
 """
 
+import time
+
+import httpx
 import numpy as np
 import pytest
 import ray
@@ -67,3 +70,27 @@ def test_each_model_runs_only_on_its_owner_across_trainers_and_base_models(local
                 assert snapshot["phases"]["optim_step.execute"]["count"] == steps
             else:
                 assert snapshot is None  # no other trainer ever held it
+
+
+def test_two_clients_stepping_at_once_share_one_pass(local_cluster, ray_driver):
+    futures_actor = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
+        # Five models over the two trainers of this base model: three share one (pigeonhole).
+        clients = [service.create_lora_training_client(base_model=local_cluster.base_models[0], rank=4)
+                   .result(timeout=120) for _ in range(5)]
+        placement = ray.get(futures_actor.placement.remote())
+        by_trainer: dict[str, list] = {}
+        for client in clients:
+            by_trainer.setdefault(placement[client.model_id], []).append(client)
+        busy, first, second = next(group for group in by_trainer.values() if len(group) >= 3)[:3]
+        # A long pass of a third model (1,024 rows, seconds on this model) keeps the trainer busy while both
+        # clients' steps arrive; they then run together in the next pass.
+        held = busy.forward_backward([datum(100 + n) for n in range(1024)], "cross_entropy")
+        time.sleep(1.0)  # let the long pass start first
+        steps = [client.forward_backward([datum(n)], "cross_entropy") for n, client in enumerate((first, second))]
+        held.result(timeout=120)
+        for step in steps:
+            step.result(timeout=120)
+    for client in (first, second):
+        timing = httpx.get(f"{local_cluster.api_url}/api/v1/timing", params={"model_id": client.model_id}).json()
+        assert timing["phases"]["forward_backward.execute"]["mean_batch"] > 1

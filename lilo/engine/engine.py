@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
@@ -36,6 +36,7 @@ COMPUTE_LANE = "compute"
 PERSIST_LANE = "persist"
 # The place of sample commands in the rotation: they take turns with the models like one more model.
 SAMPLING_TURN = "\x00sampling"
+REMEMBERED_UNLOADS = 100_000
 
 
 class EngineStopped(RuntimeError):
@@ -61,6 +62,8 @@ class Engine:
         self._rotation: list[str] = [SAMPLING_TURN]
         self._lifecycle: deque[Callable[[], None]] = deque()
         self._unloading: dict[str, Future] = {}  # model -> its unload, waiting for the model's queue to run dry
+        # Models unloaded lately: a client still sending to one is told so, not that it never existed.
+        self._unloaded: OrderedDict[str, None] = OrderedDict()
         self._cv = threading.Condition()
         self._stopped = False
         self._persist_jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -179,7 +182,7 @@ class Engine:
             if self._stopped:
                 raise EngineStopped("The engine is stopped; no new work is accepted.")
             future: Future = Future()
-            if command.model_id in self._unloading:
+            if command.model_id in self._unloading or command.model_id in self._unloaded:
                 raise GoneError(f"Model {command.model_id!r} was unloaded; create a new model (or one from a "
                                 "checkpoint) to train again.")
             if command.kind == SAMPLE:
@@ -217,6 +220,9 @@ class Engine:
             if model_queue is None or (model_queue.ready and model_queue.head() is None and not model_queue.running):
                 # Nothing of it can run any more: what it held in order has run.
                 del self._unloading[model_id]
+                self._unloaded[model_id] = None
+                while len(self._unloaded) > REMEMBERED_UNLOADS:
+                    self._unloaded.popitem(last=False)
                 return lambda: self._remove(model_id, unloaded)
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
         if self._samples:
