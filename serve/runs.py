@@ -14,6 +14,7 @@ import datetime
 from typing import Any, Iterable, Sequence
 
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 
 from lilo.backend.checkpoint_index import SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry
 from serve.training import named_actor
@@ -48,26 +49,25 @@ def training_run_json(run: dict[str, Any], checkpoints: Iterable[CheckpointEntry
             "user_metadata": run["user_metadata"]}
 
 
-def file_keeper(owner: str | None, trainers: Sequence[str]) -> str:
-    """The trainer to ask about a run's files: the one that owns the run, or, when it is gone (a cluster restarted
-    with fewer trainers), the first trainer there is, which sees the same files on one machine or on shared
-    storage."""
-    if owner is not None:
+async def ask_file_keeper(owner: str | None, trainers: Sequence[str], method: str, *args: Any) -> Any:
+    """Call ``method`` on the trainer that owns a run (and wrote its files) or, when that one is gone (it died, or
+    the cluster restarted with fewer trainers), on the first trainer there is, which sees the same files on one
+    machine or on shared storage."""
+    if owner is not None and owner != trainers[0]:
         try:
-            named_actor(owner)
-            return owner
-        except ValueError:
+            return await getattr(named_actor(owner), method).remote(*args)
+        except (ValueError, RayActorError):  # no actor by that name, or it died
             pass
-    return trainers[0]
+    return await getattr(named_actor(trainers[0]), method).remote(*args)
 
 
 async def checkpoints_of(runs: Iterable[dict[str, Any]], trainers: Sequence[str]) -> dict[str, list[CheckpointEntry]]:
     """The checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all at once."""
-    by_trainer: dict[str, list[str]] = {}
+    by_owner: dict[str | None, list[str]] = {}
     for run in runs:
-        by_trainer.setdefault(file_keeper(run["trainer"], trainers), []).append(run["model_id"])
-    answers = await asyncio.gather(*(named_actor(trainer).list_checkpoints.remote(owned)
-                                     for trainer, owned in by_trainer.items()))
+        by_owner.setdefault(run["trainer"], []).append(run["model_id"])
+    answers = await asyncio.gather(*(ask_file_keeper(owner, trainers, "list_checkpoints", owned)
+                                     for owner, owned in by_owner.items()))
     return {run: found for answer in answers for run, found in answer.items()}
 
 
@@ -101,5 +101,4 @@ async def list_user_checkpoints(futures: ActorHandle, trainers: Sequence[str], l
 
 async def delete_checkpoint(futures: ActorHandle, trainers: Sequence[str], run_id: str, checkpoint_id: str) -> None:
     run = await futures.training_run.remote(run_id)
-    keeper = named_actor(file_keeper(run["trainer"], trainers))
-    await keeper.delete_checkpoint.remote(run_id, checkpoint_id)
+    await ask_file_keeper(run["trainer"], trainers, "delete_checkpoint", run_id, checkpoint_id)

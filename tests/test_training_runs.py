@@ -52,6 +52,14 @@ def loss(training) -> float:
     return training.forward([datum()], "cross_entropy").result(timeout=TIMEOUT_S).metrics["loss:sum"]
 
 
+@ray.remote(num_cpus=0)
+class ShortLivedKeeper:
+    """Stands in for a trainer that keeps a run's files and then dies."""
+
+    def list_checkpoints(self, runs: list[str]) -> dict:
+        return {run: [] for run in runs}
+
+
 def retrieve(api: httpx.Client, request_id: str) -> dict:
     """A future's JSON result (or its error), long-polling as the SDK does."""
     while True:
@@ -121,13 +129,18 @@ def test_the_rest_client_lists_runs_and_checkpoints_and_deletes_one(service, loc
     assert (run.training_run_id, run.base_model, run.lora_rank, run.is_lora) == (training.model_id, TINY, 8, True)
     assert run.last_checkpoint.tinker_path == weights and run.last_sampler_checkpoint.tinker_path == sampler
     assert rest.get_training_run_by_tinker_path(weights).result(timeout=TIMEOUT_S).training_run_id == training.model_id
-    # A run whose trainer is gone (a cluster restarted with fewer trainers) is still listed.
-    orphan = f"orphan-{uuid.uuid4().hex[:8]}"
+    # Runs whose trainer is gone (it died, or a cluster restarted with fewer trainers) are still listed.
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-    ray.get(futures.add_model.remote(orphan, TINY, {"rank": 2}, trainer="lilo-trainer-gone"))
+    keeper_name = f"lilo-trainer-short-lived-{uuid.uuid4().hex[:8]}"
+    keeper = ShortLivedKeeper.options(name=keeper_name, namespace=NAMESPACE).remote()
+    orphans = {f"orphan-{uuid.uuid4().hex[:8]}": trainer for trainer in ("lilo-trainer-never-was", keeper_name)}
+    for orphan, trainer in orphans.items():
+        ray.get(futures.add_model.remote(orphan, TINY, {"rank": 2}, trainer=trainer))
+    rest.list_training_runs(limit=100).result(timeout=TIMEOUT_S)  # the ingress now holds a handle to the keeper
+    ray.kill(keeper)
     listed = rest.list_training_runs(limit=100).result(timeout=TIMEOUT_S)
-    assert {training.model_id, orphan} <= {r.training_run_id for r in listed.training_runs}
-    assert rest.list_checkpoints(orphan).result(timeout=TIMEOUT_S).checkpoints == []
+    assert {training.model_id, *orphans} <= {r.training_run_id for r in listed.training_runs}
+    assert all(rest.list_checkpoints(orphan).result(timeout=TIMEOUT_S).checkpoints == [] for orphan in orphans)
     assert listed.cursor.total_count >= len(listed.training_runs) and listed.cursor.limit == 100
     newest = rest.list_training_runs(limit=1).result(timeout=TIMEOUT_S)
     assert len(newest.training_runs) == 1 and newest.cursor.total_count == listed.cursor.total_count
