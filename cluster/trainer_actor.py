@@ -37,8 +37,8 @@ from lilo.telemetry.critical_path import BACKEND_READY, SERVING_READY
 logger = logging.getLogger(__name__)
 
 TRAINER_PREFIX = "lilo-trainer-"
-# How often finished results go to the futures DB, together.
-FLUSH_EVERY_S = 0.02
+# How long a failed write of results to the futures DB waits before it is tried again.
+RETRY_WRITE_S = 1.0
 
 
 def trainer_name(index: int) -> str:
@@ -54,6 +54,8 @@ class TrainerActor:
         self._ready: Future = Future()
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._flusher: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         settings = dict(max_adapters=max_adapters, max_rank=max_rank, checkpoint_dir=checkpoint_dir,
                         model_cache_dir=model_cache_dir, device=device)
         self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
@@ -143,28 +145,35 @@ class TrainerActor:
         return await asyncio.to_thread(weights_spec, backend.checkpoint_dir, path)
 
     def _finished(self, kind: str, request_id: str, done: Future) -> None:
-        # Runs on the thread that finished the command; the flusher on the event loop writes it.
+        # Runs on the thread that finished the command; the flusher on the event loop writes it, woken at once.
         self._outbox.put(completion_for(kind, int(request_id), done))
+        self._loop.call_soon_threadsafe(self._wake.set)
 
     def _start_flusher(self) -> None:
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
+            self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+            self._flusher = self._loop.create_task(self._flush_forever())
 
     async def _flush_forever(self) -> None:
+        """Write finished results to the futures DB as soon as they come; whatever finishes while a write is in
+        flight goes in the next one, so results batch up exactly when the DB is the bottleneck."""
         futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         pending: list[Completion] = []
         while True:
+            await self._wake.wait()
+            self._wake.clear()
             while not self._outbox.empty():
                 pending.append(self._outbox.get_nowait())
-            if pending:
-                try:
-                    await futures_db.complete.remote(pending)
-                    pending = []
-                except Exception:
-                    logger.exception("writing %d result(s) to the futures DB failed; retrying", len(pending))
-                    futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-                    await asyncio.sleep(1.0)
-            await asyncio.sleep(FLUSH_EVERY_S)
+            if not pending:
+                continue
+            try:
+                await futures_db.complete.remote(pending)
+                pending = []
+            except Exception:
+                logger.exception("writing %d result(s) to the futures DB failed; retrying", len(pending))
+                futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+                await asyncio.sleep(RETRY_WRITE_S)
+                self._wake.set()
 
     async def run(self, command: Command) -> Any:
         """Queue a command in its model's order and return its result (or raise its own error)."""

@@ -68,6 +68,32 @@ def test_notify_resolves_without_a_query(store):
     assert queries == 0
 
 
+def test_a_result_notified_before_anyone_asks_is_answered_at_once(store):
+    ids = submit_pending(store, 3)
+
+    async def scenario():
+        async def fetch(ids):
+            return store.states(ids)
+        waiter = FutureWaiter(fetch, tick_s=60, recent=2)
+        busy = asyncio.create_task(waiter.wait(ids[2], timeout_s=5))  # keeps the poller in its 60 s sleep
+        await asyncio.sleep(0.05)
+        for request_id in ids[:2]:
+            waiter.notify(FutureState(request_id, "completed", str(request_id).encode()))
+        before = store.statements
+        state = await asyncio.wait_for(waiter.wait(ids[1], timeout_s=5), 1.0)  # no tick to wait for
+        waiter.notify(FutureState(ids[2], "completed", b"x"))  # pushes ids[0] out of the two remembered
+        await busy
+        forgotten = asyncio.create_task(waiter.wait(ids[0], timeout_s=0.2))
+        with pytest.raises(TimeoutError):
+            await forgotten  # no longer remembered: it parks until the (60 s) tick
+        await waiter.close()
+        return state, store.statements - before
+
+    state, queries = asyncio.run(scenario())
+    assert state.result == str(state.request_id).encode()
+    assert queries == 0
+
+
 def test_a_waiter_times_out_and_several_waiters_share_one_id(store):
     ids = submit_pending(store, 2)
 

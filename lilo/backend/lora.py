@@ -63,6 +63,8 @@ class MultiLoRALinear(nn.Module):
         slots = lora_A.shape[0]
         self.register_buffer("scale", torch.zeros(slots + 1, dtype=lora_A.dtype, device=lora_A.device),
                              persistent=False)
+        # Which slots train this projection, on the CPU: routing asks it per execution without a device sync.
+        self.trained = torch.zeros(slots + 1, dtype=torch.bool)
         self.routing: Routing | None = None  # None: every row through the bare base
 
     @property
@@ -79,12 +81,14 @@ class MultiLoRALinear(nn.Module):
             a.uniform_(-bound, bound, generator=generator)
             self.lora_A[slot, :rank] = a.to(self.lora_A.device)
             self.scale[slot] = alpha / rank
+        self.trained[slot] = True
 
     def clear_slot(self, slot: int) -> None:
         with torch.no_grad():
             self.lora_A[slot].zero_()
             self.lora_B[slot].zero_()
             self.scale[slot] = 0.0
+        self.trained[slot] = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -151,8 +155,9 @@ class LoraBank:
         """Route batch rows to slots; a layer no routed adapter trains runs as the bare base (and stays off the
         autograd graph)."""
         routing = Routing.of(slots, grouped, self.weights.device) if slots is not None else None
+        rows = torch.tensor(list(slots)) if slots is not None else None
         for layer in self.layers.values():
-            active = routing is not None and bool(layer.scale[routing.row_slots].any())
+            active = routing is not None and bool(layer.trained[rows].any())
             layer.routing = routing if active else None
 
 

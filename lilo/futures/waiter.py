@@ -4,12 +4,15 @@
 store for all parked ids at once (``WHERE request_id IN (...)``), at once when it starts and then every ``tick_s``,
 and resolves the finished ones; an id with no row gets the error ``missing`` makes for it (unknown or pruned).
 So even a burst of new callers costs one query per tick, not one each. ``notify`` resolves waiters of a result
-written in this same process with no query at all. With nobody parked, nothing is queried.
+written in this same process with no query at all, and keeps the latest ``recent`` such results: a caller asking
+for one right after it landed (the usual case: the result beat the client's poll) gets it at once instead of
+waiting for the next tick. With nobody parked, nothing is queried.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Awaitable, Callable, Sequence
 
@@ -18,16 +21,20 @@ from lilo.futures.store import FutureState
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
+RECENT = 1024
 
 Fetch = Callable[[Sequence[int]], Awaitable[dict[int, FutureState]]]
 Missing = Callable[[int], Awaitable[Exception]]
 
 
 class FutureWaiter:
-    def __init__(self, fetch: Fetch, tick_s: float = TICK_S, missing: Missing | None = None) -> None:
+    def __init__(self, fetch: Fetch, tick_s: float = TICK_S, missing: Missing | None = None,
+                 recent: int = RECENT) -> None:
         self._fetch = fetch
         self._missing = missing
         self._tick_s = tick_s
+        self._recent: collections.OrderedDict[int, FutureState] = collections.OrderedDict()
+        self._recent_max = recent
         self._parked: dict[int, list[asyncio.Future]] = {}
         self._poller: asyncio.Task | None = None
 
@@ -37,6 +44,9 @@ class FutureWaiter:
 
     async def wait(self, request_id: int, timeout_s: float) -> FutureState:
         """The finished state of ``request_id``; raises TimeoutError after ``timeout_s``."""
+        known = self._recent.get(request_id)
+        if known is not None:
+            return known
         future = asyncio.get_running_loop().create_future()
         self._parked.setdefault(request_id, []).append(future)
         if self._poller is None or self._poller.done():
@@ -52,6 +62,10 @@ class FutureWaiter:
 
     def notify(self, state: FutureState) -> None:
         """Resolve the waiters of a result this process just wrote, without asking the store."""
+        self._recent[state.request_id] = state
+        self._recent.move_to_end(state.request_id)
+        while len(self._recent) > self._recent_max:
+            self._recent.popitem(last=False)
         for future in self._parked.pop(state.request_id, []):
             if not future.done():
                 future.set_result(state)
