@@ -105,11 +105,20 @@ def read_state(settings: Settings) -> ClusterState | None:
 def running_state(settings: Settings) -> ClusterState | None:
     """The state of the cluster running under this home, or None (a stale state file is removed)."""
     state = read_state(settings)
-    if is_locked(settings) and state is not None and psutil.pid_exists(state.pid):
+    if is_locked(settings) and state is not None and _running(state.pid):
         return state
     if state is not None and not is_locked(settings):
         settings.state_file.unlink(missing_ok=True)
     return None
+
+
+def _running(pid: int) -> bool:
+    """A running process: a supervisor killed a moment ago may linger as a zombie until it is reaped (and the lock
+    can outlive it in processes that inherited its descriptor), which is not a running cluster."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def port_in_use(host: str, port: int) -> bool:
