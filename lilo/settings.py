@@ -43,6 +43,8 @@ class Settings:
     startup_timeout_s: float = 120.0
     # Where trainers compute: "auto" (CUDA when the trainer has a GPU, else CPU), "cpu" or "cuda".
     device: str = "auto"
+    # Largest request body the API accepts (a larger one is a 413); zstd bodies may not inflate past it either.
+    max_body_mb: int = 64
 
     @property
     def ray_temp_dir(self) -> Path:
@@ -90,6 +92,8 @@ class Settings:
             raise SettingsError(f"--num-cpus must be at least 1, got {self.num_cpus}.")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise SettingsError(f"--device must be auto, cpu or cuda, got {self.device!r}.")
+        if self.max_body_mb < 1:
+            raise SettingsError(f"--max-body-mb must be at least 1, got {self.max_body_mb}.")
         if not self.base_models:
             raise SettingsError("Configure at least one base model (--base-model NAME).")
         unknown = [name for name in self.base_models if not is_servable(name)]
@@ -113,6 +117,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_RAY_ADDRESS": ("ray_address", str),
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
     "LILO_DEVICE": ("device", str),
+    "LILO_MAX_BODY_MB": ("max_body_mb", int),
 }
 
 

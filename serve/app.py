@@ -25,6 +25,7 @@ from lilo.futures.store import unloaded_error
 from lilo.protocol.proto import decode_forward_backward, inflate
 from serve import runs, sampling, training
 from serve.errors import install_error_handlers
+from serve.limits import BodyLimit
 
 APP_NAME = "lilo"
 INGRESS_NAME = "LiloIngress"
@@ -33,9 +34,9 @@ MAX_PAGE = 1000  # training runs or checkpoints per listing page
 
 api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service")
 install_error_handlers(api)
+api.add_middleware(BodyLimit)
 
 
-MAX_BODY_BYTES = 64 << 20
 PROTOBUF = "application/x-protobuf"
 # Results the SDK accepts only as protobuf.
 PROTOBUF_RESULTS = {"forward_backward", "forward", "sample"}
@@ -119,7 +120,8 @@ class OptimStepRequest(ModelRequest):
 class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
-    def __init__(self, base_models: list[str], trainers: list[str]) -> None:
+    def __init__(self, base_models: list[str], trainers: list[str], max_body_bytes: int) -> None:
+        BodyLimit.limit_bytes = max_body_bytes
         self._timing = get_timing_actor()
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         self._base_models = list(base_models)
@@ -194,10 +196,8 @@ class LiloIngress:
     async def forward_backward(self, request: Request) -> dict[str, str]:
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise HTTPException(status_code=415, detail=f"forward_backward takes a {PROTOBUF} body.")
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise HTTPException(status_code=413, detail=f"The body is over {MAX_BODY_BYTES} bytes; send chunks.")
-        call = decode_forward_backward(inflate(body, request.headers.get("content-encoding"), MAX_BODY_BYTES))
+        body = await request.body()  # BodyLimit refuses a larger one before it is read whole
+        call = decode_forward_backward(inflate(body, request.headers.get("content-encoding"), BodyLimit.limit_bytes))
         return await training.submit_forward_backward(self._futures, call, tenant=None)
 
     @api.post("/api/v1/optim_step")
@@ -315,4 +315,4 @@ class LiloIngress:
 
 def build_application(settings: Settings, trainers: list[str]) -> serve.Application:
     """The Serve application for these settings, routing to these trainer actors."""
-    return LiloIngress.bind(list(settings.base_models), trainers)
+    return LiloIngress.bind(list(settings.base_models), trainers, settings.max_body_mb << 20)

@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         help="deploy onto this existing Ray cluster (\"auto\" on a `ray up` head) instead of starting one",
     )
     up.add_argument("--device", help="where trainers compute: auto (CUDA when a trainer has a GPU), cpu or cuda")
+    up.add_argument("--max-body-mb", type=int, help="largest request body the API accepts, in MB (default 64)")
     up.add_argument("--timeout", dest="startup_timeout_s", type=float, help="seconds to wait for readiness")
     up.add_argument("--detach", action="store_true", help="return once the service answers; stop with `lilo down`")
     up.add_argument(DETACHED_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
@@ -102,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "base_models",
-              "ray_address", "startup_timeout_s", "device")
+              "ray_address", "startup_timeout_s", "device", "max_body_mb")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
 
 

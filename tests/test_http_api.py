@@ -28,3 +28,20 @@ def test_the_tinker_sdk_reads_capabilities(local_cluster):
     client = tinker.RestClient(base_url=local_cluster.api_url, api_key="tml-local-test")
     capabilities = client.get_server_capabilities().result(timeout=60)
     assert [m.model_name for m in capabilities.supported_models] == list(local_cluster.base_models)
+
+
+def test_a_body_over_the_limit_is_a_413_with_a_message_whatever_the_route(local_cluster):
+    import httpx
+
+    too_big = b"x" * ((64 << 20) + 1)  # the session cluster runs with the default limit, 64 MB
+    for route in ("create_session", "forward_backward"):
+        declared = httpx.post(f"{local_cluster.api_url}/api/v1/{route}", content=too_big, timeout=120,
+                              headers={"Content-Type": "application/x-protobuf"})
+        assert declared.status_code == 413 and "LILO_MAX_BODY_MB" in declared.json()["detail"]
+
+    def chunks():  # no Content-Length: refused once the streamed body passes the limit
+        for _ in range(65):
+            yield b"x" * (1 << 20)
+
+    streamed = httpx.post(f"{local_cluster.api_url}/api/v1/create_session", content=chunks(), timeout=120)
+    assert streamed.status_code == 413 and "LILO_MAX_BODY_MB" in streamed.json()["detail"]

@@ -38,6 +38,7 @@ def test_base_models_from_environment_keep_their_order():
         ({"base_models": ["gpt-17"]}, "Unknown base model(s) gpt-17"),
         ({"home": "/tmp/" + "a" * 60}, "pass a shorter --home"),
         ({"device": "tpu"}, "--device must be auto, cpu or cuda"),
+        ({"max_body_mb": 0}, "--max-body-mb must be at least 1"),
     ],
 )
 def test_invalid_settings_say_what_to_change(overrides, message):

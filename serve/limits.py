@@ -1,0 +1,55 @@
+"""One body-size limit for every route: a larger request is a 413 with a sentence, refused before it is read whole
+(by its Content-Length, or as soon as a body sent without one passes the limit)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from fastapi import HTTPException
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+
+def too_large(limit: int) -> str:
+    return (f"The request body is over this server's limit of {limit} bytes (LILO_MAX_BODY_MB); send smaller "
+            "requests (the SDK already splits large forward_backward batches into chunks).")
+
+
+class BodyLimit:
+    """ASGI middleware; the ingress sets ``limit_bytes`` from its settings when it starts."""
+
+    limit_bytes = DEFAULT_MAX_BODY_BYTES
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = BodyLimit.limit_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            body = json.dumps({"detail": too_large(limit)}).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:  # a body without a (true) Content-Length: stop reading it here
+                raise HTTPException(status_code=413, detail=too_large(limit))
+            return message
+
+        await self.app(scope, counted, send)
