@@ -25,7 +25,7 @@ from lilo.futures.store import unloaded_error
 from lilo.protocol.proto import decode_forward_backward, inflate
 from serve import runs, sampling, training
 from serve.errors import install_error_handlers
-from serve.limits import BodyLimit
+from serve.limits import BodyLimit, JsonOnly
 
 APP_NAME = "lilo"
 INGRESS_NAME = "LiloIngress"
@@ -34,6 +34,7 @@ MAX_PAGE = 1000  # training runs or checkpoints per listing page
 
 api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service")
 install_error_handlers(api)
+api.add_middleware(JsonOnly, protobuf_paths=frozenset({"/api/v1/forward_backward"}))
 api.add_middleware(BodyLimit)
 
 

@@ -1,5 +1,7 @@
-"""One body-size limit for every route: a larger request is a 413 with a sentence, refused before it is read whole
-(by its Content-Length, or as soon as a body sent without one passes the limit)."""
+"""Gates in front of every route, each answering with a sentence: ``BodyLimit`` (one body-size limit; a larger
+request is a 413, refused before it is read whole: by its Content-Length, or as soon as a body sent without one
+passes the limit) and ``JsonOnly`` (a body declared as anything but JSON is a 415, except where protobuf is the
+format)."""
 
 from __future__ import annotations
 
@@ -36,11 +38,7 @@ class BodyLimit:
         limit = BodyLimit.limit_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            body = json.dumps({"detail": too_large(limit)}).encode()
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await _answer(send, 413, too_large(limit))
             return
         received = 0
 
@@ -53,3 +51,28 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+class JsonOnly:
+    """A POST body whose Content-Type is set and is not JSON gets a 415, except on the protobuf routes (which check
+    their own type); a body without a Content-Type is read as JSON."""
+
+    def __init__(self, app: ASGIApp, protobuf_paths: frozenset[str]) -> None:
+        self.app = app
+        self.protobuf_paths = protobuf_paths
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] not in self.protobuf_paths:
+            declared = dict(scope.get("headers") or []).get(b"content-type", b"").decode("latin-1")
+            media = declared.split(";", 1)[0].strip().lower()
+            if media and media != "application/json" and not media.endswith("+json"):
+                await _answer(send, 415, f"This endpoint takes an application/json body, not {media}.")
+                return
+        await self.app(scope, receive, send)
+
+
+async def _answer(send: Send, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -45,3 +45,17 @@ def test_a_body_over_the_limit_is_a_413_with_a_message_whatever_the_route(local_
 
     streamed = httpx.post(f"{local_cluster.api_url}/api/v1/create_session", content=chunks(), timeout=120)
     assert streamed.status_code == 413 and "LILO_MAX_BODY_MB" in streamed.json()["detail"]
+
+
+def test_a_body_declared_as_anything_but_json_is_a_415_with_a_message(local_cluster):
+    import httpx
+
+    api = f"{local_cluster.api_url}/api/v1"
+    refused = httpx.post(f"{api}/create_session", content=b"{}", headers={"Content-Type": "text/plain"}, timeout=60)
+    assert refused.status_code == 415 and "takes an application/json body, not text/plain" in refused.json()["detail"]
+    accepted = httpx.post(f"{api}/create_session", content=b"{}",
+                          headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60)
+    assert accepted.status_code == 200 and accepted.json()["session_id"]
+    # forward_backward checks its own format: JSON there is the 415.
+    wrong = httpx.post(f"{api}/forward_backward", json={}, timeout=60)
+    assert wrong.status_code == 415 and "application/x-protobuf" in wrong.json()["detail"]
