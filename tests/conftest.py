@@ -68,6 +68,21 @@ def local_cluster() -> Iterator[RunningCluster]:
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
 
 
+@pytest.fixture(autouse=True)
+def no_sdk_telemetry(monkeypatch):
+    """The SDK's telemetry would post to the service under test; keep it out of every test."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+@pytest.fixture
+def service(local_cluster: RunningCluster):
+    """An SDK client of the session cluster."""
+    import tinker
+
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def ray_driver(local_cluster: RunningCluster) -> Iterator[None]:
     """This test process, connected to the session cluster as a Ray driver."""

@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
 import psutil
 
 LILO = str(Path(sys.executable).parent / "lilo")
@@ -47,3 +48,14 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def retrieve_finished(http: httpx.Client, url: str, request_id: str, polls: int = 10) -> httpx.Response:
+    """POST retrieve_future (``url``) as the SDK does until the future has finished (its result or its error)."""
+    for _ in range(polls):
+        response = http.post(url, json={"request_id": request_id})
+        pending = response.status_code == 408 or (
+            "protobuf" not in response.headers.get("content-type", "") and response.json().get("type") == "try_again")
+        if not pending:
+            return response
+    raise AssertionError(f"future {request_id} was still pending after {polls} long polls")

@@ -9,12 +9,9 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from helpers import retrieve_finished
+
 TINY = "lilo/tiny-llama"
-
-
-@pytest.fixture(autouse=True)
-def no_sdk_telemetry(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
 
 
 def short_datum(seed: int, length: int = 8) -> types.Datum:
@@ -37,24 +34,13 @@ def test_a_batch_over_1024_datums_is_chunked_and_runs_whole(local_cluster):
         assert np.allclose(ours["logprobs"].tolist(), theirs["logprobs"].tolist(), rtol=1e-5, atol=1e-6)
 
 
-def wait(http: httpx.Client, api: str, request_id: str) -> httpx.Response:
-    """retrieve_future until the result (or an error) is there, as the SDK does."""
-    for _ in range(10):
-        response = http.post(f"{api}/retrieve_future", json={"request_id": request_id})
-        pending = response.status_code == 408 or (
-            "protobuf" not in response.headers.get("content-type", "") and response.json().get("type") == "try_again")
-        if not pending:
-            return response
-    raise AssertionError(f"future {request_id} did not finish")
-
-
 def test_an_optim_step_sent_before_its_forward_backward_waits_for_it(local_cluster):
     api = f"{local_cluster.api_url}/api/v1"
     with httpx.Client(timeout=60) as http:
         session_id = http.post(f"{api}/create_session", json={}).json()["session_id"]
         created = http.post(f"{api}/create_model", json={"session_id": session_id, "model_seq_id": 0,
                                                          "base_model": TINY, "lora_config": {"rank": 4}}).json()
-        wait(http, api, created["request_id"])
+        retrieve_finished(http, f"{api}/retrieve_future", created["request_id"])
         model_id = created["model_id"]
         # seq 2 (the optimizer step) arrives first; it must not run before seq 1 has accumulated gradients.
         optim = http.post(f"{api}/optim_step", json={"model_id": model_id, "seq_id": 2,
@@ -67,7 +53,7 @@ def test_an_optim_step_sent_before_its_forward_backward_waits_for_it(local_clust
         backward = http.post(f"{api}/forward_backward", content=forward_backward_request_to_proto(request)
                              .SerializeToString(), headers={"Content-Type": "application/x-protobuf"})
         assert backward.status_code == 200, backward.text
-        wait(http, api, backward.json()["request_id"])
-        result = wait(http, api, optim.json()["request_id"]).json()
+        retrieve_finished(http, f"{api}/retrieve_future", backward.json()["request_id"])
+        result = retrieve_finished(http, f"{api}/retrieve_future", optim.json()["request_id"]).json()
     # A step taken before any gradient existed would report a zero norm.
     assert result["metrics"]["grad_norm:mean"] > 0

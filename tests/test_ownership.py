@@ -7,18 +7,12 @@ import time
 
 import httpx
 import numpy as np
-import pytest
 import ray
 import tinker
 from tinker import types
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
-
-
-@pytest.fixture(autouse=True)
-def no_sdk_telemetry(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
 
 
 def datum(seed: int) -> types.Datum:

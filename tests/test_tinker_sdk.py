@@ -6,11 +6,6 @@ import tinker
 from tinker import types
 
 
-@pytest.fixture(autouse=True)
-def no_sdk_telemetry(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-
-
 def memorize_datum() -> types.Datum:
     tokens = np.random.default_rng(0).integers(0, 1000, 24).tolist()
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),

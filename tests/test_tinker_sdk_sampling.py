@@ -10,17 +10,6 @@ TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
 
 
-@pytest.fixture(autouse=True)
-def no_sdk_telemetry(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-
-
-@pytest.fixture
-def service(local_cluster):
-    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as client:
-        yield client
-
-
 def memorized_tokens() -> list[int]:
     return np.random.default_rng(3).integers(3, 1000, 16).tolist()
 

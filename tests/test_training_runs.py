@@ -13,22 +13,12 @@ from tinker import types
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
+from helpers import retrieve_finished
 from lilo.backend.checkpoints import local_directory
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
 ADAM = types.AdamParams(learning_rate=2e-2)
-
-
-@pytest.fixture(autouse=True)
-def no_sdk_telemetry(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-
-
-@pytest.fixture
-def service(local_cluster):
-    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as client:
-        yield client
 
 
 @pytest.fixture
@@ -61,11 +51,8 @@ class ShortLivedKeeper:
 
 
 def retrieve(api: httpx.Client, request_id: str) -> dict:
-    """A future's JSON result (or its error), long-polling as the SDK does."""
-    while True:
-        body = api.post("/retrieve_future", json={"request_id": request_id}).json()
-        if body.get("type") != "try_again":
-            return body
+    """A future's JSON result (or its error)."""
+    return retrieve_finished(api, "/retrieve_future", request_id).json()
 
 
 def test_a_training_client_from_state_resumes_the_saved_adapter_with_or_without_its_optimizer(service):

@@ -47,8 +47,7 @@ def two_node_cluster():
         cluster.shutdown()
 
 
-def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner(two_node_cluster, monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner(two_node_cluster):
     home, port = short_home(), free_port()
     started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
                    str(port), "--dashboard-port", str(free_port()), "--trainers", "2", "--base-model", TINY)

@@ -41,11 +41,13 @@ class Routing:
     grouped: bool  # one GEMM per run (torch's grouped GEMM) instead of a batched GEMM per row
 
     @classmethod
-    def of(cls, slots: Sequence[int], grouped: bool, device: torch.device | str = "cpu") -> Routing:
-        ends = [i + 1 for i in range(len(slots)) if i + 1 == len(slots) or slots[i + 1] != slots[i]]
-        run_slots = [slots[end - 1] for end in ends]
-        return cls(torch.tensor(list(slots), device=device), torch.tensor(run_slots, device=device),
-                   torch.tensor(ends, device=device), grouped)
+    def of(cls, slots: torch.Tensor, grouped: bool, device: torch.device | str = "cpu") -> Routing:
+        """From the rows' slots as a CPU tensor."""
+        listed = slots.tolist()
+        ends = [i + 1 for i in range(len(listed)) if i + 1 == len(listed) or listed[i + 1] != listed[i]]
+        run_slots = [listed[end - 1] for end in ends]
+        return cls(slots.to(device), torch.tensor(run_slots, device=device), torch.tensor(ends, device=device),
+                   grouped)
 
 
 class MultiLoRALinear(nn.Module):
@@ -66,10 +68,6 @@ class MultiLoRALinear(nn.Module):
         # Which slots train this projection, on the CPU: routing asks it per execution without a device sync.
         self.trained = torch.zeros(slots + 1, dtype=torch.bool)
         self.routing: Routing | None = None  # None: every row through the bare base
-
-    @property
-    def slots(self) -> int:
-        return self.lora_A.shape[0]
 
     def reset_slot(self, slot: int, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
         """A fresh adapter in ``slot``: A like nn.Linear's init on its first ``rank`` rows, B zero, padding zero."""
@@ -146,16 +144,11 @@ class LoraBank:
     def parameters(self) -> list[nn.Parameter]:
         return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
 
-    @property
-    def slot_bytes(self) -> int:
-        """Resident bytes of one slot's weights and gradients (Adam's two moments add as much again)."""
-        return 2 * self.weights.shape[1] * self.weights.element_size()
-
     def route(self, slots: Sequence[int] | None, grouped: bool = False) -> None:
         """Route batch rows to slots; a layer no routed adapter trains runs as the bare base (and stays off the
         autograd graph)."""
-        routing = Routing.of(slots, grouped, self.weights.device) if slots is not None else None
         rows = torch.tensor(list(slots)) if slots is not None else None
+        routing = Routing.of(rows, grouped, self.weights.device) if rows is not None else None
         for layer in self.layers.values():
             active = routing is not None and bool(layer.trained[rows].any())
             layer.routing = routing if active else None
