@@ -31,6 +31,10 @@ APP_NAME = "lilo"
 INGRESS_NAME = "LiloIngress"
 MAX_ID_CHARS = 256
 MAX_PAGE = 1000  # training runs or checkpoints per listing page
+# Requests one ingress replica holds at once. Serve's default (5) suits a replica that computes; this one only
+# awaits actors, and every client keeps a retrieve_future long-poll open, so a small cap would queue clients'
+# submissions behind other clients' polls in the proxy.
+MAX_ONGOING_REQUESTS = 8192
 
 api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service")
 install_error_handlers(api)
@@ -116,7 +120,7 @@ class OptimStepRequest(ModelRequest):
     adam_params: dict[str, Any] = Field(default_factory=dict)
 
 
-@serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING_REQUESTS)
 @serve.ingress(api)
 class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
