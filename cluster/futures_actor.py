@@ -23,7 +23,8 @@ from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.scheduling import PendingMeta
 from lilo.futures.schema import PENDING
 from lilo.futures.store import (
-    DEFAULT_RETENTION_S, Completion, FuturesStore, FutureState, Submission, SubmitOutcome, parse_request_id,
+    DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
+    parse_request_id,
 )
 from lilo.futures.waiter import FutureWaiter
 
@@ -133,6 +134,14 @@ class FuturesActor:
     async def route(self, model_id: str) -> str:
         """The trainer for a model's new requests; raises (404, or 410 once unloaded) otherwise."""
         return await self._run(self._store.route, model_id)
+
+    async def evacuate(self, trainer: str, error: str) -> list[DisplacedModel]:
+        """A trainer failed: its unfinished requests fail with ``error`` (parked retrieves wake at once) and its
+        models are unplaced until restored; returns those models."""
+        displaced, failed = await self._run(self._store.evacuate, trainer, error)
+        for state in failed:
+            self._waiter.notify(state)
+        return displaced
 
     async def mark_unloaded(self, model_id: str) -> None:
         await self._run(self._store.mark_unloaded, model_id)

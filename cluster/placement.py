@@ -1,11 +1,58 @@
-"""Which trainer a new model goes to, and which one a sampling session samples on: pure functions."""
+"""Which trainer a new model goes to, and which one a sampling session samples on: the choices are pure
+functions; ``place`` asks the trainers and the futures DB what they need."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import zlib
-from typing import Mapping
+from typing import Mapping, Sequence
 
+import ray
+from ray.actor import ActorHandle
+
+from cluster.local import NAMESPACE
 from lilo.errors import InvalidRequestError, SaturatedError
+
+
+@functools.lru_cache(maxsize=None)
+def named_actor(name: str) -> ActorHandle:
+    """A handle to one of lilo's named actors, looked up once per process: each lookup is a blocking GCS round
+    trip, which would stall an event loop on every request. (A restarted actor keeps its handle.)"""
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+async def trainer_facts(trainers: Sequence[str], answer_within_s: float | None = None) -> dict[str, dict]:
+    """What each trainer says it serves (``TrainerActor.ready``). With ``answer_within_s``, a trainer that does not
+    answer within that time (dead, restarting, still loading) is left out instead of waited for."""
+    async def ask(name: str) -> dict | None:
+        try:
+            return await asyncio.wait_for(named_actor(name).ready.remote(), answer_within_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+            if answer_within_s is None:
+                raise
+            return None
+
+    answers = await asyncio.gather(*(ask(name) for name in trainers))
+    return {info["name"]: info for info in answers if info is not None}
+
+
+async def models_placed(futures: ActorHandle) -> dict[str, int]:
+    """How many models each trainer holds, per the futures DB's placement."""
+    placed: dict[str, int] = {}
+    for trainer in (await futures.placement.remote()).values():
+        if trainer is not None:
+            placed[trainer] = placed.get(trainer, 0) + 1
+    return placed
+
+
+def free_slots(facts: Mapping[str, dict], base_model: str) -> dict[str, int]:
+    return {name: info["free_slots"] for name, info in facts.items() if info["base_model"] == base_model}
+
+
+async def place(futures: ActorHandle, trainers: Sequence[str], base_model: str) -> str:
+    """A trainer for a new model: of those serving its base model, the least loaded with a free slot."""
+    return choose_trainer(free_slots(await trainer_facts(trainers), base_model), await models_placed(futures))
 
 
 def choose_trainer(free_slots: Mapping[str, int], models_placed: Mapping[str, int]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -22,11 +23,15 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE, ClusterError
 from cluster.timing import TimingPublisher, get_timing_actor
-from lilo.backend.checkpoint_index import CheckpointEntry, delete_checkpoint, list_checkpoints, weights_spec
+from lilo.backend.checkpoint_index import (
+    WEIGHTS, CheckpointEntry, delete_checkpoint, list_checkpoints, weights_spec,
+)
 from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import LoraSpec
-from lilo.engine.commands import CREATE_MODEL, FORWARD, FORWARD_BACKWARD, SAMPLE, UNLOAD_MODEL, Command
+from lilo.backend.types import LoadRequest, LoraSpec
+from lilo.engine.commands import (
+    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, SAMPLE, UNLOAD_MODEL, Command,
+)
 from lilo.engine.engine import Engine
 from lilo.errors import LiloError
 from lilo.futures.store import Completion
@@ -45,7 +50,9 @@ def trainer_name(index: int) -> str:
     return f"{TRAINER_PREFIX}{index}"
 
 
-@ray.remote(max_restarts=0, max_concurrency=1000)
+# Restarted by Ray when its process dies (on another node if its own is gone); the recovery actor then fails what
+# it had in flight and restores its models (cluster/recovery.py).
+@ray.remote(max_restarts=-1, max_concurrency=1000)
 class TrainerActor:
     def __init__(self, name: str, base_model: str, *, max_adapters: int = 16, max_rank: int = 32,
                  checkpoint_dir: str | None = None, model_cache_dir: str | None = None, device: str = "auto") -> None:
@@ -89,7 +96,7 @@ class TrainerActor:
         engine.timings.mark(SERVING_READY)
         eos = backend.model.config.eos_token_id
         return {"name": self.name, "base_model": self.base_model, "free_slots": backend.free_slots,
-                "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
+                "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
 
     async def check_sampler_checkpoint(self, path: str) -> None:
@@ -121,6 +128,32 @@ class TrainerActor:
         engine = await self._engine()
         engine.create_model(model_id, spec, first_seq=0)
         await self.submit(load)
+
+    async def restore_model(self, model_id: str, spec: LoraSpec, next_seq: int | None) -> str | None:
+        """Take over a model whose trainer failed: its adapter (and optimizer state) from its latest training
+        checkpoint, or a fresh adapter if it has none, taking its client's steps from ``next_seq`` on (None: this
+        engine's default). Returns the checkpoint's tinker path, or None."""
+        engine, backend, _ = await asyncio.wrap_future(self._ready)
+        saved = await asyncio.to_thread(list_checkpoints, backend.checkpoint_dir, model_id)
+        latest = max((entry for entry in saved if entry.kind == WEIGHTS), key=lambda entry: entry.time_s, default=None)
+        if latest is None or next_seq is None:
+            await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq))
+            return None
+        # The load runs in the model's order just before the client's next step, under the seq before it.
+        engine.create_model(model_id, spec, first_seq=next_seq - 1)
+        try:
+            await self.run(Command(model_id, next_seq - 1, LOAD_WEIGHTS, f"restore-{model_id}",
+                                   payload=LoadRequest(path=latest.tinker_path, optimizer=True)))
+        except Exception:
+            logger.exception("restoring %s from %s failed; it goes on from a fresh adapter", model_id,
+                             latest.tinker_path)
+            return None
+        return latest.tinker_path
+
+    async def watch(self) -> None:
+        """Never returns: the recovery actor keeps one call open per trainer, which fails the moment this
+        trainer's process dies (no polling)."""
+        await asyncio.Event().wait()
 
     async def unload_future(self, model_id: str, request_id: str) -> None:
         """Free the model's adapter slot once what it queued has run; the unload_model future ``request_id``

@@ -26,3 +26,8 @@ class ConflictError(LiloError):
 
 class SaturatedError(LiloError):
     """The service is full right now; retry later (HTTP 429)."""
+
+
+class UnavailableError(LiloError):
+    """Something it needs is being restored (a trainer's models after the trainer failed); retry shortly (HTTP
+    503, which the SDK retries by itself)."""

@@ -4,6 +4,7 @@
 Serve's ingress wrapper string annotations of body models do not resolve.)
 """
 
+import contextlib
 from typing import Any
 
 import ray
@@ -14,6 +15,7 @@ from ray.exceptions import RayActorError
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME, RETRIEVE_TIMEOUT_S
 from cluster.local import NAMESPACE
+from cluster.placement import named_actor
 from cluster.timing import get_timing_actor
 
 from lilo import __version__
@@ -21,7 +23,8 @@ from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
 from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER
 from lilo.errors import InvalidRequestError
-from lilo.futures.store import unloaded_error
+from lilo.futures.schema import PENDING
+from lilo.futures.store import FutureState, unloaded_error
 from lilo.protocol.proto import decode_forward_backward, inflate
 from serve import runs, sampling, training
 from serve.errors import install_error_handlers
@@ -276,7 +279,11 @@ class LiloIngress:
     @api.post("/api/v1/retrieve_future", response_model=None)
     async def retrieve_future(self, body: RetrieveFutureRequest) -> Response | dict[str, Any]:
         """Long-poll one future: its result once finished, else ``try_again`` (the SDK re-polls at once)."""
-        state = await self._futures.retrieve.remote(body.request_id, RETRIEVE_TIMEOUT_S)
+        try:
+            state = await self._futures.retrieve.remote(body.request_id, RETRIEVE_TIMEOUT_S)
+        except RayActorError:
+            # The futures DB is restarting (its file keeps every result): the client polls again, as for pending.
+            state = FutureState(0, PENDING)
         if state.status == "pending":
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         if state.status == "failed":
@@ -307,9 +314,10 @@ class LiloIngress:
         if model_id is not None:
             trainer = await self._futures.trainer_of.remote(model_id)
             if trainer is not None:
-                snapshot = await training.named_actor(trainer).timing.remote(model_id, reset, reader)
-                if snapshot is not None:
-                    return snapshot
+                with contextlib.suppress(RayActorError):  # its trainer is restarting: the merged view has it
+                    snapshot = await named_actor(trainer).timing.remote(model_id, reset, reader)
+                    if snapshot is not None:
+                        return snapshot
         try:
             return await self._timing.snapshot.remote(model_id, reset, reader)
         except RayActorError:

@@ -159,6 +159,7 @@ def supervise(settings: Settings, detached: bool) -> int:
         signal.signal(signal.SIGINT, _raise_stop)
         progress(f"Ray is up (GCS {gcs_address})")
         from cluster.futures_actor import get_futures_actor
+        from cluster.recovery import start_recovery
         from cluster.timing import get_timing_actor
         from cluster.trainer_actor import start_trainers
         from serve.deploy import deploy, wait_until_healthy
@@ -168,6 +169,7 @@ def supervise(settings: Settings, detached: bool) -> int:
         get_futures_actor(str(settings.futures_db))
         progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
         trainers = start_trainers(settings)
+        start_recovery(trainers)
         progress(f"Trainers ready: {', '.join(trainers)}; deploying the Serve application")
         deploy(settings, trainers)
         progress(f"Waiting for {settings.api_url}/api/v1/healthz")
@@ -203,12 +205,14 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
         if settings.ray_address is not None:  # a shared cluster lives on: take our detached actors with us
             from cluster.futures_actor import FUTURES_ACTOR_NAME
             from cluster.local import NAMESPACE
+            from cluster.recovery import RECOVERY_ACTOR_NAME
             from cluster.timing import TIMING_ACTOR_NAME
             from cluster.trainer_actor import TRAINER_PREFIX
 
             ours = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
                     if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX)]
-            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *ours):
+            # Recovery first, or it would take the trainers' shutdown for failures to recover from.
+            for name in (RECOVERY_ACTOR_NAME, TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *ours):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
         progress(f"Serve shutdown failed ({error}); stopping Ray anyway")

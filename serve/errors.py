@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from ray.exceptions import RayActorError
 
 from lilo.errors import (
-    ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError,
+    ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, UnavailableError,
 )
 
 STATUS_BY_ERROR: dict[type[LiloError], int] = {
@@ -15,6 +16,7 @@ STATUS_BY_ERROR: dict[type[LiloError], int] = {
     GoneError: 410,
     ConflictError: 409,
     SaturatedError: 429,
+    UnavailableError: 503,
 }
 
 
@@ -31,3 +33,11 @@ def install_error_handlers(api: FastAPI) -> None:
         # Errors raised inside a Ray actor arrive wrapped; the client gets the sentence, not the traceback.
         message = str(getattr(error, "cause", None) or error)
         return JSONResponse(status_code=status_for(error), content={"detail": message})
+
+    @api.exception_handler(RayActorError)
+    async def actor_gone(_request: Request, error: RayActorError) -> JSONResponse:
+        # A trainer or the futures DB died under the request; Ray is restarting it. The SDK retries a 503 by
+        # itself, and a retried submission with the same seq_id finds what was recorded, never runs twice.
+        return JSONResponse(status_code=503, content={
+            "detail": "A lilo actor this request needed stopped while serving it and is being restarted; retry in "
+                      "a few seconds."})

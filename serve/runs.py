@@ -17,7 +17,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from lilo.backend.checkpoint_index import SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry
-from serve.training import named_actor
+from cluster.placement import named_actor
 
 # What a run without a tenant (no API keys yet) is owned by.
 LOCAL_OWNER = "local"

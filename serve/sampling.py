@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from ray.actor import ActorHandle
 
-from cluster.placement import choose_sampling_trainer
+from cluster.placement import choose_sampling_trainer, named_actor
 from lilo.backend.checkpoints import sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
@@ -67,7 +67,7 @@ class SamplingRouter:
     async def trainer_facts(self) -> dict[str, dict[str, Any]]:
         """Per trainer: what ``TrainerActor.ready`` says (its base model, vocabulary size, end-of-sequence ids)."""
         if self._facts is None:
-            facts = await asyncio.gather(*(training.named_actor(name).ready.remote()
+            facts = await asyncio.gather(*(named_actor(name).ready.remote()
                                            for name in self._trainers))
             self._facts = {fact["name"]: fact for fact in facts}
         return self._facts
@@ -104,7 +104,7 @@ async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, 
                                       "leave base_model out or pass that one.")
         base_model = run["base_model"]
         trainer = await router.trainer_for(sampling_session_id, base_model, run["trainer"])
-        await training.named_actor(trainer).check_sampler_checkpoint.remote(model_path)
+        await named_actor(trainer).check_sampler_checkpoint.remote(model_path)
     elif base_model:
         await router.trainer_for(sampling_session_id, base_model, None)  # refuses a base model no trainer serves
     else:
@@ -158,7 +158,7 @@ async def submit_sample(futures: ActorHandle, router: SamplingRouter, body: dict
     command = Command(route.model_path or sampling_session_id, seq_id, SAMPLE, "", payload=request,
                       tokens=request.num_samples * (len(request.prompt) + request.max_tokens))
     request_id = await training.submit_to(
-        futures, training.named_actor(route.trainer),
-        Submission(sampling_session_id, SAMPLE, dataclasses.asdict(request), seq_id=seq_id, tenant=tenant), command)
+        futures, Submission(sampling_session_id, SAMPLE, dataclasses.asdict(request), seq_id=seq_id, tenant=tenant,
+                            trainer=route.trainer), command)
     return {"request_id": str(request_id), "type": "sample",
             "sample_sequence_ids": [f"{request_id}:{k}" for k in range(request.num_samples)]}

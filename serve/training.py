@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-import ray
 from ray.actor import ActorHandle
 
-from cluster.local import NAMESPACE
-from cluster.placement import choose_trainer
+from cluster.placement import named_actor, place
 from lilo.backend.checkpoint_index import WEIGHTS
 from lilo.backend.checkpoints import parse_tinker_path
 from lilo.backend.optimizer import AdamParams
@@ -40,17 +37,6 @@ def model_id_for(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
 
 
-def lora_spec(lora_config: dict[str, Any]) -> LoraSpec:
-    try:
-        return LoraSpec(rank=int(lora_config["rank"]), seed=lora_config.get("seed"),
-                        train_attn=bool(lora_config.get("train_attn", True)),
-                        train_mlp=bool(lora_config.get("train_mlp", True)),
-                        train_unembed=bool(lora_config.get("train_unembed", True)))
-    except (KeyError, TypeError, ValueError):
-        raise InvalidRequestError("lora_config needs an integer rank (and optional seed, train_attn, train_mlp, "
-                                  "train_unembed).") from None
-
-
 def adam_params(raw: dict[str, Any]) -> AdamParams:
     unknown = sorted(set(raw) - set(ADAM_KEYS))
     if unknown:
@@ -69,53 +55,15 @@ def user_metadata(raw: Any) -> dict[str, str] | None:
     return {str(key): str(value) for key, value in raw.items()}
 
 
-@functools.lru_cache(maxsize=None)
-def named_actor(name: str) -> ActorHandle:
-    """A handle to one of lilo's named actors, looked up once per process: each lookup is a blocking GCS round
-    trip, which would stall this event loop on every request."""
-    return ray.get_actor(name, namespace=NAMESPACE)
-
-
-# model_id -> its trainer's name, as the futures DB placed it. A model stays on its trainer, so this saves the DB
-# actor a call per submission; an entry is dropped when its trainer cannot be reached. (An unloaded model's
-# trainer refuses it, so a stale entry still gets the client a 410.)
-_owners: dict[str, str] = {}
-MAX_CACHED_OWNERS = 100_000
-
-
-async def trainer_for(futures: ActorHandle, model_id: str) -> ActorHandle:
-    """The trainer that takes the model's new requests (404 when unknown, 410 once unloaded)."""
-    trainer = _owners.get(model_id)
-    if trainer is None:
-        trainer = await futures.route.remote(model_id)
-        if len(_owners) >= MAX_CACHED_OWNERS:
-            _owners.clear()
-        _owners[model_id] = trainer
-    return named_actor(trainer)
-
-
-async def place(futures: ActorHandle, trainers: Sequence[str], base_model: str) -> str:
-    """A trainer for a new model: of those serving its base model, the least loaded with a free slot."""
-    free = {}
-    for name in trainers:
-        info = await named_actor(name).ready.remote()
-        if info["base_model"] == base_model:
-            free[name] = info["free_slots"]
-    placed: dict[str, int] = {}
-    for trainer in (await futures.placement.remote()).values():
-        placed[trainer] = placed.get(trainer, 0) + 1
-    return choose_trainer(free, placed)
-
-
 async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict[str, Any],
                        tenant: str | None) -> dict[str, str]:
     model_id = model_id_for(body["session_id"], int(body["model_seq_id"]))
-    spec = lora_spec(body.get("lora_config") or {})
+    spec = LoraSpec.from_config(body.get("lora_config") or {})
     # A full cluster is a 429 the client may retry, with nothing recorded; a retry of a model already created
     # skips placement and finds its first future.
     trainer = None if await futures.trainer_of.remote(model_id) else await place(futures, trainers, body["base_model"])
     submission = Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
-                            seq_id=0, tenant=tenant)
+                            seq_id=0, tenant=tenant, trainer=trainer)
     return await _record_new_model(
         futures, submission, trainer, body, body.get("lora_config") or {},
         lambda actor, request_id: actor.create_model_future.remote(model_id, spec, request_id))
@@ -150,7 +98,8 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
         trainer = await place(futures, trainers, base_model)
         spec = await named_actor(trainer).weights_spec.remote(path)
     submission = Submission(model_id, LOAD_WEIGHTS, {"path": path, "optimizer": request.optimizer,
-                                                     "base_model": base_model}, seq_id=0, tenant=tenant).prepared()
+                                                     "base_model": base_model}, seq_id=0, tenant=tenant,
+                            trainer=trainer).prepared()
     return await _record_new_model(
         futures, submission, trainer, {**body, "base_model": base_model}, dataclasses.asdict(spec),
         lambda actor, request_id: actor.create_model_from_checkpoint.remote(model_id, spec, Command(
@@ -183,41 +132,37 @@ async def submit_unload(futures: ActorHandle, model_id: str, tenant: str | None)
     if trainer is None:
         raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
     outcome = await futures.submit_once.remote(
-        Submission(model_id, UNLOAD_MODEL, {}, seq_id=UNLOAD_SEQ, tenant=tenant).prepared())
+        Submission(model_id, UNLOAD_MODEL, {}, seq_id=UNLOAD_SEQ, tenant=tenant, trainer=trainer).prepared())
     if not outcome.duplicate:
         async with failing_future(futures, outcome.request_id, UNLOAD_MODEL):
             await futures.mark_unloaded.remote(model_id)
-            _owners.pop(model_id, None)  # this replica's next request for it is refused without a trainer call
             await named_actor(trainer).unload_future.remote(model_id, str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": model_id}
 
 
 async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, payload: Any, stored: Any,
                  batch_key: Any = (), tokens: int = 0, tenant: str | None = None) -> dict[str, str]:
-    """Record the request (durably, deduplicated by seq) and hand it to the model's trainer."""
-    trainer = await trainer_for(futures, model_id)
-    try:
-        request_id = await submit_to(futures, trainer, Submission(model_id, kind, stored, seq_id=seq_id,
-                                                                  tenant=tenant),
-                                     Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
-                                             tokens=tokens))
-    except ray.exceptions.RayActorError:
-        _owners.pop(model_id, None)  # the next request asks the futures DB where the model lives now
-        raise
+    """Record the request (durably, deduplicated by seq) and hand it to the trainer its model is placed on, which
+    the futures DB says in the same call (404 unknown, 410 unloaded, 503 while being restored elsewhere)."""
+    request_id = await submit_to(futures, Submission(model_id, kind, stored, seq_id=seq_id, tenant=tenant,
+                                                     routed=True),
+                                 Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
+                                         tokens=tokens))
     return {"request_id": str(request_id), "model_id": model_id}
 
 
-async def submit_to(futures: ActorHandle, trainer: ActorHandle, submission: Submission, command: Command) -> int:
+async def submit_to(futures: ActorHandle, submission: Submission, command: Command) -> int:
     """Record ``submission`` (durably, deduplicated by its seq) and, unless it is a retry of a recorded one, hand
-    ``command`` to ``trainer`` under the new request id. Returns the request id."""
+    ``command`` under the new request id to its trainer (``submission.trainer``, or for a routed one the model's).
+    Returns the request id."""
     submission = submission.prepared()
     outcome = await futures.submit_once.remote(submission)
     if not outcome.duplicate:
         command = dataclasses.replace(command, request_id=str(outcome.request_id),
                                       fingerprint=submission.payload_sha256)
-        # A refusal by the trainer also fails the recorded future.
+        # A refusal by the trainer (or its failure) also fails the recorded future.
         async with failing_future(futures, outcome.request_id, command.kind):
-            await trainer.submit.remote(command)
+            await named_actor(outcome.trainer).submit.remote(command)
     return outcome.request_id
 
 

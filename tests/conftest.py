@@ -68,6 +68,12 @@ def local_cluster() -> Iterator[RunningCluster]:
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """Tests that kill parts of the session cluster run last, so a fault they cause (and its recovery) never
+    overlaps another test's work."""
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+
+
 @pytest.fixture(autouse=True)
 def no_sdk_telemetry(monkeypatch):
     """The SDK's telemetry would post to the service under test; keep it out of every test."""

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from sqlalchemy import event
 
-from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError, UnavailableError
 from lilo.futures import codec, paths
 from lilo.futures import store as store_module
 from lilo.futures.scheduling import PendingMeta, dispatchable, parked
@@ -389,3 +389,45 @@ def test_training_runs_page_newest_first_with_the_latest_request_time(store, clo
     assert runs[0]["user_metadata"] == {"n": "2"} and runs[0]["last_request_time"] == runs[0]["created_at"]
     (oldest,), _ = store.training_runs(limit=2, offset=2)
     assert oldest["model_id"] == "s:train:0" and oldest["last_request_time"] == clock.now
+
+
+# --- routing and a trainer's failure ------------------------------------------------------------------------
+def test_a_routed_submission_goes_to_its_models_trainer_or_is_refused_unrecorded(store):
+    store.add_model("m", "base", {"rank": 4}, trainer="trainer-1")
+    store.add_model("gone", "base", {"rank": 4}, trainer="trainer-1")
+    store.mark_unloaded("gone")
+    placed, unknown, unloaded = store.submit_many([
+        Submission("m", "forward_backward", step(1), seq_id=1, routed=True),
+        Submission("nobody", "forward_backward", step(1), seq_id=1, routed=True),
+        Submission("gone", "forward_backward", step(1), seq_id=1, routed=True)])
+    assert placed.trainer == "trainer-1" and placed.error is None
+    assert isinstance(unknown.error, NotFoundError) and unknown.request_id is None
+    assert isinstance(unloaded.error, GoneError) and unloaded.request_id is None
+    assert store.count_by_status() == {"pending": 1}  # the refused ones left nothing behind
+
+
+def test_evacuating_a_trainer_fails_its_unfinished_requests_and_unplaces_its_models(store):
+    store.add_model("a", "base", {"rank": 4}, trainer="trainer-1")
+    store.add_model("b", "base", {"rank": 8}, trainer="trainer-2")
+    created = store.submit(Submission("a", "create_model", {}, seq_id=0, trainer="trainer-1"))
+    finished = store.submit(Submission("a", "forward_backward", step(1), seq_id=1, routed=True))
+    store.complete_many([Completion.success(created, b"{}"), Completion.success(finished, b"ok")])
+    in_flight = store.submit(Submission("a", "forward_backward", step(2), seq_id=2, routed=True))
+    sample = store.submit(Submission("a:sample:0", "sample", {"prompt": [1]}, seq_id=0, trainer="trainer-1"))
+    elsewhere = store.submit(Submission("b", "forward_backward", step(3), seq_id=1, routed=True))
+
+    displaced, failed = store.evacuate("trainer-1", "trainer-1 died")
+
+    assert [(m.model_id, m.base_model, m.lora_config, m.next_seq) for m in displaced] == [("a", "base", {"rank": 4}, 3)]
+    assert sorted(state.request_id for state in failed) == sorted([in_flight, sample])
+    states = store.states([finished, in_flight, sample, elsewhere])
+    assert states[finished].status == "completed"  # what had finished stays as it was
+    assert (states[in_flight].status, states[in_flight].error, states[in_flight].category) == (
+        "failed", "trainer-1 died", "server")
+    assert states[elsewhere].status == "pending"  # another trainer's request is untouched
+    with pytest.raises(UnavailableError, match="being restored"):
+        store.route("a")
+    (refused,) = store.submit_many([Submission("a", "forward_backward", step(4), seq_id=3, routed=True)])
+    assert isinstance(refused.error, UnavailableError)
+    store.place_model("a", "trainer-2")
+    assert store.route("a") == "trainer-2"

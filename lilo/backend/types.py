@@ -7,6 +7,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from lilo.errors import InvalidRequestError
+
 
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
@@ -16,6 +18,18 @@ class LoraSpec:
     train_mlp: bool = True
     train_unembed: bool = False
     seed: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "LoraSpec":
+        """A client's ``lora_config`` (Tinker's defaults: every target trained), or a stored spec."""
+        try:
+            alpha = config.get("alpha")
+            return cls(rank=int(config["rank"]), alpha=None if alpha is None else float(alpha), seed=config.get("seed"),
+                       train_attn=bool(config.get("train_attn", True)), train_mlp=bool(config.get("train_mlp", True)),
+                       train_unembed=bool(config.get("train_unembed", True)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise InvalidRequestError("lora_config needs an integer rank (and optional seed, train_attn, train_mlp, "
+                                      "train_unembed).") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,9 @@ futures = Table(
     Column("tenant", String, nullable=True),
     Column("submitted_at", Float, nullable=False),
     Column("finished_at", Float, nullable=True),
+    # The trainer the request was handed to, so a trainer's failure fails exactly its requests. Added after the
+    # first release (nullable: an older file gains it on open).
+    Column("trainer", String, nullable=True),
     UniqueConstraint("model_id", "seq_id", name="uq_futures_model_seq"),
     sqlite_autoincrement=True,
 )

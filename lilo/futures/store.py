@@ -27,7 +27,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, UnavailableError
 from lilo.futures import codec
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
@@ -52,6 +52,11 @@ class Submission:
     payload: Any
     seq_id: int | None = None
     tenant: str | None = None
+    # The trainer it is handed to, when the caller chose it (a sample, a model's creation)...
+    trainer: str | None = None
+    # ...or True: the store routes it, to the trainer its model is placed on (refusing an unknown, unloaded or
+    # displaced model), in the transaction that records it, so no failure recovery can slip in between.
+    routed: bool = False
     # Set by ``prepared()``: the encoded payload and its fingerprint, computed wherever the submission was built
     # (an ingress replica) rather than on the one writer's thread.
     encoded: bytes | None = None
@@ -66,11 +71,23 @@ class Submission:
 
 @dataclasses.dataclass(frozen=True)
 class SubmitOutcome:
-    """The request id, new or (for an identical retry) existing; or the conflict that refused it."""
+    """The request id, new or (for an identical retry) existing, and the trainer a new one goes to; or the error
+    that refused it (a conflict; for a routed submission, a model it cannot go to)."""
 
     request_id: int | None
     duplicate: bool = False
-    error: ConflictError | None = None
+    error: LiloError | None = None
+    trainer: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DisplacedModel:
+    """A model whose trainer failed, to be restored elsewhere; its client's next request carries ``next_seq``."""
+
+    model_id: str
+    base_model: str
+    lora_config: dict
+    next_seq: int | None  # None: every request it had was pruned, so the next seq is not known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,21 +233,46 @@ class FuturesStore:
                 elif key not in first_copy:
                     first_copy[key] = i
                     inserting.append(i)
+            trainers = self._route_new(connection, submissions, inserting, outcomes)
+            inserting = [i for i in inserting if outcomes[i] is None]
             if inserting:
                 # The one writer allocates ids itself, consecutively in arrival order, so the whole group is a
                 # single prepared INSERT run many times (no RETURNING round trip per row).
                 first_id = self._highest_request_id(connection) + 1
                 rows = [(first_id + n, submissions[i].model_id, submissions[i].request_type, submissions[i].seq_id,
-                         PENDING, submissions[i].encoded, prints[i], submissions[i].tenant, now)
+                         PENDING, submissions[i].encoded, prints[i], submissions[i].tenant, now, trainers.get(i))
                         for n, i in enumerate(inserting)]
                 connection.exec_driver_sql(_INSERT_FUTURE, rows)
                 for n, i in enumerate(inserting):
-                    outcomes[i] = SubmitOutcome(first_id + n)
+                    outcomes[i] = SubmitOutcome(first_id + n, trainer=trainers.get(i))
         for i, sub in enumerate(submissions):
-            if outcomes[i] is None:  # a later copy, within this batch, of a submission inserted above
+            if outcomes[i] is None:  # a later copy, within this batch, of a submission inserted above (or refused)
                 first = first_copy[(sub.model_id, sub.seq_id)]
-                outcomes[i] = _same_or_conflict(sub, outcomes[first].request_id, prints[first], prints[i])
+                refused = outcomes[first].error is not None and outcomes[first].request_id is None
+                outcomes[i] = outcomes[first] if refused else _same_or_conflict(
+                    sub, outcomes[first].request_id, prints[first], prints[i])
         return outcomes  # type: ignore[return-value]
+
+    def _route_new(self, connection, submissions: Sequence[Submission], new: Sequence[int],
+                   outcomes: list[SubmitOutcome | None]) -> dict[int, str | None]:
+        """The trainer of each new submission (by index): the caller's choice, or for a routed one its model's
+        placement, read in the recording transaction; a routed one that cannot go anywhere gets its error."""
+        routed_models = {submissions[i].model_id for i in new if submissions[i].routed}
+        placed: dict[str, Any] = {}
+        for chunk in chunks(sorted(routed_models)):
+            placed.update((row.model_id, row) for row in connection.execute(
+                select(models.c.model_id, models.c.trainer, models.c.unloaded_at).where(models.c.model_id.in_(chunk))))
+        trainers: dict[int, str | None] = {}
+        for i in new:
+            sub = submissions[i]
+            if not sub.routed:
+                trainers[i] = sub.trainer
+                continue
+            try:
+                trainers[i] = _placed_trainer(sub.model_id, placed.get(sub.model_id))
+            except LiloError as error:
+                outcomes[i] = SubmitOutcome(None, error=error)
+        return trainers
 
     def submit(self, submission: Submission) -> int:
         (outcome,) = self.submit_many([submission])
@@ -416,11 +458,31 @@ class FuturesStore:
         with self.engine.connect() as connection:
             row = connection.execute(select(models.c.trainer, models.c.unloaded_at).where(
                 models.c.model_id == model_id)).first()
-        if row is None or row.trainer is None:
-            raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
-        if row.unloaded_at is not None:
-            raise unloaded_error(model_id)
-        return row.trainer
+        return _placed_trainer(model_id, row)
+
+    def evacuate(self, trainer: str, error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
+        """``trainer`` failed: in one transaction, take its models off it (routing answers 503 until each is
+        placed again) and fail, with ``error``, every request handed to it that had not finished. Returns the
+        models to restore and the futures failed."""
+        now = self._clock()
+        on_trainer = (models.c.trainer == trainer) & models.c.unloaded_at.is_(None)
+        lost = (futures.c.trainer == trainer) & (futures.c.status == PENDING)
+        with self.engine.begin() as connection:
+            rows = connection.execute(select(models.c.model_id, models.c.base_model, models.c.lora_config)
+                                      .where(on_trainer)).all()
+            last_seq: dict[str, int] = {}
+            for chunk in chunks([row.model_id for row in rows]):
+                last_seq.update(connection.execute(
+                    select(futures.c.model_id, func.max(futures.c.seq_id))
+                    .where(futures.c.model_id.in_(chunk), futures.c.seq_id >= 0).group_by(futures.c.model_id)).all())
+            connection.execute(update(models).where(on_trainer).values(trainer=None))
+            failed = connection.execute(select(futures.c.request_id, futures.c.request_type).where(lost)).all()
+            connection.execute(update(futures).where(lost).values(
+                status=FAILED, error=error, error_category="server", finished_at=now, payload=None))
+        displaced = [DisplacedModel(row.model_id, row.base_model, orjson.loads(row.lora_config),
+                                    None if row.model_id not in last_seq else last_seq[row.model_id] + 1)
+                     for row in rows]
+        return displaced, [FutureState(rid, FAILED, None, error, "server", kind) for rid, kind in failed]
 
     def mark_unloaded(self, model_id: str) -> None:
         """From now on ``route`` refuses the model (its row stays: it is a training run with checkpoints)."""
@@ -506,7 +568,7 @@ class FuturesStore:
 
 _INSERT_FUTURE = (
     "INSERT INTO futures (request_id, model_id, request_type, seq_id, status, payload, payload_sha256, tenant, "
-    "submitted_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "submitted_at, trainer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _SCAN_COLUMNS = "SELECT request_id, model_id, request_type, seq_id FROM futures WHERE status = ?"
 _SCAN_ORDER = " ORDER BY model_id, seq_id, request_id"
@@ -520,6 +582,18 @@ _STATES = ("SELECT request_id, status, result, error, error_category, request_ty
 def unloaded_error(model_id: str) -> GoneError:
     return GoneError(f"Model {model_id!r} was unloaded (unload_model); create a new model, or one from a checkpoint "
                      "of it (create_training_client_from_state), to train again.")
+
+
+def _placed_trainer(model_id: str, row: Any) -> str:
+    """The trainer of a model's row (``trainer``, ``unloaded_at``), or the error a request for it gets."""
+    if row is None:
+        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+    if row.unloaded_at is not None:
+        raise unloaded_error(model_id)
+    if row.trainer is None:
+        raise UnavailableError(f"Model {model_id!r} is being restored on another trainer after its trainer failed; "
+                               "retry in a few seconds.")
+    return row.trainer
 
 
 def _model_dict(row: Any) -> dict[str, Any]:

@@ -1,0 +1,108 @@
+"""The recovery actor: notices a trainer's death the moment it happens and makes its clients whole again.
+
+When a trainer's process dies (killed, out of memory, its node gone), Ray restarts it, empty, on whatever node has
+room. This actor (``lilo-recovery`` in namespace ``lilo``) keeps one never-returning ``watch`` call open per trainer;
+that call fails as soon as the trainer dies, and then, for that trainer:
+
+1. In one futures-DB transaction, every request handed to it that had not finished fails (category ``server``,
+   with a message saying what was lost) and its models are taken off it: their new requests answer 503, which the
+   SDK retries by itself.
+2. Each model is placed again on a live trainer serving its base model (the restarted one included, once it is up)
+   and restored there from its latest ``save_weights`` checkpoint, or from a fresh adapter when it has none, ready
+   for its client's next seq id. Then its requests flow again, without the client restarting.
+
+In-flight requests fail rather than replay: a replay would apply them to the last checkpoint, silently skipping the
+steps that had completed since, so only the client can decide how to go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+import ray
+
+from cluster.futures_actor import FUTURES_ACTOR_NAME
+from cluster.local import NAMESPACE
+from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
+from lilo.backend.types import LoraSpec
+from lilo.errors import LiloError
+from lilo.futures.store import DisplacedModel
+
+logger = logging.getLogger(__name__)
+
+RECOVERY_ACTOR_NAME = "lilo-recovery"
+# A trainer that does not say what it serves within this time is passed over when placing a model.
+ANSWER_WITHIN_S = 5.0
+# How long to wait before trying again to place models no live trainer could take.
+RETRY_PLACEMENT_S = 2.0
+
+
+def lost_message(trainer: str) -> str:
+    return (f"Trainer {trainer} stopped before this request finished (its process died or its node left the "
+            "cluster), so it did not take effect. The model is being restored on a live trainer from its latest "
+            "save_weights checkpoint (a fresh adapter if it has none): steps after that checkpoint are lost. Load "
+            "your last checkpoint (load_state) to resume from it, or go on from the restored state.")
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
+class RecoveryActor:
+    def __init__(self, trainers: Sequence[str]) -> None:
+        self._trainers = list(trainers)
+        self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+        self._watches = [asyncio.get_event_loop().create_task(self._watch(name)) for name in self._trainers]
+        self.recoveries: list[dict] = []
+
+    async def _watch(self, trainer: str) -> None:
+        while True:
+            try:
+                await named_actor(trainer).watch.remote()
+            except ray.exceptions.RayActorError as death:
+                logger.warning("trainer %s died (%s); recovering its requests and models", trainer,
+                               str(death).splitlines()[0])
+                await self._recover(trainer)
+            except Exception:
+                logger.exception("watching trainer %s failed; watching again", trainer)
+                await asyncio.sleep(RETRY_PLACEMENT_S)
+
+    async def _recover(self, trainer: str) -> None:
+        displaced: list[DisplacedModel] = await self._futures.evacuate.remote(trainer, lost_message(trainer))
+        restored: dict[str, tuple[str, str | None]] = {}
+        while True:
+            await self._restore_round([m for m in displaced if m.model_id not in restored], restored)
+            if len(restored) == len(displaced):
+                break
+            await asyncio.sleep(RETRY_PLACEMENT_S)  # a trainer may restart or free a slot meanwhile
+        self.recoveries.append({"trainer": trainer, "models": restored})
+
+    async def _restore_round(self, models: Sequence[DisplacedModel], restored: dict) -> None:
+        """Place and restore each model on the least loaded live trainer serving its base model, asking the
+        trainers once for the round (a dead one would cost a timeout per model); ``restored`` gains, per model
+        restored, its trainer and the checkpoint it was restored from (None: a fresh adapter)."""
+        facts = await trainer_facts(self._trainers, ANSWER_WITHIN_S)
+        placed = await models_placed(self._futures)
+        for model in models:
+            try:
+                trainer = choose_trainer(free_slots(facts, model.base_model), placed)
+                checkpoint = await named_actor(trainer).restore_model.remote(
+                    model.model_id, LoraSpec.from_config(model.lora_config), model.next_seq)
+                await self._futures.place_model.remote(model.model_id, trainer)
+            except (LiloError, ray.exceptions.RayActorError) as error:
+                logger.warning("cannot restore model %s yet (%s); retrying in %.0f s", model.model_id,
+                               str(error).splitlines()[0], RETRY_PLACEMENT_S)
+                continue
+            facts[trainer]["free_slots"] -= 1
+            placed[trainer] = placed.get(trainer, 0) + 1
+            restored[model.model_id] = (trainer, checkpoint)
+            logger.warning("model %s restored on %s from %s", model.model_id, trainer, checkpoint or "a fresh adapter")
+
+    async def history(self) -> list[dict]:
+        """Each recovery so far: the trainer that died, and per model where it went and from which checkpoint."""
+        return self.recoveries
+
+
+def start_recovery(trainers: Sequence[str]) -> ray.actor.ActorHandle:
+    """The cluster's recovery actor, watching ``trainers``."""
+    return RecoveryActor.options(name=RECOVERY_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
+                                 get_if_exists=True).remote(list(trainers))
