@@ -19,22 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
+
+from private_cluster import private_cluster
 
 API_KEY = "tml-bench-service"
 READER = "bench-service"
 MODELS = {"tiny": "lilo/tiny-llama", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-
-
-def lilo(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "serve.cli", *args], check=True, stdout=subprocess.DEVNULL)
 
 
 def client_loop(service, base_model: str, rows: int, seq: int, vocab: int, ready: threading.Barrier,
@@ -116,11 +110,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8710)
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
-    home = Path(tempfile.mkdtemp(prefix="lilo-bs-", dir="/tmp"))
     base_model = MODELS[args.model]
-    lilo("up", "--detach", "--home", str(home), "--port", str(args.port), "--dashboard-port", str(args.port + 1),
-         "--base-model", base_model)
-    try:
+    with private_cluster(base_model, args.port):
         from lilo.backend.models import model_directory
 
         from transformers import AutoConfig
@@ -129,8 +120,6 @@ def main() -> None:
         base_url = f"http://127.0.0.1:{args.port}"
         results = [run(base_url, base_model, int(k), args.seconds, args.rows, args.seq, vocab)
                    for k in args.clients.split(",")]
-    finally:
-        lilo("down", "--home", str(home))
     print(json.dumps({"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq,
                       "seconds": args.seconds, "results": results}))
 

@@ -35,6 +35,8 @@ FUTURES_ACTOR_NAME = "lilo-futures"
 RETRIEVE_TIMEOUT_S = 40.0
 FLUSH_OUTBOX_EVERY_S = 5.0
 PRUNE_EVERY_S = 600.0
+ORPHAN_MESSAGE = ("The service stopped before this request finished, so it did not take effect; send it again to the "
+                  "running service.")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=10_000)
@@ -142,6 +144,10 @@ class FuturesActor:
         for state in failed:
             self._waiter.notify(state)
         return displaced
+
+    async def fail_orphans(self) -> int:
+        """At service start: fail what a previous run left pending (its trainers are gone); returns how many."""
+        return await self._run(self._store.fail_all_pending, ORPHAN_MESSAGE)
 
     async def mark_unloaded(self, model_id: str) -> None:
         await self._run(self._store.mark_unloaded, model_id)

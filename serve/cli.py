@@ -158,6 +158,8 @@ def supervise(settings: Settings, detached: bool) -> int:
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
         progress(f"Ray is up (GCS {gcs_address})")
+        import ray
+
         from cluster.futures_actor import get_futures_actor
         from cluster.recovery import start_recovery
         from cluster.timing import get_timing_actor
@@ -166,7 +168,9 @@ def supervise(settings: Settings, detached: bool) -> int:
 
         # Detached: they outlive this driver and every redeploy of the Serve app.
         get_timing_actor()
-        get_futures_actor(str(settings.futures_db))
+        orphans = ray.get(get_futures_actor(str(settings.futures_db)).fail_orphans.remote())
+        if orphans:
+            progress(f"Failed {orphans} request(s) a previous run left unfinished (their clients get a message)")
         progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
         trainers = start_trainers(settings)
         start_recovery(trainers)

@@ -1,24 +1,31 @@
 """Real faults on the session cluster: a trainer killed in the middle of a step, the futures DB actor killed, an
-ingress replica killed (by ray.kill). Every future ends, nothing acknowledged is lost, and the clients go on without a restart.
+ingress replica killed (by ray.kill), SQLite's write lock held by another process, a response lost after its
+request was accepted. Every future ends, nothing acknowledged is lost or runs twice, and the clients go on without
+a restart.
 
 These run last (marker ``disruptive``): each kills a real process with SIGKILL and waits for Ray and lilo to
 recover, so no other test's work overlaps a fault.
 """
 
 import signal
+import sqlite3
 import threading
 import time
 
+import httpx
 import numpy as np
+import orjson
 import psutil
 import pytest
 import ray
 import tinker
 from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.recovery import RECOVERY_ACTOR_NAME
+from helpers import retrieve_finished
 
 pytestmark = pytest.mark.disruptive
 
@@ -137,3 +144,62 @@ def test_killing_the_ingress_replica_is_retried_by_the_client(service, ray_drive
     assert all(np.isfinite(losses))
     (serving,) = [actor for actor in ray.util.list_named_actors(all_namespaces=True) if "LiloIngress" in actor["name"]]
     assert serving["name"] != replica["name"]  # they were served by the replica Serve started in its place
+
+
+def test_a_held_write_lock_on_the_database_delays_completions_but_leaves_none_pending(service, local_cluster):
+    client = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
+    train_step(client, 1)
+    step = client.forward_backward([datum(seed, 129) for seed in range(16)], "cross_entropy")
+    # Another process takes SQLite's write lock for longer than the store's busy timeout (5 s): the trainer's
+    # result write, and the submission below, fail and are retried until it is released.
+    with sqlite3.connect(local_cluster.settings.futures_db, isolation_level=None) as other_writer:
+        other_writer.execute("BEGIN IMMEDIATE")
+        queued_behind_lock = client.optim_step(types.AdamParams(learning_rate=1e-2))
+        time.sleep(8)
+        other_writer.execute("ROLLBACK")
+    assert np.isfinite(step.result(timeout=120).metrics["loss:sum"])
+    queued_behind_lock.result(timeout=120)
+    with sqlite3.connect(local_cluster.settings.futures_db) as reader:
+        (pending,) = reader.execute("SELECT count(*) FROM futures WHERE model_id = ? AND status = 'pending'",
+                                    (client.model_id,)).fetchone()
+    assert pending == 0
+
+
+class LoseFirstResponse(httpx.HTTPTransport):
+    """A test double for a fault loopback cannot produce by itself: the first forward_backward reaches the server
+    and is accepted, but its response is lost on the way back and the client sees a read timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: list[dict] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path.endswith("/forward_backward") and not self.lost:
+            self.lost.append(orjson.loads(response.read()))
+            raise httpx.ReadTimeout("injected: the response was lost", request=request)
+        return response
+
+
+def test_a_submission_retried_after_a_timeout_with_a_new_idempotency_key_runs_once(local_cluster):
+    api = f"{local_cluster.api_url}/api/v1"
+    transport = LoseFirstResponse()
+    with httpx.Client(timeout=60, transport=transport) as http:
+        session_id = http.post(f"{api}/create_session", json={}).json()["session_id"]
+        created = http.post(f"{api}/create_model", json={"session_id": session_id, "model_seq_id": 0,
+                                                         "base_model": TINY, "lora_config": {"rank": 4}}).json()
+        retrieve_finished(http, f"{api}/retrieve_future", created["request_id"])
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum(1)], loss_fn="cross_entropy"),
+            model_id=created["model_id"], seq_id=1)
+        body = forward_backward_request_to_proto(request).SerializeToString()
+        headers = {"Content-Type": "application/x-protobuf"}
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{api}/forward_backward", content=body, headers={**headers, "X-Idempotency-Key": "first"})
+        retried = http.post(f"{api}/forward_backward", content=body, headers={**headers, "X-Idempotency-Key": "again"})
+        assert retried.status_code == 200, retried.text
+        (lost,) = transport.lost
+        assert retried.json()["request_id"] == lost["request_id"]  # the first request's future, not a new one
+        retrieve_finished(http, f"{api}/retrieve_future", retried.json()["request_id"])
+        timing = http.get(f"{api}/timing", params={"model_id": created["model_id"]}).json()
+    assert timing["phases"]["forward_backward.execute"]["count"] == 1  # and the trainer ran it once

@@ -431,3 +431,14 @@ def test_evacuating_a_trainer_fails_its_unfinished_requests_and_unplaces_its_mod
     assert isinstance(refused.error, UnavailableError)
     store.place_model("a", "trainer-2")
     assert store.route("a") == "trainer-2"
+
+
+def test_at_service_start_whatever_a_previous_run_left_pending_fails_with_a_message(store):
+    finished = store.submit(Submission("m", "forward_backward", step(1), seq_id=1))
+    store.complete_many([Completion.success(finished, b"ok")])
+    orphan = store.submit(Submission("m", "forward_backward", step(2), seq_id=2))
+    assert store.fail_all_pending("the service stopped") == 1
+    states = store.states([finished, orphan])
+    assert states[finished].status == "completed"
+    assert (states[orphan].status, states[orphan].error, states[orphan].category) == (
+        "failed", "the service stopped", "server")

@@ -1,9 +1,11 @@
 """lilo deployed onto a two-node Ray cluster simulated on this machine (ray.cluster_utils.Cluster): the trainers
-spread over both nodes, and every request still reaches its model's owner."""
+spread over both nodes, every request still reaches its model's owner, and when a node leaves, its trainer's
+models fail what they had in flight and come back on the node that is left."""
 
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -34,20 +36,46 @@ print(json.dumps(report))
 """
 
 
+def datum(seed: int, length: int = 17) -> types.Datum:
+    tokens = np.random.default_rng(seed).integers(0, 1000, length).tolist()
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)})
+
+
+def remove_a_node_mid_step(cluster, node, leaving: list, staying: list) -> None:
+    """Take ``node`` out of the cluster while ``leaving``'s models (placed on it) have a step in flight: those
+    fail within 30 s and their models serve again, restored elsewhere; ``staying``'s models train on throughout."""
+    in_flight = [client.forward_backward([datum(seed, 129) for seed in range(32)], "cross_entropy")
+                 for client in leaving]
+    time.sleep(0.5)
+    left_at = time.monotonic()
+    cluster.remove_node(node, allow_graceful=False)
+    for client in staying:
+        client.forward_backward([datum(7)], "cross_entropy").result(timeout=120)
+    for future in in_flight:
+        with pytest.raises(tinker.RequestFailedError) as failed:
+            future.result(timeout=30)
+        assert failed.value.category == "server" and "stopped before this request finished" in failed.value.message
+    assert time.monotonic() - left_at < 30
+    for client in leaving:  # restored on the node that is left (no checkpoint: a fresh adapter), same client
+        assert np.isfinite(client.forward_backward([datum(8)], "cross_entropy").result(timeout=120).metrics["loss:sum"])
+
+
 @pytest.fixture
 def two_node_cluster():
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": str(short_home())})
-    cluster.add_node(num_cpus=2)
+    worker = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     try:
-        yield cluster
+        yield cluster, worker
     finally:
         cluster.shutdown()
 
 
-def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner(two_node_cluster):
+def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_after_a_node_leaves(two_node_cluster):
+    two_node_cluster, worker = two_node_cluster
     home, port = short_home(), free_port()
     started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
                    str(port), "--dashboard-port", str(free_port()), "--trainers", "2", "--base-model", TINY)
@@ -57,15 +85,17 @@ def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner(two_node_
             clients = [service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
                        for _ in range(4)]
             for n, client in enumerate(clients):
-                tokens = np.random.default_rng(n).integers(0, 1000, 17).tolist()
-                datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                    loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 16})
-                client.forward_backward([datum], "cross_entropy").result(timeout=120)
-        model_ids = [client.model_id for client in clients]
-        inspected = subprocess.run([sys.executable, "-c", INSPECT, two_node_cluster.address, json.dumps(model_ids)],
-                                   capture_output=True, text=True, timeout=120)
-        assert inspected.returncode == 0, inspected.stderr
-        report = json.loads(inspected.stdout.strip().splitlines()[-1])
+                client.forward_backward([datum(n)], "cross_entropy").result(timeout=120)
+            model_ids = [client.model_id for client in clients]
+            inspected = subprocess.run([sys.executable, "-c", INSPECT, two_node_cluster.address,
+                                        json.dumps(model_ids)], capture_output=True, text=True, timeout=120)
+            assert inspected.returncode == 0, inspected.stderr
+            report = json.loads(inspected.stdout.strip().splitlines()[-1])
+            on_worker = {model_id for trainer in report.values() if trainer["node_id"] == worker.node_id
+                         for model_id in trainer["models"]}
+            leaving = [client for client in clients if client.model_id in on_worker]
+            staying = [client for client in clients if client.model_id not in on_worker]
+            remove_a_node_mid_step(two_node_cluster, worker, leaving, staying)
     finally:
         stopped = lilo("down", "--home", str(home))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr

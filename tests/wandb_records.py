@@ -55,3 +55,8 @@ def history_rows(path: Path) -> list[dict[str, str]]:
 
 def metric_definitions(path: Path) -> list:
     return [record.metric for record in read_records(path) if record.WhichOneof("record_type") == "metric"]
+
+
+def has_exit_record(path: Path) -> bool:
+    """Whether the run's writer has finished the file (its exit record is written last)."""
+    return any(record.WhichOneof("record_type") == "exit" for record in read_records(path))

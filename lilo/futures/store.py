@@ -460,6 +460,13 @@ class FuturesStore:
                 models.c.model_id == model_id)).first()
         return _placed_trainer(model_id, row)
 
+    def fail_all_pending(self, error: str) -> int:
+        """Fail every pending request with ``error`` (at service start: no trainer holds them any more); returns
+        how many."""
+        with self.engine.begin() as connection:
+            return connection.execute(update(futures).where(futures.c.status == PENDING).values(
+                status=FAILED, error=error, error_category="server", finished_at=self._clock(), payload=None)).rowcount
+
     def evacuate(self, trainer: str, error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
         """``trainer`` failed: in one transaction, take its models off it (routing answers 503 until each is
         placed again) and fail, with ``error``, every request handed to it that had not finished. Returns the
