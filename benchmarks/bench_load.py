@@ -194,15 +194,17 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8720)
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
+    from cluster.local import prepare_environment
+
+    prepare_environment()  # before Ray is imported: this process connects as a driver of the private cluster
     # Each of 16 clients owns an adapter, plus the parked model: two trainers' worth of slots.
     with private_cluster(TINY, args.port, "--trainers", "2", "--num-cpus", "4") as home:
         import ray
 
         from cluster.futures_actor import FUTURES_ACTOR_NAME
-        from cluster.local import NAMESPACE, connect_driver, prepare_environment
+        from cluster.local import NAMESPACE, connect_driver
         from lilo.settings import load_settings
 
-        prepare_environment()
         connect_driver(load_settings(home=home, http_port=args.port, dashboard_port=args.port + 1))
         futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         result = asyncio.run(run(f"http://127.0.0.1:{args.port}", futures, args.clients, args.waiters, args.seconds,
