@@ -92,7 +92,10 @@ def test_another_tenants_session_and_model_answer_as_unknown_ones(work, beta):
 
     for path, body in (("/session_heartbeat", {"session_id": work.session_id}),
                        ("/create_model", {"session_id": work.session_id, "model_seq_id": 1, "base_model": TINY,
-                                          "lora_config": {"rank": 4}})):
+                                          "lora_config": {"rank": 4}}),
+                       ("/load_weights", {"session_id": work.session_id, "model_seq_id": 1, "path": work.weights}),
+                       ("/create_sampling_session", {"session_id": work.session_id, "sampling_session_seq_id": 5,
+                                                     "base_model": TINY})):
         assert as_unknown(*both(path, body, "session_id", NO_SESSION), work.session_id, NO_SESSION), path
     proto = forward_backward_request_to_proto(types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[datum()], loss_fn="cross_entropy"),
