@@ -31,8 +31,8 @@ from lilo.backend.types import SaveRequest
 from lilo.engine.commands import SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command
 from lilo.errors import InvalidRequestError, NotFoundError
 from lilo.futures.store import Submission, unknown_sampling_session_error
-from lilo.tenants import may_see
 from lilo.protocol.sampling import decode_sample_request
+from lilo.tenants import may_see
 from serve import training
 
 # Routes of this many sessions are remembered per ingress replica (they never change; past it, all are dropped).
