@@ -88,25 +88,35 @@ class FuturesActor:
 
     async def complete(self, completions: Sequence[Completion]) -> bool:
         """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox."""
-        written = await self._run(self._store.complete_many, list(completions))
-        if written:
-            for completion in completions:
-                self._waiter.notify(FutureState(
-                    completion.request_id, "completed" if completion.ok else "failed", completion.result,
-                    completion.error, completion.category, completion.request_type))
-        return written
+        tenants = await self._run(self._complete_many, list(completions))
+        if tenants is None:
+            return False
+        for completion in completions:
+            self._waiter.notify(FutureState(
+                completion.request_id, "completed" if completion.ok else "failed", completion.result,
+                completion.error, completion.category, completion.request_type, tenants.get(completion.request_id)))
+        return True
 
-    async def retrieve(self, request_id: int | str, timeout_s: float = RETRIEVE_TIMEOUT_S) -> FutureState:
-        """The request's state once finished, or its pending state after ``timeout_s`` (the long-poll).
+    def _complete_many(self, completions: list[Completion]) -> dict[int, str | None] | None:
+        """On the database thread: write the results, then read whose they are (one query per batch, so a waiter
+        gets a result at once only when it is its own); None when they went to the outbox."""
+        if not self._store.complete_many(completions):
+            return None
+        return self._store.tenants_of([completion.request_id for completion in completions])
+
+    async def retrieve(self, request_id: int | str, timeout_s: float = RETRIEVE_TIMEOUT_S,
+                       tenant: str | None = None) -> FutureState:
+        """The request's state once finished, or its pending state after ``timeout_s`` (the long-poll). Another
+        tenant's request answers as one that does not exist.
 
         Every caller joins the shared waiter, even for a result that is already there: a burst of retrieves
         costs one query per tick between them, never one each.
         """
         request_id = parse_request_id(request_id)
         if timeout_s <= 0:
-            return await self._run(self._store.lookup, request_id)
+            return await self._run(self._store.lookup, request_id, tenant)
         try:
-            return await self._waiter.wait(request_id, timeout_s)
+            return await self._waiter.wait(request_id, timeout_s, tenant)
         except TimeoutError:
             return FutureState(request_id, PENDING)
 
@@ -127,15 +137,19 @@ class FuturesActor:
     async def placement(self) -> dict[str, str | None]:
         return await self._run(self._store.placement)
 
-    async def trainer_of(self, model_id: str) -> str | None:
-        return await self._run(self._store.trainer_of, model_id)
+    # ``tenant``: the caller's; another tenant's record answers as one that does not exist. None: lilo itself.
+    async def trainer_of(self, model_id: str, tenant: str | None = None) -> str | None:
+        return await self._run(self._store.trainer_of, model_id, tenant)
 
-    async def model(self, model_id: str) -> dict[str, Any]:
-        return await self._run(self._store.model, model_id)
+    async def owner_of(self, record_id: str) -> tuple[str | None, str | None]:
+        return await self._run(self._store.owner_of, record_id)
 
-    async def route(self, model_id: str) -> str:
+    async def model(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
+        return await self._run(self._store.model, model_id, tenant)
+
+    async def route(self, model_id: str, tenant: str | None = None) -> str:
         """The trainer for a model's new requests; raises (404, or 410 once unloaded) otherwise."""
-        return await self._run(self._store.route, model_id)
+        return await self._run(self._store.route, model_id, tenant)
 
     async def evacuate(self, trainer: str, error: str) -> list[DisplacedModel]:
         """A trainer failed: its unfinished requests fail with ``error`` (parked retrieves wake at once) and its
@@ -152,24 +166,29 @@ class FuturesActor:
     async def mark_unloaded(self, model_id: str) -> None:
         await self._run(self._store.mark_unloaded, model_id)
 
-    async def training_runs(self, limit: int | None, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-        return await self._run(self._store.training_runs, limit, offset)
+    async def training_runs(self, limit: int | None, offset: int = 0,
+                            tenant: str | None = None) -> tuple[list[dict[str, Any]], int]:
+        return await self._run(self._store.training_runs, limit, offset, tenant)
 
-    async def training_run(self, model_id: str) -> dict[str, Any]:
-        return await self._run(self._store.training_run, model_id)
+    async def training_run(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
+        return await self._run(self._store.training_run, model_id, tenant)
 
     async def add_session(self, session_id: str, **owner: Any) -> None:
         await self._run(lambda: self._store.add_session(session_id, **owner))
 
-    async def heartbeat(self, session_id: str) -> None:
-        await self._run(self._store.heartbeat, session_id)
+    async def heartbeat(self, session_id: str, tenant: str | None = None) -> None:
+        await self._run(self._store.heartbeat, session_id, tenant)
+
+    async def check_session(self, session_id: str, tenant: str | None) -> None:
+        await self._run(self._store.check_session, session_id, tenant)
 
     async def add_sampling_session(self, sampling_session_id: str, session_id: str, base_model: str,
-                                   model_path: str | None = None) -> None:
-        await self._run(self._store.add_sampling_session, sampling_session_id, session_id, base_model, model_path)
+                                   model_path: str | None = None, tenant: str | None = None) -> None:
+        await self._run(self._store.add_sampling_session, sampling_session_id, session_id, base_model, model_path,
+                        tenant)
 
-    async def sampling_session(self, sampling_session_id: str) -> dict[str, Any]:
-        return await self._run(self._store.sampling_session, sampling_session_id)
+    async def sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> dict[str, Any]:
+        return await self._run(self._store.sampling_session, sampling_session_id, tenant)
 
     # --- health --------------------------------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+from lilo.api_keys import ApiKeyConfigError, load_key_digests
 from lilo.backend.registry import DEFAULT_BASE_MODEL, is_servable, unservable_message
 from lilo.futures.paths import default_db_path
 
@@ -45,6 +46,11 @@ class Settings:
     device: str = "auto"
     # Largest request body the API accepts (a larger one is a 413); zstd bodies may not inflate past it either.
     max_body_mb: int = 64
+    # API keys (see lilo.api_keys): comma-separated ``tml-key[=tenant]`` entries (only from the environment, never
+    # a flag, which any local user could read in the process list) and/or a file of them. None of either: local
+    # mode, which accepts any ``tml-`` key and listens on loopback only.
+    api_keys: str | None = dataclasses.field(default=None, repr=False)
+    api_keys_file: Path | None = None
 
     @property
     def ray_temp_dir(self) -> Path:
@@ -69,6 +75,17 @@ class Settings:
         return f"http://{host}:{self.http_port}"
 
     @property
+    def local_mode(self) -> bool:
+        return not self.api_keys and self.api_keys_file is None
+
+    def api_key_digests(self) -> dict[str, str]:
+        """``sha256(key) -> tenant`` of the configured keys, read now (empty in local mode)."""
+        try:
+            return load_key_digests(self.api_keys, self.api_keys_file)
+        except ApiKeyConfigError as error:
+            raise SettingsError(str(error)) from None
+
+    @property
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
@@ -83,9 +100,13 @@ class Settings:
                 "another value."
             )
         try:
-            ipaddress.ip_address(self.http_host)
+            host = ipaddress.ip_address(self.http_host)
         except ValueError:
             raise SettingsError(f"--host must be an IP address, got {self.http_host!r}.") from None
+        if self.local_mode and not host.is_loopback:
+            raise SettingsError(
+                f"Without API keys lilo accepts any tml- key, so it listens on loopback only, not {self.http_host}; "
+                "configure keys (LILO_API_KEYS or --api-keys-file) to listen there.")
         if self.trainers is not None and self.trainers < 1:
             raise SettingsError(f"--trainers must be at least 1, got {self.trainers}.")
         if self.num_cpus is not None and self.num_cpus < 1:
@@ -118,6 +139,8 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
     "LILO_DEVICE": ("device", str),
     "LILO_MAX_BODY_MB": ("max_body_mb", int),
+    "LILO_API_KEYS": ("api_keys", str),
+    "LILO_API_KEYS_FILE": ("api_keys_file", Path),
 }
 
 
@@ -135,8 +158,9 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
     if env.get("LILO_BASE_MODELS"):
         values["base_models"] = tuple(name.strip() for name in env["LILO_BASE_MODELS"].split(",") if name.strip())
     values.update({key: value for key, value in overrides.items() if value is not None})
-    if "home" in values:
-        values["home"] = Path(values["home"]).expanduser().absolute()
+    for field in ("home", "api_keys_file"):
+        if field in values:
+            values[field] = Path(values[field]).expanduser().absolute()
     if "base_models" in values:
         values["base_models"] = tuple(values["base_models"])
     return Settings(**values).validate()

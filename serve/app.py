@@ -8,7 +8,7 @@ import contextlib
 from typing import Any
 
 import ray
-from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError
@@ -19,14 +19,18 @@ from cluster.placement import named_actor
 from cluster.timing import get_timing_actor
 
 from lilo import __version__
+from lilo.api_keys import ApiKeys
 from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
 from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER
 from lilo.errors import InvalidRequestError
+from lilo.backend.checkpoints import TINKER_SCHEME, parse_tinker_path
 from lilo.futures.schema import PENDING
 from lilo.futures.store import FutureState, unloaded_error
+from lilo.telemetry.phase_stats import ALL_MODELS
 from lilo.protocol.proto import decode_forward_backward, inflate
 from serve import runs, sampling, training
+from serve.auth import ApiKeyGate, caller
 from serve.errors import install_error_handlers
 from serve.limits import BodyLimit, JsonOnly
 
@@ -43,6 +47,7 @@ api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible mult
 install_error_handlers(api)
 api.add_middleware(JsonOnly, protobuf_paths=frozenset({"/api/v1/forward_backward"}))
 api.add_middleware(BodyLimit)
+api.add_middleware(ApiKeyGate)  # added last, so it runs first: nothing of an unauthenticated request is read
 
 
 PROTOBUF = "application/x-protobuf"
@@ -123,13 +128,27 @@ class OptimStepRequest(ModelRequest):
     adam_params: dict[str, Any] = Field(default_factory=dict)
 
 
+def timing_record(model_id: str) -> str | None:
+    """The record whose tenant owns timing under ``model_id``: a model or sampling session of that id, or for a
+    sampler checkpoint's path (how samples through it are timed) the model that saved it; None: no record can.
+    (Defined above the ingress: Serve ships that class by value, with only the names defined before it.)"""
+    if not model_id.startswith(TINKER_SCHEME):
+        return model_id
+    try:
+        return parse_tinker_path(model_id)[0]
+    except InvalidRequestError:
+        return None
+
+
 @serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING_REQUESTS)
 @serve.ingress(api)
 class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
-    def __init__(self, base_models: list[str], trainers: list[str], max_body_bytes: int) -> None:
+    def __init__(self, base_models: list[str], trainers: list[str], max_body_bytes: int,
+                 api_key_digests: dict[str, str]) -> None:
         BodyLimit.limit_bytes = max_body_bytes
+        ApiKeyGate.keys = ApiKeys(api_key_digests)
         self._timing = get_timing_actor()
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         self._base_models = list(base_models)
@@ -165,14 +184,14 @@ class LiloIngress:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
 
     @api.post("/api/v1/create_session")
-    async def create_session(self, body: Body) -> dict[str, Any]:
+    async def create_session(self, body: Body, tenant: str = Depends(caller)) -> dict[str, Any]:
         session_id = training.new_session_id()
-        await self._futures.add_session.remote(session_id, info=body.model_dump())
+        await self._futures.add_session.remote(session_id, tenant=tenant, info=body.model_dump())
         return {"session_id": session_id, "type": "create_session"}
 
     @api.post("/api/v1/session_heartbeat")
-    async def session_heartbeat(self, body: SessionRequest) -> dict[str, str]:
-        await self._futures.heartbeat.remote(body.session_id)
+    async def session_heartbeat(self, body: SessionRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        await self._futures.heartbeat.remote(body.session_id, tenant)
         return {"type": "session_heartbeat"}
 
     @api.post("/api/v1/sessions/{session_id}/finish")
@@ -184,15 +203,15 @@ class LiloIngress:
         return {"status": "accepted"}
 
     @api.post("/api/v1/create_model")
-    async def create_model(self, body: CreateModelRequest) -> dict[str, str]:
+    async def create_model(self, body: CreateModelRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         if body.base_model not in self._base_models:
             raise InvalidRequestError(
                 f"base_model {body.base_model!r} is not served here; use one of {', '.join(self._base_models)}.")
-        return await training.create_model(self._futures, self._trainers, body.model_dump(), tenant=None)
+        return await training.create_model(self._futures, self._trainers, body.model_dump(), tenant=tenant)
 
     @api.post("/api/v1/get_info")
-    async def get_info(self, body: ModelRequest) -> dict[str, Any]:
-        model = await self._futures.model.remote(body.model_id)
+    async def get_info(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        model = await self._futures.model.remote(body.model_id, tenant)
         if model["unloaded_at"] is not None:
             raise unloaded_error(body.model_id)
         base = model["base_model"]
@@ -201,41 +220,41 @@ class LiloIngress:
                 "type": "get_info"}
 
     @api.post("/api/v1/forward_backward")
-    async def forward_backward(self, request: Request) -> dict[str, str]:
+    async def forward_backward(self, request: Request, tenant: str = Depends(caller)) -> dict[str, str]:
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise HTTPException(status_code=415, detail=f"forward_backward takes a {PROTOBUF} body.")
         body = await request.body()  # BodyLimit refuses a larger one before it is read whole
         call = decode_forward_backward(inflate(body, request.headers.get("content-encoding"), BodyLimit.limit_bytes))
-        return await training.submit_forward_backward(self._futures, call, tenant=None)
+        return await training.submit_forward_backward(self._futures, call, tenant=tenant)
 
     @api.post("/api/v1/optim_step")
-    async def optim_step(self, body: OptimStepRequest) -> dict[str, str]:
-        return await training.submit_optim_step(self._futures, body.model_dump(), tenant=None)
+    async def optim_step(self, body: OptimStepRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        return await training.submit_optim_step(self._futures, body.model_dump(), tenant=tenant)
 
     @api.post("/api/v1/save_weights")
-    async def save_weights(self, body: SaveWeightsRequest) -> dict[str, str]:
-        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS, tenant=None)
+    async def save_weights(self, body: SaveWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS, tenant=tenant)
 
     @api.post("/api/v1/save_weights_for_sampler")
-    async def save_weights_for_sampler(self, body: SaveWeightsRequest) -> dict[str, str]:
+    async def save_weights_for_sampler(self, body: SaveWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         if body.path is None and body.sampling_session_seq_id is not None:
-            return await sampling.submit_ephemeral_save(self._futures, body.model_dump(), tenant=None)
-        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_FOR_SAMPLER, tenant=None)
+            return await sampling.submit_ephemeral_save(self._futures, body.model_dump(), tenant=tenant)
+        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_FOR_SAMPLER, tenant=tenant)
 
     @api.post("/api/v1/create_sampling_session")
-    async def create_sampling_session(self, body: CreateSamplingSessionRequest) -> dict[str, str]:
-        return await sampling.create_sampling_session(self._futures, self._sampling, body.model_dump())
+    async def create_sampling_session(self, body: CreateSamplingSessionRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        return await sampling.create_sampling_session(self._futures, self._sampling, body.model_dump(), tenant)
 
     @api.get("/api/v1/samplers/{sampling_session_id}")
-    async def get_sampler(self, sampling_session_id: str) -> dict[str, Any]:
-        return await sampling.sampler(self._futures, sampling_session_id)
+    async def get_sampler(self, sampling_session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await sampling.sampler(self._futures, sampling_session_id, tenant)
 
     @api.post("/api/v1/asample")
-    async def asample(self, body: SampleRequest) -> dict[str, Any]:
-        return await sampling.submit_sample(self._futures, self._sampling, body.model_dump(), tenant=None)
+    async def asample(self, body: SampleRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await sampling.submit_sample(self._futures, self._sampling, body.model_dump(), tenant=tenant)
 
     @api.post("/api/v1/load_weights")
-    async def load_weights(self, body: LoadWeightsRequest) -> dict[str, str]:
+    async def load_weights(self, body: LoadWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         into_model = body.model_id is not None and body.seq_id is not None
         creating = body.session_id is not None and body.model_seq_id is not None
         if into_model == creating:
@@ -243,44 +262,44 @@ class LiloIngress:
                                       "session_id and model_seq_id (create a model from the checkpoint).")
         if creating:
             return await training.create_model_from_checkpoint(self._futures, self._trainers, body.model_dump(),
-                                                               tenant=None)
-        return await training.submit_load(self._futures, body.model_dump(), tenant=None)
+                                                               tenant=tenant)
+        return await training.submit_load(self._futures, body.model_dump(), tenant=tenant)
 
     # --- training runs, checkpoints and unloading (RestClient / CLI; serve/runs.py) -----------------------
     @api.get("/api/v1/training_runs")
     async def list_training_runs(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
-                                 offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        # access_scope and project_id (also sent) change nothing here: every run is the caller's, in one project.
-        return await runs.list_training_runs(self._futures, self._trainers, limit, offset)
+                                 offset: int = Query(0, ge=0), tenant: str = Depends(caller)) -> dict[str, Any]:
+        # access_scope and project_id (also sent) change nothing here: a tenant sees its own runs, in one project.
+        return await runs.list_training_runs(self._futures, self._trainers, limit, offset, tenant)
 
     @api.get("/api/v1/training_runs/{training_run_id}")
-    async def get_training_run(self, training_run_id: str) -> dict[str, Any]:
-        return await runs.get_training_run(self._futures, self._trainers, training_run_id)
+    async def get_training_run(self, training_run_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await runs.get_training_run(self._futures, self._trainers, training_run_id, tenant)
 
     @api.get("/api/v1/training_runs/{training_run_id}/checkpoints")
-    async def list_checkpoints(self, training_run_id: str) -> dict[str, Any]:
-        return await runs.list_checkpoints(self._futures, self._trainers, training_run_id)
+    async def list_checkpoints(self, training_run_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await runs.list_checkpoints(self._futures, self._trainers, training_run_id, tenant)
 
     # A checkpoint id has a slash in it (weights/<name>), and the SDK sends it unescaped.
     @api.delete("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
-    async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> Response:
-        await runs.delete_checkpoint(self._futures, self._trainers, training_run_id, checkpoint_id)
+    async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str, tenant: str = Depends(caller)) -> Response:
+        await runs.delete_checkpoint(self._futures, self._trainers, training_run_id, checkpoint_id, tenant)
         return Response(status_code=204)
 
     @api.get("/api/v1/checkpoints")
     async def list_user_checkpoints(self, limit: int = Query(100, ge=1, le=MAX_PAGE),
-                                    offset: int = Query(0, ge=0)) -> dict[str, Any]:
-        return await runs.list_user_checkpoints(self._futures, self._trainers, limit, offset)
+                                    offset: int = Query(0, ge=0), tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await runs.list_user_checkpoints(self._futures, self._trainers, limit, offset, tenant)
 
     @api.post("/api/v1/unload_model")
-    async def unload_model(self, body: ModelRequest) -> dict[str, str]:
-        return await training.submit_unload(self._futures, body.model_id, tenant=None)
+    async def unload_model(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        return await training.submit_unload(self._futures, body.model_id, tenant=tenant)
 
     @api.post("/api/v1/retrieve_future", response_model=None)
-    async def retrieve_future(self, body: RetrieveFutureRequest) -> Response | dict[str, Any]:
+    async def retrieve_future(self, body: RetrieveFutureRequest, tenant: str = Depends(caller)) -> Response | dict[str, Any]:
         """Long-poll one future: its result once finished, else ``try_again`` (the SDK re-polls at once)."""
         try:
-            state = await self._futures.retrieve.remote(body.request_id, RETRIEVE_TIMEOUT_S)
+            state = await self._futures.retrieve.remote(body.request_id, RETRIEVE_TIMEOUT_S, tenant)
         except RayActorError:
             # The futures DB is restarting (its file keeps every result): the client polls again, as for pending.
             state = FutureState(0, PENDING)
@@ -297,9 +316,12 @@ class LiloIngress:
         model_id: str | None = Query(None, max_length=MAX_ID_CHARS, description="a model id; none: the cluster"),
         reset: bool = Query(False, description="start this reader's next interval now"),
         reader: str = Query("", max_length=MAX_ID_CHARS, description="whose interval reset refers to"),
+        tenant: str = Depends(caller),
     ) -> dict[str, Any]:
-        """Critical path of one model (queue wait vs execute vs capture/persist, batch sharing), or the cluster's."""
-        snapshot = await self._timing_snapshot(model_id, reset, reader)
+        """Critical path of one of the caller's models (queue wait vs execute vs capture/persist, batch sharing),
+        or the cluster's, summed over every model (no model ids in it)."""
+        # Readers are per tenant: one tenant's reset never takes another's interval (nor lilo's own readers').
+        snapshot = await self._timing_snapshot(model_id, reset, f"{tenant}/{reader}", tenant)
         if snapshot is None:
             raise HTTPException(
                 status_code=404,
@@ -308,11 +330,18 @@ class LiloIngress:
             )
         return snapshot
 
-    async def _timing_snapshot(self, model_id: str | None, reset: bool, reader: str) -> dict[str, Any] | None:
+    async def _timing_snapshot(self, model_id: str | None, reset: bool, reader: str,
+                               tenant: str) -> dict[str, Any] | None:
         """A placed model's timing comes fresh from the trainer that owns it; everything else (the cluster view, a
-        model no trainer holds any more) from the timing actor's merged view."""
+        model no trainer holds any more) from the timing actor's merged view. Another tenant's model is one without
+        timing."""
+        if model_id == ALL_MODELS:
+            model_id = None
         if model_id is not None:
-            trainer = await self._futures.trainer_of.remote(model_id)
+            record = timing_record(model_id)
+            owner, trainer = await self._futures.owner_of.remote(record) if record else (None, None)
+            if owner != tenant:
+                return None
             if trainer is not None:
                 with contextlib.suppress(RayActorError):  # its trainer is restarting: the merged view has it
                     snapshot = await named_actor(trainer).timing.remote(model_id, reset, reader)
@@ -327,5 +356,7 @@ class LiloIngress:
 
 
 def build_application(settings: Settings, trainers: list[str]) -> serve.Application:
-    """The Serve application for these settings, routing to these trainer actors."""
-    return LiloIngress.bind(list(settings.base_models), trainers, settings.max_body_mb << 20)
+    """The Serve application for these settings, routing to these trainer actors; it gets the API keys (their
+    digests) read now."""
+    return LiloIngress.bind(list(settings.base_models), trainers, settings.max_body_mb << 20,
+                            settings.api_key_digests())

@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--device", help="where trainers compute: auto (CUDA when a trainer has a GPU), cpu or cuda")
     up.add_argument("--max-body-mb", type=int, help="largest request body the API accepts, in MB (default 64)")
+    up.add_argument("--api-keys-file", type=Path, metavar="PATH",
+                    help="file of API keys, one `tml-key[=tenant]` per line (default: $LILO_API_KEYS_FILE; none and "
+                         "no $LILO_API_KEYS: local mode, any tml- key)")
     up.add_argument("--timeout", dest="startup_timeout_s", type=float, help="seconds to wait for readiness")
     up.add_argument("--detach", action="store_true", help="return once the service answers; stop with `lilo down`")
     up.add_argument(DETACHED_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
@@ -103,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "base_models",
-              "ray_address", "startup_timeout_s", "device", "max_body_mb")
+              "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
 
 
@@ -120,6 +123,11 @@ def _print_ready(settings: Settings, startup_s: float, detached: bool) -> None:
     if settings.ray_address is None:
         print(f"  Dashboard:   {settings.dashboard_url}", flush=True)
     print(f"  Home:        {settings.home}", flush=True)
+    if settings.local_mode:
+        print("  API keys:    local mode: any key starting with tml- (e.g. TINKER_API_KEY=tml-local)", flush=True)
+    else:
+        digests = settings.api_key_digests()
+        print(f"  API keys:    {len(digests)} configured, {len(set(digests.values()))} tenant(s)", flush=True)
     stop_hint = "Stop it with `lilo down`." if detached else "Press Ctrl-C to stop."
     print(stop_hint, flush=True)
 
@@ -278,6 +286,7 @@ def up_detached(settings: Settings, argv: Sequence[str]) -> int:
 
 def cmd_up(args: argparse.Namespace, argv: Sequence[str]) -> int:
     settings = _settings(args)
+    settings.api_key_digests()  # a malformed keys file is refused here, before anything starts
     state = running_state(settings)
     if state is not None:
         print(_already_running_message(state))

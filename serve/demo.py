@@ -20,7 +20,12 @@ from typing import Any, Callable, Sequence, TextIO
 from lilo.backend.registry import DEFAULT_BASE_MODEL
 from lilo.timing import critical_path_metrics, flush_critical_path, log_critical_path
 
-DEMO_API_KEY = "tml-local-demo"
+DEMO_API_KEY = "tml-local-demo"  # any tml- key works in local mode
+
+
+def api_key() -> str:
+    """The demo's key: $TINKER_API_KEY when set (a server with configured keys needs one of them), else its own."""
+    return os.environ.get("TINKER_API_KEY") or DEMO_API_KEY
 SAMPLE_TOKENS = 32
 
 
@@ -118,7 +123,7 @@ def time_table(base_url: str, model_ids: dict[str, str]) -> str:
     """Per model: the forward_backward execute time, its queue wait split, and how many commands shared a pass."""
     lines = [f"{'model':<8} {'execute s':>10} {'wait self':>10} {'others':>10} {'idle':>10} {'mean batch':>11}"]
     for name, model_id in model_ids.items():
-        metrics = critical_path_metrics(model_id, base_url=base_url, api_key=DEMO_API_KEY, reset=False,
+        metrics = critical_path_metrics(model_id, base_url=base_url, api_key=api_key(), reset=False,
                                         reader="demo-summary")
         phase = "lilo/forward_backward"
         lines.append(f"{name:<8} {metrics.get(f'{phase}.execute.total_s', 0.0):10.2f} "
@@ -148,7 +153,7 @@ def run_demo(base_url: str, *, home: Path, base_model: str = DEFAULT_BASE_MODEL,
     started = time.monotonic()
     print(f"Four clients fine-tune four LoRA adapters of {base_model} at once, {steps} steps each.",
           file=out, flush=True)
-    with tinker.ServiceClient(base_url=base_url, api_key=DEMO_API_KEY) as service:
+    with tinker.ServiceClient(base_url=base_url, api_key=api_key()) as service:
 
         def client(task: Task) -> None:
             try:
@@ -177,7 +182,7 @@ def run_demo(base_url: str, *, home: Path, base_model: str = DEFAULT_BASE_MODEL,
 def _critical_path_sink(base_url: str, home: Path, out: TextIO) -> tuple[Callable[..., Any], Callable[[], None]]:
     """log_critical_path into a W&B run when W&B is configured (offline runs included), else as JSON lines into
     a file (four clients' lines would drown the loss table). Blocking calls: each client logs its own step."""
-    base: dict[str, Any] = {"base_url": base_url, "api_key": DEMO_API_KEY, "background": False}
+    base: dict[str, Any] = {"base_url": base_url, "api_key": api_key(), "background": False}
     if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
         import wandb
 

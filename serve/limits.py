@@ -6,7 +6,7 @@ format)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from fastapi import HTTPException
 
@@ -38,7 +38,7 @@ class BodyLimit:
         limit = BodyLimit.limit_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            await _answer(send, 413, too_large(limit))
+            await answer(send, 413, too_large(limit))
             return
         received = 0
 
@@ -66,13 +66,15 @@ class JsonOnly:
             declared = dict(scope.get("headers") or []).get(b"content-type", b"").decode("latin-1")
             media = declared.split(";", 1)[0].strip().lower()
             if media and media != "application/json" and not media.endswith("+json"):
-                await _answer(send, 415, f"This endpoint takes an application/json body, not {media}.")
+                await answer(send, 415, f"This endpoint takes an application/json body, not {media}.")
                 return
         await self.app(scope, receive, send)
 
 
-async def _answer(send: Send, status: int, detail: str) -> None:
+async def answer(send: Send, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Answer a request from middleware: ``{"detail": ...}``, as every other error is."""
     body = json.dumps({"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
     await send({"type": "http.response.body", "body": body})

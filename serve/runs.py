@@ -18,9 +18,8 @@ from ray.exceptions import RayActorError
 
 from lilo.backend.checkpoint_index import SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry
 from cluster.placement import named_actor
+from lilo.tenants import owner
 
-# What a run without a tenant (no API keys yet) is owned by.
-LOCAL_OWNER = "local"
 CHECKPOINT_TYPES = {WEIGHTS: "training", SAMPLER_WEIGHTS: "sampler"}
 
 
@@ -41,7 +40,7 @@ def training_run_json(run: dict[str, Any], checkpoints: Iterable[CheckpointEntry
     for checkpoint in sorted(checkpoints, key=lambda c: c.time_s):
         newest[checkpoint.kind] = checkpoint
     return {"training_run_id": run["model_id"], "base_model": run["base_model"],
-            "model_owner": run["tenant"] or LOCAL_OWNER, "is_lora": True, "corrupted": False,
+            "model_owner": owner(run["tenant"]), "is_lora": True, "corrupted": False,
             "lora_rank": run["lora_config"].get("rank"), "last_request_time": timestamp(run["last_request_time"]),
             "last_checkpoint": checkpoint_json(newest[WEIGHTS]) if WEIGHTS in newest else None,
             "last_sampler_checkpoint": (checkpoint_json(newest[SAMPLER_WEIGHTS]) if SAMPLER_WEIGHTS in newest
@@ -71,34 +70,37 @@ async def checkpoints_of(runs: Iterable[dict[str, Any]], trainers: Sequence[str]
     return {run: found for answer in answers for run, found in answer.items()}
 
 
-async def list_training_runs(futures: ActorHandle, trainers: Sequence[str], limit: int, offset: int) -> dict[str, Any]:
-    runs, total = await futures.training_runs.remote(limit, offset)
+# Each takes the caller's tenant: another tenant's runs are not listed, and answer 404 like unknown ones.
+async def list_training_runs(futures: ActorHandle, trainers: Sequence[str], limit: int, offset: int,
+                             tenant: str) -> dict[str, Any]:
+    runs, total = await futures.training_runs.remote(limit, offset, tenant)
     checkpoints = await checkpoints_of(runs, trainers)
     return {"training_runs": [training_run_json(run, checkpoints.get(run["model_id"], [])) for run in runs],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
-async def get_training_run(futures: ActorHandle, trainers: Sequence[str], run_id: str) -> dict[str, Any]:
-    run = await futures.training_run.remote(run_id)
+async def get_training_run(futures: ActorHandle, trainers: Sequence[str], run_id: str, tenant: str) -> dict[str, Any]:
+    run = await futures.training_run.remote(run_id, tenant)
     return training_run_json(run, (await checkpoints_of([run], trainers)).get(run_id, []))
 
 
-async def list_checkpoints(futures: ActorHandle, trainers: Sequence[str], run_id: str) -> dict[str, Any]:
-    run = await futures.training_run.remote(run_id)
+async def list_checkpoints(futures: ActorHandle, trainers: Sequence[str], run_id: str, tenant: str) -> dict[str, Any]:
+    run = await futures.training_run.remote(run_id, tenant)
     checkpoints = (await checkpoints_of([run], trainers)).get(run_id, [])
     return {"checkpoints": [checkpoint_json(checkpoint) for checkpoint in checkpoints], "cursor": None}
 
 
-async def list_user_checkpoints(futures: ActorHandle, trainers: Sequence[str], limit: int,
-                                offset: int) -> dict[str, Any]:
-    """Every run's checkpoints, newest first, one page of them."""
-    runs, _ = await futures.training_runs.remote(None, 0)
+async def list_user_checkpoints(futures: ActorHandle, trainers: Sequence[str], limit: int, offset: int,
+                                tenant: str) -> dict[str, Any]:
+    """Every one of the tenant's runs' checkpoints, newest first, one page of them."""
+    runs, _ = await futures.training_runs.remote(None, 0, tenant)
     checkpoints = await checkpoints_of(runs, trainers)
     newest_first = sorted((c for found in checkpoints.values() for c in found), key=lambda c: -c.time_s)
     return {"checkpoints": [checkpoint_json(c) for c in newest_first[offset:offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(newest_first)}}
 
 
-async def delete_checkpoint(futures: ActorHandle, trainers: Sequence[str], run_id: str, checkpoint_id: str) -> None:
-    run = await futures.training_run.remote(run_id)
+async def delete_checkpoint(futures: ActorHandle, trainers: Sequence[str], run_id: str, checkpoint_id: str,
+                            tenant: str) -> None:
+    run = await futures.training_run.remote(run_id, tenant)
     await ask_file_keeper(run["trainer"], trainers, "delete_checkpoint", run_id, checkpoint_id)

@@ -30,8 +30,9 @@ from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command
 from lilo.errors import InvalidRequestError, NotFoundError
-from lilo.futures.store import Submission
+from lilo.futures.store import Submission, unknown_sampling_session_error
 from lilo.protocol.sampling import decode_sample_request
+from lilo.tenants import may_see
 from serve import training
 
 # Routes of this many sessions are remembered per ingress replica (they never change; past it, all are dropped).
@@ -49,6 +50,7 @@ class Route:
     """Where a session's samples run, and what they are checked against."""
 
     trainer: str
+    tenant: str | None  # whose session it is
     model_path: str | None  # the sampler checkpoint; None: the bare base model
     vocab_size: int
     max_context_length: int
@@ -77,28 +79,35 @@ class SamplingRouter:
         served = {name: fact["base_model"] for name, fact in facts.items()}
         return choose_sampling_trainer(sampling_session_id, base_model, served, owner)
 
-    async def route(self, sampling_session_id: str) -> Route:
+    async def route(self, sampling_session_id: str, tenant: str) -> Route:
+        """The session's route; 404 unless it is one of ``tenant``'s (checked before its requests are, so another
+        tenant's session is refused like an unknown one whatever the request)."""
         route = self._routes.get(sampling_session_id)
         if route is None:
-            session = await self._futures.sampling_session.remote(sampling_session_id)
+            session = await self._futures.sampling_session.remote(sampling_session_id, tenant)
             model_path = session["model_path"]
             owner = await self._futures.trainer_of.remote(sampler_run(model_path)) if model_path else None
             trainer = await self.trainer_for(sampling_session_id, session["base_model"], owner)
             fact = (await self.trainer_facts())[trainer]
-            route = Route(trainer, model_path, fact["vocab_size"],
+            route = Route(trainer, session["tenant"], model_path, fact["vocab_size"],
                           base_model_spec(session["base_model"]).max_context_length, fact["eos_token_ids"])
             if len(self._routes) >= MAX_ROUTES:
                 self._routes.clear()
             self._routes[sampling_session_id] = route
+        if not may_see(tenant, route.tenant):
+            raise unknown_sampling_session_error(sampling_session_id)
         return route
 
 
-async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any]) -> dict:
-    """A session sampling ``model_path`` (a sampler checkpoint) or, without one, the bare ``base_model``."""
+async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any],
+                                  tenant: str) -> dict:
+    """A session sampling ``model_path`` (a sampler checkpoint of the caller's) or, without one, the bare
+    ``base_model``."""
     sampling_session_id = sampling_session_id_for(body["session_id"], body["sampling_session_seq_id"])
     model_path, base_model = body.get("model_path"), body.get("base_model")
+    await futures.check_session.remote(body["session_id"], tenant)
     if model_path:
-        run = await training_run(futures, model_path)
+        run = await training_run(futures, model_path, tenant)
         if base_model and base_model != run["base_model"]:
             raise InvalidRequestError(f"{model_path!r} was trained on {run['base_model']!r}, not {base_model!r}; "
                                       "leave base_model out or pass that one.")
@@ -110,22 +119,23 @@ async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, 
     else:
         raise InvalidRequestError("create_sampling_session needs a model_path (a sampler checkpoint) or a "
                                   "base_model.")
-    await futures.add_sampling_session.remote(sampling_session_id, body["session_id"], base_model, model_path)
+    await futures.add_sampling_session.remote(sampling_session_id, body["session_id"], base_model, model_path,
+                                              tenant)
     return {"sampling_session_id": sampling_session_id, "type": "create_sampling_session"}
 
 
-async def training_run(futures: ActorHandle, model_path: str) -> dict[str, Any]:
-    """The training model that saved the sampler checkpoint ``model_path``."""
+async def training_run(futures: ActorHandle, model_path: str, tenant: str) -> dict[str, Any]:
+    """The training model that saved the sampler checkpoint ``model_path``, if it is ``tenant``'s."""
     run = sampler_run(model_path)
     try:
-        return await futures.model.remote(run)
+        return await futures.model.remote(run, tenant)
     except NotFoundError:
         raise NotFoundError(f"No training run {run!r} saved {model_path!r}; pass a path save_weights_for_sampler "
                             "returned.") from None
 
 
-async def sampler(futures: ActorHandle, sampling_session_id: str) -> dict[str, Any]:
-    session = await futures.sampling_session.remote(sampling_session_id)
+async def sampler(futures: ActorHandle, sampling_session_id: str, tenant: str) -> dict[str, Any]:
+    session = await futures.sampling_session.remote(sampling_session_id, tenant)
     return {"sampler_id": sampling_session_id, "base_model": session["base_model"],
             "model_path": session["model_path"]}
 
@@ -134,22 +144,22 @@ async def submit_ephemeral_save(futures: ActorHandle, body: dict[str, Any], tena
     """``save_weights_for_sampler`` without a name: a sampler checkpoint whose future answers with the sampling
     session that samples it. ``kind`` ``inflight`` is saved as a snapshot too."""
     model_id, seq = body["model_id"], int(body["sampling_session_seq_id"])
-    model = await futures.model.remote(model_id)
+    model = await futures.model.remote(model_id, tenant)
     name = f"ephemeral-{seq}"
     sampling_session_id = sampling_session_id_for(model_id, seq)
     await futures.add_sampling_session.remote(sampling_session_id, model["session_id"] or "", model["base_model"],
-                                              tinker_path(model_id, SAVE_WEIGHTS_FOR_SAMPLER, name))
+                                              tinker_path(model_id, SAVE_WEIGHTS_FOR_SAMPLER, name), tenant)
     return await training.submit(futures, model_id, int(body["seq_id"]), SAVE_WEIGHTS_FOR_SAMPLER,
                                  SaveRequest(name, sampling_session_id),
                                  {"path": name, "sampling_session_id": sampling_session_id}, tenant=tenant)
 
 
 async def submit_sample(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any],
-                        tenant: str | None) -> dict[str, Any]:
+                        tenant: str) -> dict[str, Any]:
     sampling_session_id = body.get("sampling_session_id")
     if not sampling_session_id:
         raise InvalidRequestError("asample needs the sampling_session_id that create_sampling_session returned.")
-    route = await router.route(sampling_session_id)
+    route = await router.route(sampling_session_id, tenant)
     request = decode_sample_request(body, vocab_size=route.vocab_size, max_context_length=route.max_context_length,
                                     eos_token_ids=route.eos_token_ids, base_only=route.model_path is None)
     seq_id = int(body["seq_id"])

@@ -12,14 +12,14 @@ from ray.actor import ActorHandle
 
 from cluster.placement import named_actor, place
 from lilo.backend.checkpoint_index import WEIGHTS
-from lilo.backend.checkpoints import parse_tinker_path
+from lilo.backend.checkpoints import checked_name, parse_tinker_path
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, UNLOAD_MODEL, Command,
 )
 from lilo.errors import ConflictError, InvalidRequestError, LiloError, NotFoundError
-from lilo.futures.store import Completion, Submission
+from lilo.futures.store import Completion, Submission, unknown_model_error
 from lilo.protocol.proto import ForwardBackwardCall
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -59,9 +59,11 @@ async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict
                        tenant: str | None) -> dict[str, str]:
     model_id = model_id_for(body["session_id"], int(body["model_seq_id"]))
     spec = LoraSpec.from_config(body.get("lora_config") or {})
+    await futures.check_session.remote(body["session_id"], tenant)  # model ids are named after their session
     # A full cluster is a 429 the client may retry, with nothing recorded; a retry of a model already created
     # skips placement and finds its first future.
-    trainer = None if await futures.trainer_of.remote(model_id) else await place(futures, trainers, body["base_model"])
+    trainer = (None if await futures.trainer_of.remote(model_id, tenant)
+               else await place(futures, trainers, body["base_model"]))
     submission = Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
                             seq_id=0, tenant=tenant, trainer=trainer)
     return await _record_new_model(
@@ -78,15 +80,12 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
     placed on: on a multi-node cluster, the checkpoint directory must be shared storage."""
     model_id = model_id_for(body["session_id"], int(body["model_seq_id"]))
     path = str(body["path"])
-    run, kind, _ = parse_tinker_path(path)
+    _, kind, _ = parse_tinker_path(path)
     if kind != WEIGHTS:
         raise InvalidRequestError(f"{path!r} is not a training checkpoint; create a training client from a path "
                                   "save_state (save_weights) returned: tinker://<run>/weights/<name>.")
-    try:
-        base_model = (await futures.model.remote(run))["base_model"]
-    except NotFoundError:
-        raise NotFoundError(f"No training run {run!r} here, so no checkpoint {path!r}; pass a path save_state "
-                            "returned.") from None
+    await futures.check_session.remote(body["session_id"], tenant)
+    base_model = (await checkpoint_run(futures, path, tenant))["base_model"]
     if body.get("base_model") not in (None, base_model):
         raise InvalidRequestError(f"{path!r} was trained on {base_model!r}; leave base_model out or pass that one.")
     if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
@@ -104,6 +103,16 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
         futures, submission, trainer, {**body, "base_model": base_model}, dataclasses.asdict(spec),
         lambda actor, request_id: actor.create_model_from_checkpoint.remote(model_id, spec, Command(
             model_id, 0, LOAD_WEIGHTS, request_id, payload=request, fingerprint=submission.payload_sha256)))
+
+
+async def checkpoint_run(futures: ActorHandle, path: str, tenant: str | None) -> dict[str, Any]:
+    """The training run (model row) that saved the checkpoint ``path``: 404 unless it is one of ``tenant``'s."""
+    run, _, _ = parse_tinker_path(path)
+    try:
+        return await futures.model.remote(run, tenant)
+    except NotFoundError:
+        raise NotFoundError(f"No training run {run!r} here, so no checkpoint {path!r}; pass a path save_state "
+                            "returned.") from None
 
 
 async def _record_new_model(futures: ActorHandle, submission: Submission, trainer: str | None, body: dict[str, Any],
@@ -128,9 +137,9 @@ async def _record_new_model(futures: ActorHandle, submission: Submission, traine
 async def submit_unload(futures: ActorHandle, model_id: str, tenant: str | None) -> dict[str, str]:
     """unload_model: from now on new requests for the model are refused (410); its trainer frees its adapter slot
     once what it queued before has run, and the future completes then. Its run and checkpoints stay."""
-    trainer = await futures.trainer_of.remote(model_id)
+    trainer = await futures.trainer_of.remote(model_id, tenant)
     if trainer is None:
-        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+        raise unknown_model_error(model_id)
     outcome = await futures.submit_once.remote(
         Submission(model_id, UNLOAD_MODEL, {}, seq_id=UNLOAD_SEQ, tenant=tenant, trainer=trainer).prepared())
     if not outcome.duplicate:
@@ -143,7 +152,7 @@ async def submit_unload(futures: ActorHandle, model_id: str, tenant: str | None)
 async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, payload: Any, stored: Any,
                  batch_key: Any = (), tokens: int = 0, tenant: str | None = None) -> dict[str, str]:
     """Record the request (durably, deduplicated by seq) and hand it to the trainer its model is placed on, which
-    the futures DB says in the same call (404 unknown, 410 unloaded, 503 while being restored elsewhere)."""
+    the futures DB says in the same call (404 unknown or another tenant's, 410 unloaded, 503 while being restored elsewhere)."""
     request_id = await submit_to(futures, Submission(model_id, kind, stored, seq_id=seq_id, tenant=tenant,
                                                      routed=True),
                                  Command(model_id, seq_id, kind, "", payload=payload, batch_key=batch_key,
@@ -199,12 +208,15 @@ async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, ten
     name = body.get("path")
     if not name:
         raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
+    checked_name(name)  # refused now, not as a failed future: nothing is recorded for a name that could escape
     return await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
                         {"path": name}, tenant=tenant)
 
 
 async def submit_load(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
-    """load_weights into an existing model, in its seq order (the legacy form, with model_id and seq_id)."""
+    """load_weights into an existing model, in its seq order (the legacy form, with model_id and seq_id), from a
+    checkpoint of one of the caller's runs."""
     request = LoadRequest(path=str(body["path"]), optimizer=bool(body.get("optimizer", True)))
+    await checkpoint_run(futures, request.path, tenant)
     return await submit(futures, body["model_id"], int(body["seq_id"]), LOAD_WEIGHTS, request,
                         {"path": request.path, "optimizer": request.optimizer}, tenant=tenant)

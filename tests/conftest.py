@@ -23,6 +23,12 @@ from lilo.settings import load_settings  # noqa: E402
 # Llama with SmolLM2's vocabulary and chat tokenizer, so the demo runs on it too.
 TINY_DIRECTORY = Path(tempfile.gettempdir()) / f"lilo-tiny-dir-{os.getpid()}"
 BASE_MODELS = ("lilo/tiny-llama", str(TINY_DIRECTORY))
+# The session cluster runs with API keys: the tests' and the demo's keys are the tenant "local" (so they work as in
+# local mode), and two more tenants try each other's things (test_tenants.py). Local mode itself is tested without
+# a cluster (test_api_keys.py) and by the two-node cluster (test_two_nodes.py), which runs without keys.
+TENANT_KEYS = {"alpha": "tml-tenant-alpha", "beta": "tml-tenant-beta"}
+API_KEYS_FILE = "\n".join(["# key=tenant", "tml-local-test=local", "tml-local-demo=local",
+                           *(f"{key}={tenant}" for tenant, key in TENANT_KEYS.items())]) + "\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +57,11 @@ def local_cluster() -> Iterator[RunningCluster]:
     build_tiny_llama(TINY_DIRECTORY, seed=1, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(TINY_DIRECTORY)
     cluster = RunningCluster(short_home(), free_port(), free_port(), BASE_MODELS)
+    keys_file = cluster.home / "api-keys"
+    keys_file.write_text(API_KEYS_FILE)
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
-            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "6", "--trainers", "2"]
+            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "6", "--trainers", "2",
+            "--api-keys-file", str(keys_file)]
     for name in cluster.base_models:
         args += ["--base-model", name]
     started = lilo(*args)

@@ -13,6 +13,9 @@ import psutil
 
 LILO = str(Path(sys.executable).parent / "lilo")
 LOOPBACK_IPS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+# The key the tests' own requests carry (the session cluster's keys file makes it the tenant "local").
+API_KEY = "tml-local-test"
+AUTH = {"X-API-Key": API_KEY}
 
 
 def free_port() -> int:

@@ -184,7 +184,7 @@ class LoseFirstResponse(httpx.HTTPTransport):
 def test_a_submission_retried_after_a_timeout_with_a_new_idempotency_key_runs_once(local_cluster):
     api = f"{local_cluster.api_url}/api/v1"
     transport = LoseFirstResponse()
-    with httpx.Client(timeout=60, transport=transport) as http:
+    with httpx.Client(timeout=60, transport=transport, headers={"X-API-Key": "tml-local-test"}) as http:
         session_id = http.post(f"{api}/create_session", json={}).json()["session_id"]
         created = http.post(f"{api}/create_model", json={"session_id": session_id, "model_seq_id": 0,
                                                          "base_model": TINY, "lora_config": {"rank": 4}}).json()

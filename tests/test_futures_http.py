@@ -10,6 +10,7 @@ import ray
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
+from helpers import AUTH
 from lilo.futures.store import Completion, Submission
 
 
@@ -20,7 +21,7 @@ def futures(ray_driver):
 
 def retrieve(local_cluster, request_id, **extra) -> httpx.Response:
     return httpx.post(f"{local_cluster.api_url}/api/v1/retrieve_future",
-                      json={"request_id": request_id, "allow_metadata_only": True, **extra}, timeout=60)
+                      json={"request_id": request_id, "allow_metadata_only": True, **extra}, headers=AUTH, timeout=60)
 
 
 def submitted(futures) -> int:
@@ -64,5 +65,6 @@ def test_bad_ids_are_4xx_with_a_message(local_cluster, request_id, status, messa
 
 
 def test_a_malformed_body_is_a_422(local_cluster):
-    response = httpx.post(f"{local_cluster.api_url}/api/v1/retrieve_future", json={"allow_metadata_only": True})
+    response = httpx.post(f"{local_cluster.api_url}/api/v1/retrieve_future", json={"allow_metadata_only": True},
+                          headers=AUTH)
     assert response.status_code == 422

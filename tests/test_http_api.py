@@ -3,6 +3,8 @@
 import httpx
 import tinker
 
+from helpers import API_KEY, AUTH
+
 
 def test_healthz_answers_ok(local_cluster):
     response = httpx.get(f"{local_cluster.api_url}/api/v1/healthz")
@@ -25,7 +27,7 @@ def test_server_capabilities_list_configured_base_models_default_first(local_clu
 
 
 def test_the_tinker_sdk_reads_capabilities(local_cluster):
-    client = tinker.RestClient(base_url=local_cluster.api_url, api_key="tml-local-test")
+    client = tinker.RestClient(base_url=local_cluster.api_url, api_key=API_KEY)
     capabilities = client.get_server_capabilities().result(timeout=60)
     assert [m.model_name for m in capabilities.supported_models] == list(local_cluster.base_models)
 
@@ -36,14 +38,15 @@ def test_a_body_over_the_limit_is_a_413_with_a_message_whatever_the_route(local_
     too_big = b"x" * ((64 << 20) + 1)  # the session cluster runs with the default limit, 64 MB
     for route in ("create_session", "forward_backward"):
         declared = httpx.post(f"{local_cluster.api_url}/api/v1/{route}", content=too_big, timeout=120,
-                              headers={"Content-Type": "application/x-protobuf"})
+                              headers={"Content-Type": "application/x-protobuf", **AUTH})
         assert declared.status_code == 413 and "LILO_MAX_BODY_MB" in declared.json()["detail"]
 
     def chunks():  # no Content-Length: refused once the streamed body passes the limit
         for _ in range(65):
             yield b"x" * (1 << 20)
 
-    streamed = httpx.post(f"{local_cluster.api_url}/api/v1/create_session", content=chunks(), timeout=120)
+    streamed = httpx.post(f"{local_cluster.api_url}/api/v1/create_session", content=chunks(), headers=AUTH,
+                          timeout=120)
     assert streamed.status_code == 413 and "LILO_MAX_BODY_MB" in streamed.json()["detail"]
 
 
@@ -51,11 +54,12 @@ def test_a_body_declared_as_anything_but_json_is_a_415_with_a_message(local_clus
     import httpx
 
     api = f"{local_cluster.api_url}/api/v1"
-    refused = httpx.post(f"{api}/create_session", content=b"{}", headers={"Content-Type": "text/plain"}, timeout=60)
+    refused = httpx.post(f"{api}/create_session", content=b"{}", headers={"Content-Type": "text/plain", **AUTH},
+                         timeout=60)
     assert refused.status_code == 415 and "takes an application/json body, not text/plain" in refused.json()["detail"]
     accepted = httpx.post(f"{api}/create_session", content=b"{}",
-                          headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60)
+                          headers={"Content-Type": "application/json; charset=utf-8", **AUTH}, timeout=60)
     assert accepted.status_code == 200 and accepted.json()["session_id"]
     # forward_backward checks its own format: JSON there is the 415.
-    wrong = httpx.post(f"{api}/forward_backward", json={}, timeout=60)
+    wrong = httpx.post(f"{api}/forward_backward", json={}, headers=AUTH, timeout=60)
     assert wrong.status_code == 415 and "application/x-protobuf" in wrong.json()["detail"]

@@ -9,7 +9,7 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from helpers import retrieve_finished
+from helpers import AUTH, retrieve_finished
 
 TINY = "lilo/tiny-llama"
 
@@ -36,7 +36,7 @@ def test_a_batch_over_1024_datums_is_chunked_and_runs_whole(local_cluster):
 
 def test_an_optim_step_sent_before_its_forward_backward_waits_for_it(local_cluster):
     api = f"{local_cluster.api_url}/api/v1"
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=AUTH) as http:
         session_id = http.post(f"{api}/create_session", json={}).json()["session_id"]
         created = http.post(f"{api}/create_model", json={"session_id": session_id, "model_seq_id": 0,
                                                          "base_model": TINY, "lora_config": {"rank": 4}}).json()

@@ -13,6 +13,7 @@ from tinker import types
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
+from helpers import AUTH
 
 
 def datum(seed: int) -> types.Datum:
@@ -87,5 +88,6 @@ def test_two_clients_stepping_at_once_share_one_pass(local_cluster, ray_driver):
         for step in steps:
             step.result(timeout=120)
     for client in (first, second):
-        timing = httpx.get(f"{local_cluster.api_url}/api/v1/timing", params={"model_id": client.model_id}).json()
+        timing = httpx.get(f"{local_cluster.api_url}/api/v1/timing", params={"model_id": client.model_id},
+                           headers=AUTH).json()
         assert timing["phases"]["forward_backward.execute"]["mean_batch"] > 1

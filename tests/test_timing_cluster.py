@@ -13,8 +13,10 @@ import httpx
 import pytest
 import ray
 
+from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.timing import TimingPublisher, get_timing_actor
+from helpers import AUTH
 from lilo.telemetry.critical_path import CriticalPath, Operation
 
 
@@ -25,6 +27,12 @@ def recorded_steps(model_id: str, steps: int) -> CriticalPath:
         timings.begin(Operation(model_id, f"{model_id}:{i}", "forward_backward", float(i)))
         timings.span(model_id, "forward_backward", "gpu", i + 0.5, i + 1.0, request_ids=[f"{model_id}:{i}"], n=2)
     return timings
+
+
+def registered(model_id: str) -> str:
+    """A model id the futures DB knows (a tenant reads only its own models' timing), of the tests' tenant."""
+    ray.get(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE).add_model.remote(model_id, "lilo/tiny-llama", {}))
+    return model_id
 
 
 def test_timing_actor_outlives_its_creating_driver_and_is_found_by_name(local_cluster, ray_driver):
@@ -52,25 +60,25 @@ def test_timing_actor_outlives_its_creating_driver_and_is_found_by_name(local_cl
 
 
 def test_a_trainers_timing_reaches_the_cluster_endpoint(local_cluster, ray_driver):
-    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    model_id = registered(f"m-{uuid.uuid4().hex[:8]}")
     publisher = TimingPublisher(recorded_steps(model_id, steps=3), "trainer-test", get_timing_actor())
     assert publisher.push_now()
     url = f"{local_cluster.api_url}/api/v1/timing"
-    body = httpx.get(url, params={"model_id": model_id}).json()
+    body = httpx.get(url, params={"model_id": model_id}, headers=AUTH).json()
     assert body["model_id"] == model_id
     assert body["phases"]["forward_backward.execute"]["count"] == 3
     assert body["phases"]["forward_backward.queue_wait"]["mean_s"] == pytest.approx(0.5)
     assert body["gauges"]["trainer.backend_ready_s"] > 0
-    cluster = httpx.get(url).json()
+    cluster = httpx.get(url, headers=AUTH).json()
     assert cluster["model_id"] == "*" and cluster["phases"]["forward_backward.execute"]["count"] >= 3
 
 
 def test_endpoint_readers_do_not_split_an_interval(local_cluster, ray_driver):
-    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    model_id = registered(f"m-{uuid.uuid4().hex[:8]}")
     assert TimingPublisher(recorded_steps(model_id, steps=2), "trainer-test", get_timing_actor()).push_now()
     url = f"{local_cluster.api_url}/api/v1/timing"
     counts = [
-        httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": reader}).json()["phases"]
+        httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": reader}, headers=AUTH).json()["phases"]
         ["forward_backward.execute"]["count"]
         for reader in ("wandb", "curl", "wandb")
     ]
@@ -79,10 +87,10 @@ def test_endpoint_readers_do_not_split_an_interval(local_cluster, ray_driver):
 
 def test_unknown_model_is_a_404_with_a_message_and_bad_input_a_422(local_cluster):
     url = f"{local_cluster.api_url}/api/v1/timing"
-    missing = httpx.get(url, params={"model_id": "no-such-model"})
+    missing = httpx.get(url, params={"model_id": "no-such-model"}, headers=AUTH)
     assert missing.status_code == 404
     assert "no trainer has reported timing" in missing.json()["detail"]
-    too_long = httpx.get(url, params={"reader": "r" * 1000})
+    too_long = httpx.get(url, params={"reader": "r" * 1000}, headers=AUTH)
     assert too_long.status_code == 422
 
 

@@ -54,7 +54,9 @@ def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ra
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
     model_id = f"ghost-{uuid.uuid4().hex[:8]}"  # placed on a trainer that never created it
     ray.get(futures.add_model.remote(model_id, "lilo/tiny-llama", {"rank": 4}, trainer="lilo-trainer-0"))
-    response = httpx.post(f"{local_cluster.api_url}/api/v1/optim_step", timeout=60,
+    from helpers import AUTH
+
+    response = httpx.post(f"{local_cluster.api_url}/api/v1/optim_step", timeout=60, headers=AUTH,
                           json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
     assert response.status_code == 404
     assert "Unknown model_id" in response.json()["detail"]

@@ -101,8 +101,10 @@ def test_sampling_what_does_not_exist_is_refused_with_a_message(service):
 def test_a_retried_asample_gets_the_same_future_and_sequence_ids(local_cluster):
     import httpx
 
+    from helpers import AUTH
+
     api = f"{local_cluster.api_url}/api/v1"
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=AUTH) as http:
         session_id = http.post(f"{api}/create_session", json={}).json()["session_id"]
         created = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": TINY}
         sampling_session_id = http.post(f"{api}/create_sampling_session", json=created).json()["sampling_session_id"]

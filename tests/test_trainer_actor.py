@@ -11,6 +11,7 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.trainer_actor import start_trainer
+from helpers import AUTH
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import Datum, LoraSpec, TrainInput
 from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
@@ -57,9 +58,9 @@ def test_a_placed_models_timing_is_answered_by_its_trainer(trainer, local_cluste
                                      tokens=32)))
     url = f"{local_cluster.api_url}/api/v1/timing"
     # Straight from the trainer: no push interval in between, and the trainer's own gauges.
-    body = httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": "test"}).json()
+    body = httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": "test"}, headers=AUTH).json()
     assert body["phases"]["forward_backward.execute"]["count"] == 1
     assert body["phases"]["accept.execute"]["count"] == 1
     assert {"trainer.backend_ready_s", "trainer.serving_ready_s", "trainer.first_model_ready_s"} <= set(body["gauges"])
-    again = httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": "test"}).json()
+    again = httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": "test"}, headers=AUTH).json()
     assert again["phases"]["forward_backward.execute"]["count"] == 0

@@ -13,7 +13,7 @@ from tinker import types
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
-from helpers import retrieve_finished
+from helpers import AUTH, retrieve_finished
 from lilo.backend.checkpoints import local_directory
 
 TINY = "lilo/tiny-llama"
@@ -23,7 +23,7 @@ ADAM = types.AdamParams(learning_rate=2e-2)
 
 @pytest.fixture
 def api(local_cluster):
-    with httpx.Client(base_url=f"{local_cluster.api_url}/api/v1", timeout=60) as client:
+    with httpx.Client(base_url=f"{local_cluster.api_url}/api/v1", timeout=60, headers=AUTH) as client:
         yield client
 
 

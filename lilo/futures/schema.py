@@ -77,4 +77,6 @@ sampling_sessions = Table(
     Column("base_model", String, nullable=False),
     Column("model_path", String, nullable=True),
     Column("created_at", Float, nullable=False),
+    # Added after the first release (nullable, so an older file gains it on open; NULL: the local tenant's).
+    Column("tenant", String, nullable=True),
 )

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import orjson
-from sqlalchemy import Engine, bindparam, create_engine, event, func, inspect, select, tuple_, update
+from sqlalchemy import Engine, bindparam, create_engine, event, func, inspect, literal, select, true, tuple_, union_all, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -34,6 +34,7 @@ from lilo.futures.schema import (
     COMPLETED, FAILED, PENDING, futures, metadata, models, sampling_sessions, sessions,
 )
 from lilo.futures.scheduling import PendingMeta
+from lilo.tenants import LOCAL_TENANT, may_see, owner
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class FutureState:
     error: str | None = None
     category: str | None = None
     request_type: str = ""
+    tenant: str | None = None  # the tenant that submitted it (None: the local one)
 
     @property
     def finished(self) -> bool:
@@ -221,11 +223,14 @@ class FuturesStore:
         prints = [sub.payload_sha256 for sub in submissions]
         outcomes: list[SubmitOutcome | None] = [None] * len(submissions)
         with self.engine.begin() as connection:
+            self._refuse_foreign(connection, submissions, outcomes)
             taken = self._existing_keys(connection, submissions)
             first_copy: dict[tuple, int] = {}
             inserting: list[int] = []
             for i, sub in enumerate(submissions):
                 key = (sub.model_id, sub.seq_id)
+                if outcomes[i] is not None:  # refused above
+                    continue
                 if sub.seq_id is None:
                     inserting.append(i)
                 elif key in taken:
@@ -279,6 +284,24 @@ class FuturesStore:
         if outcome.error is not None:
             raise outcome.error
         return outcome.request_id  # type: ignore[return-value]
+
+    @staticmethod
+    def _refuse_foreign(connection, submissions: Sequence[Submission], outcomes: list[SubmitOutcome | None]) -> None:
+        """Refuse, as if it did not exist, each submission for another tenant's model or sampling session (one
+        query for the whole group, before retries are matched: another tenant's retry must not find the first)."""
+        ids = list({sub.model_id for sub in submissions if sub.tenant is not None})
+        recorded: dict[str, tuple[str, str | None]] = {}
+        for chunk in chunks(ids, MAX_BOUND_PARAMS // 2):
+            query = union_all(
+                select(models.c.model_id, literal("model"), models.c.tenant).where(models.c.model_id.in_(chunk)),
+                select(sampling_sessions.c.sampling_session_id, literal("sampling"), sampling_sessions.c.tenant)
+                .where(sampling_sessions.c.sampling_session_id.in_(chunk)))
+            recorded.update((record_id, (kind, tenant)) for record_id, kind, tenant in connection.execute(query))
+        for i, sub in enumerate(submissions):
+            kind, tenant = recorded.get(sub.model_id, (None, None))
+            if kind is not None and not may_see(sub.tenant, tenant):
+                error = unknown_model_error if kind == "model" else unknown_sampling_session_error
+                outcomes[i] = SubmitOutcome(None, error=error(sub.model_id))
 
     @staticmethod
     def _existing_keys(connection, submissions: Sequence[Submission]) -> dict[tuple, tuple[int, str]]:
@@ -385,18 +408,27 @@ class FuturesStore:
                 found[row[0]] = FutureState(*row)
         return found
 
-    def lookup(self, request_id: int) -> FutureState:
-        """The state of one request; NotFoundError when it never existed, GoneError when it was pruned."""
+    def lookup(self, request_id: int, tenant: str | None = None) -> FutureState:
+        """The state of one request; NotFoundError when it never existed, GoneError when it was pruned; another
+        tenant's request is one that does not exist."""
         state = self.states([request_id]).get(request_id)
-        if state is None:
+        if state is None or not may_see(tenant, state.tenant):
             raise self.missing_error(request_id)
         return state
 
+    def tenants_of(self, request_ids: Sequence[int]) -> dict[int, str | None]:
+        """The tenant of each of these requests (ids without a row are absent)."""
+        found: dict[int, str | None] = {}
+        for chunk in chunks(list(request_ids)):
+            found.update(self._read(_TENANTS.format(marks=",".join("?" * len(chunk))), tuple(chunk)))
+        return found
+
     def missing_error(self, request_id: int) -> NotFoundError | GoneError:
+        """What a request without a row (or another tenant's) answers."""
         if request_id <= self.highest_request_id():
             return GoneError(
                 f"Request {request_id} finished more than {self.retention_s / 3600:.3g} h ago and its result was "
-                "pruned; results are kept for the retention time only.")
+                "pruned, or it was sent with another API key; results are kept for the retention time only.")
         return NotFoundError(f"Unknown request_id {request_id}; pass an id that a submission returned.")
 
     def highest_request_id(self) -> int:
@@ -447,18 +479,31 @@ class FuturesStore:
             return dict(connection.execute(
                 select(models.c.model_id, models.c.trainer).where(models.c.unloaded_at.is_(None))).all())
 
-    def trainer_of(self, model_id: str) -> str | None:
-        """The trainer one model lives on (None: unknown or unplaced): one row, for every submission's routing."""
+    def trainer_of(self, model_id: str, tenant: str | None = None) -> str | None:
+        """The trainer one model lives on (None: unknown, unplaced or another tenant's): one row."""
         with self.engine.connect() as connection:
-            return connection.execute(select(models.c.trainer).where(models.c.model_id == model_id)).scalar()
-
-    def route(self, model_id: str) -> str:
-        """The trainer that takes new requests for a model; NotFoundError when unknown or unplaced, GoneError once
-        it was unloaded. One row, for every submission's routing."""
-        with self.engine.connect() as connection:
-            row = connection.execute(select(models.c.trainer, models.c.unloaded_at).where(
+            row = connection.execute(select(models.c.trainer, models.c.tenant).where(
                 models.c.model_id == model_id)).first()
-        return _placed_trainer(model_id, row)
+        return row.trainer if row is not None and may_see(tenant, row.tenant) else None
+
+    def owner_of(self, record_id: str) -> tuple[str | None, str | None]:
+        """(the tenant owning the model or sampling session ``record_id``, None when there is none; the trainer
+        it is a model on, else None)."""
+        with self.engine.connect() as connection:
+            row = connection.execute(select(models.c.tenant, models.c.trainer).where(
+                models.c.model_id == record_id)).first()
+            if row is None:
+                row = connection.execute(select(sampling_sessions.c.tenant, literal(None)).where(
+                    sampling_sessions.c.sampling_session_id == record_id)).first()
+        return (None, None) if row is None else (owner(row[0]), row[1])
+
+    def route(self, model_id: str, tenant: str | None = None) -> str:
+        """The trainer that takes new requests for a model; NotFoundError when unknown or another tenant's,
+        GoneError once it was unloaded, UnavailableError while it is being restored elsewhere. One row."""
+        with self.engine.connect() as connection:
+            row = connection.execute(select(models.c.trainer, models.c.unloaded_at, models.c.tenant).where(
+                models.c.model_id == model_id)).first()
+        return _placed_trainer(model_id, row if row is not None and may_see(tenant, row.tenant) else None)
 
     def fail_all_pending(self, error: str) -> int:
         """Fail every pending request with ``error`` (at service start: no trainer holds them any more); returns
@@ -483,13 +528,14 @@ class FuturesStore:
                     select(futures.c.model_id, func.max(futures.c.seq_id))
                     .where(futures.c.model_id.in_(chunk), futures.c.seq_id >= 0).group_by(futures.c.model_id)).all())
             connection.execute(update(models).where(on_trainer).values(trainer=None))
-            failed = connection.execute(select(futures.c.request_id, futures.c.request_type).where(lost)).all()
+            failed = connection.execute(select(futures.c.request_id, futures.c.request_type, futures.c.tenant)
+                                        .where(lost)).all()
             connection.execute(update(futures).where(lost).values(
                 status=FAILED, error=error, error_category="server", finished_at=now, payload=None))
         displaced = [DisplacedModel(row.model_id, row.base_model, orjson.loads(row.lora_config),
                                     None if row.model_id not in last_seq else last_seq[row.model_id] + 1)
                      for row in rows]
-        return displaced, [FutureState(rid, FAILED, None, error, "server", kind) for rid, kind in failed]
+        return displaced, [FutureState(rid, FAILED, None, error, "server", kind, tenant) for rid, kind, tenant in failed]
 
     def mark_unloaded(self, model_id: str) -> None:
         """From now on ``route`` refuses the model (its row stays: it is a training run with checkpoints)."""
@@ -497,27 +543,30 @@ class FuturesStore:
             connection.execute(update(models).where(models.c.model_id == model_id, models.c.unloaded_at.is_(None))
                                .values(unloaded_at=self._clock()))
 
-    def model(self, model_id: str) -> dict[str, Any]:
+    def model(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
         with self.engine.connect() as connection:
             row = connection.execute(select(models).where(models.c.model_id == model_id)).mappings().first()
-        if row is None:
-            raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+        if row is None or not may_see(tenant, row["tenant"]):
+            raise unknown_model_error(model_id)
         return _model_dict(row)
 
-    def training_runs(self, limit: int | None, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-        """One page of models (``limit`` None: all), newest first, each with ``last_request_time``; and how many
-        there are in all."""
+    def training_runs(self, limit: int | None, offset: int = 0,
+                      tenant: str | None = None) -> tuple[list[dict[str, Any]], int]:
+        """One page of models (``limit`` None: all; only ``tenant``'s when given), newest first, each with
+        ``last_request_time``; and how many there are in all."""
+        mine = _owned_by(models, tenant)
         with self.engine.connect() as connection:
-            total = connection.execute(select(func.count()).select_from(models)).scalar_one()
-            rows = connection.execute(select(models).order_by(models.c.created_at.desc(), models.c.model_id)
+            total = connection.execute(select(func.count()).select_from(models).where(mine)).scalar_one()
+            rows = connection.execute(select(models).where(mine)
+                                      .order_by(models.c.created_at.desc(), models.c.model_id)
                                       .limit(limit).offset(offset)).mappings().all()
             return self._with_last_request_time(connection, rows), total
 
-    def training_run(self, model_id: str) -> dict[str, Any]:
+    def training_run(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
         """One model, with ``last_request_time``."""
         with self.engine.connect() as connection:
             rows = connection.execute(select(models).where(models.c.model_id == model_id)).mappings().all()
-            if not rows:
+            if not rows or not may_see(tenant, rows[0]["tenant"]):
                 raise NotFoundError(f"Unknown training run {model_id!r}; pass a model_id create_model returned.")
             return self._with_last_request_time(connection, rows)[0]
 
@@ -538,20 +587,28 @@ class FuturesStore:
                 session_id=session_id, tenant=tenant, metadata=orjson.dumps(info or {}).decode(), created_at=now,
                 last_heartbeat_at=now))
 
-    def heartbeat(self, session_id: str) -> None:
+    def heartbeat(self, session_id: str, tenant: str | None = None) -> None:
         with self.engine.begin() as connection:
-            changed = connection.execute(update(sessions).where(sessions.c.session_id == session_id).values(
+            changed = connection.execute(update(sessions).where(sessions.c.session_id == session_id,
+                                                                _owned_by(sessions, tenant)).values(
                 last_heartbeat_at=self._clock())).rowcount
         if not changed:
-            raise NotFoundError(f"Unknown session_id {session_id!r}; create a session first.")
+            raise unknown_session_error(session_id)
+
+    def check_session(self, session_id: str, tenant: str | None) -> None:
+        """NotFoundError unless ``session_id`` is a session of ``tenant``."""
+        with self.engine.connect() as connection:
+            row = connection.execute(select(sessions.c.tenant).where(sessions.c.session_id == session_id)).first()
+        if row is None or not may_see(tenant, row.tenant):
+            raise unknown_session_error(session_id)
 
     def add_sampling_session(self, sampling_session_id: str, session_id: str, base_model: str,
-                             model_path: str | None = None) -> None:
+                             model_path: str | None = None, tenant: str | None = None) -> None:
         """Record a sampling session; a retry is a no-op, a different session under the same id a conflict."""
         with self.engine.begin() as connection:
             connection.execute(sqlite_insert(sampling_sessions).values(
                 sampling_session_id=sampling_session_id, session_id=session_id, base_model=base_model,
-                model_path=model_path, created_at=self._clock()).on_conflict_do_nothing())
+                model_path=model_path, created_at=self._clock(), tenant=tenant).on_conflict_do_nothing())
             row = connection.execute(select(sampling_sessions).where(
                 sampling_sessions.c.sampling_session_id == sampling_session_id)).mappings().one()
         if (row["session_id"], row["base_model"], row["model_path"]) != (session_id, base_model, model_path):
@@ -559,12 +616,12 @@ class FuturesStore:
                 f"Sampling session {sampling_session_id!r} already exists for {row['model_path'] or row['base_model']!r};"
                 " create each sampling client with the session's next sampling_session_seq_id.")
 
-    def sampling_session(self, sampling_session_id: str) -> dict[str, Any]:
+    def sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> dict[str, Any]:
         with self.engine.connect() as connection:
             row = connection.execute(select(sampling_sessions).where(
                 sampling_sessions.c.sampling_session_id == sampling_session_id)).mappings().first()
-        if row is None:
-            raise NotFoundError(f"Unknown sampling session {sampling_session_id!r}; create it first.")
+        if row is None or not may_see(tenant, row["tenant"]):
+            raise unknown_sampling_session_error(sampling_session_id)
         return dict(row)
 
     def close(self) -> None:
@@ -582,8 +639,27 @@ _SCAN_ORDER = " ORDER BY model_id, seq_id, request_id"
 _SCAN_PENDING = _SCAN_COLUMNS + _SCAN_ORDER
 _SCAN_PENDING_OF = _SCAN_COLUMNS + " AND model_id IN ({marks})" + _SCAN_ORDER
 _LOAD_PAYLOADS = "SELECT request_id, payload FROM futures WHERE request_id IN ({marks})"
-_STATES = ("SELECT request_id, status, result, error, error_category, request_type FROM futures "
+_STATES = ("SELECT request_id, status, result, error, error_category, request_type, tenant FROM futures "
            "WHERE request_id IN ({marks})")
+_TENANTS = "SELECT request_id, tenant FROM futures WHERE request_id IN ({marks})"
+
+
+# What an unknown record answers, and (so its existence is not revealed) another tenant's.
+def unknown_model_error(model_id: str) -> NotFoundError:
+    return NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+
+
+def unknown_session_error(session_id: str) -> NotFoundError:
+    return NotFoundError(f"Unknown session_id {session_id!r}; create a session first.")
+
+
+def unknown_sampling_session_error(sampling_session_id: str) -> NotFoundError:
+    return NotFoundError(f"Unknown sampling session {sampling_session_id!r}; create it first.")
+
+
+def _owned_by(table: Any, tenant: str | None) -> Any:
+    """A WHERE clause: the table's rows ``tenant`` may see."""
+    return true() if tenant is None else func.coalesce(table.c.tenant, LOCAL_TENANT) == tenant
 
 
 def unloaded_error(model_id: str) -> GoneError:
@@ -594,7 +670,7 @@ def unloaded_error(model_id: str) -> GoneError:
 def _placed_trainer(model_id: str, row: Any) -> str:
     """The trainer of a model's row (``trainer``, ``unloaded_at``), or the error a request for it gets."""
     if row is None:
-        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+        raise unknown_model_error(model_id)
     if row.unloaded_at is not None:
         raise unloaded_error(model_id)
     if row.trainer is None:

@@ -7,6 +7,9 @@ So even a burst of new callers costs one query per tick, not one each. ``notify`
 written in this same process with no query at all, and keeps the latest ``recent`` such results: a caller asking
 for one right after it landed (the usual case: the result beat the client's poll) gets it at once instead of
 waiting for the next tick. With nobody parked, nothing is queried.
+
+A caller waits as a tenant: another tenant's request is answered like one with no row (the ``missing`` error), by
+the same query, so the check costs nothing more; a remembered result is handed only to its own tenant.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 from typing import Awaitable, Callable, Sequence
 
 from lilo.futures.store import FutureState
+from lilo.tenants import may_see
 
 logger = logging.getLogger(__name__)
 
@@ -35,40 +39,49 @@ class FutureWaiter:
         self._tick_s = tick_s
         self._recent: collections.OrderedDict[int, FutureState] = collections.OrderedDict()
         self._recent_max = recent
-        self._parked: dict[int, list[asyncio.Future]] = {}
+        # request id -> (waiter, its tenant) for every parked caller
+        self._parked: dict[int, list[tuple[asyncio.Future, str | None]]] = {}
         self._poller: asyncio.Task | None = None
 
     @property
     def parked(self) -> int:
         return sum(len(waiters) for waiters in self._parked.values())
 
-    async def wait(self, request_id: int, timeout_s: float) -> FutureState:
-        """The finished state of ``request_id``; raises TimeoutError after ``timeout_s``."""
+    async def wait(self, request_id: int, timeout_s: float, tenant: str | None = None) -> FutureState:
+        """The finished state of ``request_id``, if ``tenant`` may see it (None: anyone); raises TimeoutError after
+        ``timeout_s``."""
         known = self._recent.get(request_id)
-        if known is not None:
+        if known is not None and may_see(tenant, known.tenant):
             return known
         future = asyncio.get_running_loop().create_future()
-        self._parked.setdefault(request_id, []).append(future)
+        entry = (future, tenant)
+        self._parked.setdefault(request_id, []).append(entry)
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll(), name="lilo-future-waiter")
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
             waiters = self._parked.get(request_id)
-            if waiters is not None and future in waiters:
-                waiters.remove(future)
+            if waiters is not None and entry in waiters:
+                waiters.remove(entry)
                 if not waiters:
                     del self._parked[request_id]
 
     def notify(self, state: FutureState) -> None:
-        """Resolve the waiters of a result this process just wrote, without asking the store."""
+        """Resolve the waiters of a result this process just wrote, without asking the store. (Waiters of another
+        tenant stay parked: the next poll answers them as for a request that does not exist.)"""
         self._recent[state.request_id] = state
         self._recent.move_to_end(state.request_id)
         while len(self._recent) > self._recent_max:
             self._recent.popitem(last=False)
-        for future in self._parked.pop(state.request_id, []):
-            if not future.done():
+        others = []
+        for future, tenant in self._parked.pop(state.request_id, []):
+            if not may_see(tenant, state.tenant):
+                others.append((future, tenant))
+            elif not future.done():
                 future.set_result(state)
+        if others:
+            self._parked[state.request_id] = others
 
     async def _poll(self) -> None:
         while self._parked:
@@ -77,19 +90,28 @@ class FutureWaiter:
                 states = await self._fetch(ids)
                 for request_id in ids:
                     state = states.get(request_id)
-                    if state is None:
+                    if state is None or self._has_others(request_id, state):
                         if self._missing is not None:
-                            self._fail(request_id, await self._missing(request_id))
-                    elif state.finished:
+                            self._fail(request_id, await self._missing(request_id), state)
+                    if state is not None and state.finished:
                         self.notify(state)
             except Exception:
                 logger.exception("polling %d parked futures failed; trying again next tick", len(ids))
             await asyncio.sleep(self._tick_s)
 
-    def _fail(self, request_id: int, error: Exception) -> None:
-        for future in self._parked.pop(request_id, []):
-            if not future.done():
+    def _has_others(self, request_id: int, state: FutureState) -> bool:
+        return any(not may_see(tenant, state.tenant) for _, tenant in self._parked.get(request_id, []))
+
+    def _fail(self, request_id: int, error: Exception, state: FutureState | None = None) -> None:
+        """Fail the waiters of ``request_id`` (with a ``state``: only those of other tenants than its own)."""
+        kept = []
+        for future, tenant in self._parked.pop(request_id, []):
+            if state is not None and may_see(tenant, state.tenant):
+                kept.append((future, tenant))
+            elif not future.done():
                 future.set_exception(error)
+        if kept:
+            self._parked[request_id] = kept
 
     async def close(self) -> None:
         if self._poller is not None:
