@@ -22,6 +22,7 @@ import logging
 from typing import Sequence
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
@@ -55,6 +56,7 @@ class RecoveryActor:
         self.recoveries: list[dict] = []
 
     async def _watch(self, trainer: str) -> None:
+        await self._catch_up(trainer)
         while True:
             try:
                 await named_actor(trainer).watch.remote()
@@ -65,6 +67,21 @@ class RecoveryActor:
             except Exception:
                 logger.exception("watching trainer %s failed; watching again", trainer)
                 await asyncio.sleep(RETRY_PLACEMENT_S)
+
+    async def _catch_up(self, trainer: str) -> None:
+        """On this actor's (re)start: a trainer that died while nobody watched (this actor was on the node that
+        left with it, say) is up again without the models placed on it; recover it now."""
+        while True:
+            try:
+                held = set(await named_actor(trainer).model_ids.remote())
+                placed = {model for model, on in (await self._futures.placement.remote()).items() if on == trainer}
+                break
+            except ray.exceptions.RayActorError:
+                await asyncio.sleep(RETRY_PLACEMENT_S)
+        if placed - held:
+            logger.warning("trainer %s lost %d model(s) while it was not watched; recovering them", trainer,
+                           len(placed - held))
+            await self._recover(trainer)
 
     async def _recover(self, trainer: str) -> None:
         displaced: list[DisplacedModel] = await self._futures.evacuate.remote(trainer, lost_message(trainer))
@@ -103,6 +120,8 @@ class RecoveryActor:
 
 
 def start_recovery(trainers: Sequence[str]) -> ray.actor.ActorHandle:
-    """The cluster's recovery actor, watching ``trainers``."""
+    """The cluster's recovery actor, watching ``trainers``, on this driver's node (the head, with the futures DB
+    actor), so that a worker node leaving does not take it along; if it dies anyway, it catches up on restart."""
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     return RecoveryActor.options(name=RECOVERY_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                                 get_if_exists=True).remote(list(trainers))
+                                 get_if_exists=True, scheduling_strategy=here).remote(list(trainers))

@@ -220,6 +220,11 @@ class TrainerActor:
             return None
         return engine.timings.snapshot(model_id, reset=reset, reader=reader)
 
+    async def model_ids(self) -> list[str]:
+        """Every model this trainer holds (a restarted trainer holds none)."""
+        engine = await self._engine()
+        return sorted(engine.model_ids())
+
     async def has_model(self, model_id: str) -> bool:
         _, backend, _ = await asyncio.wrap_future(self._ready)
         return model_id in backend.adapters

@@ -107,6 +107,11 @@ class Engine:
             self._cv.notify_all()
         return future
 
+    def model_ids(self) -> set[str]:
+        """The models this engine holds, from the moment ``create_model`` is called."""
+        with self._cv:
+            return set(self._queues)
+
     def remove_model(self, model_id: str) -> Future:
         """Drop an adapter after whatever of it is running; its queued commands fail with a message."""
         future: Future = Future()
