@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
@@ -24,7 +25,7 @@ from lilo.futures.scheduling import PendingMeta
 from lilo.futures.schema import PENDING
 from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
-    parse_request_id,
+    parse_request_id, unknown_session_error,
 )
 from lilo.futures.waiter import FutureWaiter
 
@@ -33,8 +34,10 @@ logger = logging.getLogger(__name__)
 FUTURES_ACTOR_NAME = "lilo-futures"
 # Under the SDK's 45 s read timeout for retrieve_future, so a long-poll answers before the client gives up.
 RETRIEVE_TIMEOUT_S = 40.0
-FLUSH_OUTBOX_EVERY_S = 5.0
+# Outbox retries, heartbeat writes and (every PRUNE_EVERY_S) pruning run this often.
+MAINTAIN_EVERY_S = 5.0
 PRUNE_EVERY_S = 600.0
+MAX_KNOWN_SESSIONS = 100_000
 ORPHAN_MESSAGE = ("The service stopped before this request finished, so it did not take effect; send it again to the "
                   "running service.")
 
@@ -48,6 +51,8 @@ class FuturesActor:
                                     missing=lambda request_id: self._run(self._store.missing_error, request_id))
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
+        self._session_tenants: dict[str, str] = {}  # sessions known to exist -> their tenant
+        self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
 
     async def _run(self, function: Callable, *args: Any) -> Any:
         self._start_maintenance()
@@ -60,12 +65,14 @@ class FuturesActor:
     async def _maintain(self) -> None:
         since_prune = 0.0
         while True:
-            await asyncio.sleep(FLUSH_OUTBOX_EVERY_S)
-            since_prune += FLUSH_OUTBOX_EVERY_S
+            await asyncio.sleep(MAINTAIN_EVERY_S)
+            since_prune += MAINTAIN_EVERY_S
             try:
                 loop = asyncio.get_running_loop()
                 if self._store.outbox_size:
                     await loop.run_in_executor(self._db, self._store.flush_outbox)
+                beats, self._heartbeats = self._heartbeats, {}
+                await loop.run_in_executor(self._db, self._store.record_heartbeats, beats)
                 if since_prune >= PRUNE_EVERY_S:
                     since_prune = 0.0
                     pruned = await loop.run_in_executor(self._db, self._store.prune)
@@ -177,7 +184,18 @@ class FuturesActor:
         await self._run(lambda: self._store.add_session(session_id, **owner))
 
     async def heartbeat(self, session_id: str, tenant: str | None = None) -> None:
-        await self._run(self._store.heartbeat, session_id, tenant)
+        """Note a session's heartbeat. Answered from memory once the session is known to be the caller's, so a
+        heartbeat never queues behind database work; the times are written every few seconds."""
+        known = self._session_tenants.get(session_id)
+        if known is None:
+            await self._run(self._store.check_session, session_id, tenant)  # 404 for a missing or foreign one
+            if tenant is not None:
+                if len(self._session_tenants) >= MAX_KNOWN_SESSIONS:
+                    self._session_tenants.clear()
+                self._session_tenants[session_id] = tenant
+        elif tenant is not None and known != tenant:
+            raise unknown_session_error(session_id)
+        self._heartbeats[session_id] = time.time()
 
     async def check_session(self, session_id: str, tenant: str | None) -> None:
         await self._run(self._store.check_session, session_id, tenant)

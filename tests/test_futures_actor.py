@@ -1,5 +1,6 @@
 """The futures DB actor on the real local cluster: the one writer, long-polls, and nothing lost to a crash."""
 
+import sqlite3
 import time
 import uuid
 
@@ -60,6 +61,30 @@ def test_placement_map_lives_with_the_actor(futures):
     assert ray.get(futures.placement.remote()) == {"m-1": "lilo-trainer-0"}
     with pytest.raises(NotFoundError):
         ray.get(futures.place_model.remote("nope", "lilo-trainer-0"))
+
+
+def test_heartbeats_are_answered_from_memory_and_written_in_the_background(futures):
+    ray.get(futures.add_session.remote("s-alpha", tenant="alpha"))
+    ray.get(futures.heartbeat.remote("s-alpha", "alpha"))  # the first one checks the session in the database
+    statements = ray.get(futures.stats.remote())["statements"]
+    for _ in range(20):
+        ray.get(futures.heartbeat.remote("s-alpha", "alpha"))
+    # None of them touched SQLite: beyond stats' own count query, at most one background write of the times.
+    assert ray.get(futures.stats.remote())["statements"] - statements <= 2
+    for session, tenant in (("s-alpha", "beta"), ("nope", "alpha")):  # another tenant's session, or none
+        with pytest.raises(NotFoundError, match="Unknown session_id"):
+            ray.get(futures.heartbeat.remote(session, tenant))
+    # Written within one maintenance interval (5 s).
+    path = ray.get(futures.stats.remote())["db_path"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with sqlite3.connect(path) as reader:
+            (written,) = reader.execute("SELECT last_heartbeat_at > created_at FROM sessions WHERE session_id = ?",
+                                        ("s-alpha",)).fetchone()
+        if written:
+            break
+        time.sleep(0.5)
+    assert written
 
 
 def test_a_killed_actor_restarts_and_loses_nothing_it_acknowledged(futures):

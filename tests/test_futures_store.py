@@ -341,9 +341,12 @@ def test_a_database_on_a_network_filesystem_is_warned_about(tmp_path, monkeypatc
 
 def test_models_sessions_and_sampling_sessions_round_trip(store):
     store.add_session("s1", tenant="t", info={"tags": ["a"]})
-    store.heartbeat("s1")
+    store.check_session("s1", "t")
     with pytest.raises(NotFoundError, match="Unknown session_id 'nope'"):
-        store.heartbeat("nope")
+        store.check_session("nope", "t")
+    store.record_heartbeats({"s1": 123.0, "nope": 124.0})  # a session that is gone is skipped
+    with store.engine.connect() as connection:
+        assert connection.exec_driver_sql("SELECT session_id, last_heartbeat_at FROM sessions").all() == [("s1", 123.0)]
     store.add_model("s1:train:0", "lilo/tiny-llama", {"rank": 4}, tenant="t", session_id="s1")
     assert store.trainer_of("s1:train:0") is None and store.trainer_of("ghost") is None
     store.place_model("s1:train:0", "lilo-trainer-1")

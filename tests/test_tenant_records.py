@@ -40,8 +40,8 @@ def test_another_tenants_records_answer_as_unknown_ones(store):
     assert store.route(model, "alpha") == "lilo-trainer-0" and store.model(model, "alpha")["tenant"] == "alpha"
     assert all(as_unknown(call, model, "beta") for call in (store.route, store.model, store.training_run))
     assert store.trainer_of(model, "beta") is None and store.trainer_of(model, "alpha") == "lilo-trainer-0"
-    assert as_unknown(store.heartbeat, session, "beta") and as_unknown(store.check_session, session, "beta")
-    store.heartbeat(session, "alpha")
+    assert as_unknown(store.check_session, session, "beta")
+    store.check_session(session, "alpha")
     assert as_unknown(store.sampling_session, sampling, "beta")
     assert store.sampling_session(sampling, "alpha")["tenant"] == "alpha"
     # lilo itself (no tenant) sees everything.

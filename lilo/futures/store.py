@@ -587,13 +587,12 @@ class FuturesStore:
                 session_id=session_id, tenant=tenant, metadata=orjson.dumps(info or {}).decode(), created_at=now,
                 last_heartbeat_at=now))
 
-    def heartbeat(self, session_id: str, tenant: str | None = None) -> None:
-        with self.engine.begin() as connection:
-            changed = connection.execute(update(sessions).where(sessions.c.session_id == session_id,
-                                                                _owned_by(sessions, tenant)).values(
-                last_heartbeat_at=self._clock())).rowcount
-        if not changed:
-            raise unknown_session_error(session_id)
+    def record_heartbeats(self, beats: dict[str, float]) -> None:
+        """Write sessions' latest heartbeat times, gathered in memory, in one statement."""
+        if beats:
+            with self.engine.begin() as connection:
+                connection.execute(update(sessions).where(sessions.c.session_id == bindparam("sid")).values(
+                    last_heartbeat_at=bindparam("at")), [{"sid": sid, "at": at} for sid, at in beats.items()])
 
     def check_session(self, session_id: str, tenant: str | None) -> None:
         """NotFoundError unless ``session_id`` is a session of ``tenant``."""
