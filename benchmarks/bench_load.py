@@ -121,6 +121,16 @@ def futures_stats(futures) -> dict:
     return ray.get(futures.stats.remote())
 
 
+def wait_until_parked(futures, waiters: int, timeout_s: float = 300.0) -> None:
+    """Until every waiter's long-poll has reached the futures DB actor (they queue through Serve's proxy first):
+    the phase measures a steady state with all of them parked, not their arrival."""
+    deadline = time.monotonic() + timeout_s
+    while futures_stats(futures)["parked_waiters"] < waiters:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {waiters} waiters parked after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def db_statements(futures) -> int:
     return futures_stats(futures)["statements"]
 
@@ -167,7 +177,7 @@ async def run(base_url: str, futures, clients: int, waiters: int, seconds: float
             request_ids += await asyncio.gather(*(submit_forward(http, api, parked_model, seq)
                                                   for seq in range(start, min(start + 256, waiters + 2))))
         parked = [asyncio.create_task(retrieve(http, api, request_id, counts)) for request_id in request_ids]
-        await asyncio.sleep(1.0)  # every waiter has reached the futures DB
+        await asyncio.to_thread(wait_until_parked, futures, waiters)
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             probe = asyncio.get_running_loop().run_in_executor(pool, probe_heartbeats, base_url, session_id, seconds)
             before = await asyncio.to_thread(db_statements, futures)
@@ -197,7 +207,7 @@ def main() -> None:
     parser.add_argument("--waiters", type=int, default=2048)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--drain-s", type=float, default=30.0)
+    parser.add_argument("--drain-s", type=float, default=60.0)
     parser.add_argument("--port", type=int, default=8720)
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
