@@ -1,6 +1,7 @@
-"""Bad input over real HTTP on the session cluster: each request here was a 500 (or worse) before, found by the fuzz
-tests (test_fuzz_*.py) or while writing them, and is now a 4xx whose ``detail`` says what to change. Plus the body
-gates for every route: 415 for a body that is not JSON, 413 for a zstd body that inflates past the limit."""
+"""Bad input over real HTTP on the session cluster: each request here got a 500, or a 4xx without a sentence, before
+(found by the fuzz tests, test_fuzz_*.py, or while writing them) and is now a 4xx whose ``detail`` says what to
+change. Plus the body gates: a 415 for a body that is not JSON on every JSON route, a 413 from the declared size
+alone, and a 413 for a zstd body that inflates past the limit."""
 
 import socket
 

@@ -43,7 +43,7 @@ from helpers import record_counts
 API_KEY = {"X-API-Key": "tml-local-test"}
 ANSWER_BOUND_S = 10.0
 EXAMPLES = 12
-EDGE_EXAMPLES = 30
+EDGE_EXAMPLES = 50
 UNSERVED_BASE_MODEL = "fuzz/not-served"
 SMALL_REQUEST_IDS = 10**9  # request ids below this may be real futures of other tests
 

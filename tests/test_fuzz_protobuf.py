@@ -23,7 +23,7 @@ from helpers import record_counts
 from lilo.protocol.proto import pb
 
 ANSWER_BOUND_S = 10.0
-EXAMPLES = 250
+EXAMPLES = 300
 PROTOBUF = {"Content-Type": "application/x-protobuf", "X-API-Key": "tml-local-test"}
 DTYPES = [pb.DTYPE_UNSPECIFIED, pb.DTYPE_FLOAT32, pb.DTYPE_INT64, pb.DTYPE_INT32, pb.DTYPE_BFLOAT16, 99]
 
