@@ -71,18 +71,25 @@ def test_a_zstd_body_that_inflates_past_the_limit_is_a_413_and_a_cut_one_a_422(l
     assert_refused(post(local_cluster, "forward_backward", whole[:-2], zstd), 422, "ends in the middle of a frame")
 
 
-def test_a_float_lora_seed_is_a_422_and_creates_no_model(local_cluster):
+@pytest.fixture(scope="module")
+def session_id(local_cluster) -> str:
+    created = post(local_cluster, "create_session", b"{}")
+    assert created.status_code == 200, created.text
+    return created.json()["session_id"]
+
+
+def test_a_float_lora_seed_is_a_422_and_creates_no_model(local_cluster, session_id):
     # It was accepted, took an adapter slot, and failed on the trainer as a "server" error (torch's manual_seed).
-    body = (b'{"session_id": "bad-input", "model_seq_id": 0, "base_model": "%s", '
-            b'"lora_config": {"rank": 4, "seed": 1.5}}' % local_cluster.base_models[0].encode())
+    body = (b'{"session_id": "%s", "model_seq_id": 0, "base_model": "%s", "lora_config": {"rank": 4, "seed": 1.5}}'
+            % (session_id.encode(), local_cluster.base_models[0].encode()))
     assert_refused(post(local_cluster, "create_model", body), 422, "integer seed")
-    assert post(local_cluster, "get_info", b'{"model_id": "bad-input:train:0"}').status_code == 404
+    assert post(local_cluster, "get_info", b'{"model_id": "%s:train:0"}' % session_id.encode()).status_code == 404
 
 
-def test_a_malformed_prompt_is_a_422(local_cluster):
+def test_a_malformed_prompt_is_a_422(local_cluster, session_id):
     # Found with a real sampling session (the schema fuzzer's random ids stop at "unknown sampling session").
-    opened = post(local_cluster, "create_sampling_session", b'{"session_id": "bad-input", "sampling_session_seq_id": '
-                  b'0, "base_model": "%s"}' % local_cluster.base_models[0].encode())
+    opened = post(local_cluster, "create_sampling_session", b'{"session_id": "%s", "sampling_session_seq_id": 0, '
+                  b'"base_model": "%s"}' % (session_id.encode(), local_cluster.base_models[0].encode()))
     assert opened.status_code == 200, opened.text
     body = (b'{"sampling_session_id": "%s", "seq_id": 0, "prompt": {"chunks": [1]}, "sampling_params": '
             b'{"max_tokens": 1}}' % opened.json()["sampling_session_id"].encode())
