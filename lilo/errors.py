@@ -31,3 +31,7 @@ class SaturatedError(LiloError):
 class UnavailableError(LiloError):
     """Something it needs is being restored (a trainer's models after the trainer failed); retry shortly (HTTP
     503, which the SDK retries by itself)."""
+
+
+class TooLargeError(LiloError):
+    """The request is larger than this server takes, as sent or once inflated (HTTP 413)."""

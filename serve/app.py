@@ -31,7 +31,8 @@ from lilo.telemetry.phase_stats import ALL_MODELS
 from lilo.protocol.proto import decode_forward_backward, inflate
 from serve import runs, sampling, training
 from serve.auth import ApiKeyGate, caller
-from serve.errors import install_error_handlers
+from serve.errors import ERROR_RESPONSES, install_error_handlers
+from serve.json_body import INT64_MAX, StrictJsonRoute
 from serve.limits import BodyLimit, JsonOnly
 
 APP_NAME = "lilo"
@@ -43,7 +44,9 @@ MAX_PAGE = 1000  # training runs or checkpoints per listing page
 # submissions behind other clients' polls in the proxy.
 MAX_ONGOING_REQUESTS = 8192
 
-api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service")
+api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service",
+              responses=ERROR_RESPONSES)
+api.router.route_class = StrictJsonRoute  # before the routes below are made
 install_error_handlers(api)
 api.add_middleware(JsonOnly, protobuf_paths=frozenset({"/api/v1/forward_backward"}))
 api.add_middleware(BodyLimit)
@@ -268,7 +271,9 @@ class LiloIngress:
     # --- training runs, checkpoints and unloading (RestClient / CLI; serve/runs.py) -----------------------
     @api.get("/api/v1/training_runs")
     async def list_training_runs(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
-                                 offset: int = Query(0, ge=0), tenant: str = Depends(caller)) -> dict[str, Any]:
+                                 # SQLite's OFFSET takes 64-bit integers (JSON bodies: serve/json_body.py)
+                                 offset: int = Query(0, ge=0, le=INT64_MAX),
+                                 tenant: str = Depends(caller)) -> dict[str, Any]:
         # access_scope and project_id (also sent) change nothing here: a tenant sees its own runs, in one project.
         return await runs.list_training_runs(self._futures, self._trainers, limit, offset, tenant)
 
@@ -288,7 +293,8 @@ class LiloIngress:
 
     @api.get("/api/v1/checkpoints")
     async def list_user_checkpoints(self, limit: int = Query(100, ge=1, le=MAX_PAGE),
-                                    offset: int = Query(0, ge=0), tenant: str = Depends(caller)) -> dict[str, Any]:
+                                    offset: int = Query(0, ge=0, le=INT64_MAX),
+                                    tenant: str = Depends(caller)) -> dict[str, Any]:
         return await runs.list_user_checkpoints(self._futures, self._trainers, limit, offset, tenant)
 
     @api.post("/api/v1/unload_model")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -62,3 +64,10 @@ def retrieve_finished(http: httpx.Client, url: str, request_id: str, polls: int 
         if not pending:
             return response
     raise AssertionError(f"future {request_id} was still pending after {polls} long polls")
+
+
+def record_counts(db_path: Path) -> dict[str, int]:
+    """Rows per table of a futures DB, read through a read-only connection (the DB actor stays its one writer)."""
+    with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as connection:
+        return {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                for table in ("futures", "models", "sessions", "sampling_sessions")}

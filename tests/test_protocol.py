@@ -1,5 +1,7 @@
 """The protobuf codec against the tinker SDK's own encoder and decoder."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 import tinker
@@ -8,8 +10,9 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from lilo.errors import InvalidRequestError
-from lilo.protocol.proto import decode_forward_backward, encode_forward_backward_output, inflate
+from lilo.errors import InvalidRequestError, TooLargeError
+from lilo.protocol.proto import INFLATE_CHUNK, decode_forward_backward, encode_forward_backward_output, inflate, pb
+from serve.errors import status_for
 
 
 def sdk_request(forward_only_config=None, loss_fn="cross_entropy") -> bytes:
@@ -56,14 +59,55 @@ def test_malformed_bodies_are_refused_with_a_message(body, message):
         decode_forward_backward(body)
 
 
-def test_zstd_bodies_inflate_and_a_bomb_is_refused_before_it_inflates_whole():
+def zstd_bomb(inflated_bytes: int) -> bytes:
+    """A zstd body of ``inflated_bytes`` zeros, compressed without holding them all in memory."""
+    compressor, zeros = zstandard.ZstdCompressor().compressobj(), bytes(1 << 20)
+    return b"".join(compressor.compress(zeros) for _ in range(inflated_bytes >> 20)) + compressor.flush()
+
+
+def test_zstd_bodies_inflate_and_other_encodings_are_refused():
     body = sdk_request()
     assert inflate(zstandard.ZstdCompressor().compress(body), "zstd", 1 << 20) == body
-    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))
-    with pytest.raises(InvalidRequestError, match="inflates past 1048576 bytes"):
-        inflate(bomb, "zstd", 1 << 20)
     with pytest.raises(InvalidRequestError, match="not supported"):
         inflate(body, "br", 1 << 20)
+
+
+def test_a_zstd_bomb_is_refused_with_a_413_before_it_inflates_whole():
+    bomb = zstd_bomb(64 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooLargeError, match="inflates past this server's limit of 1048576 bytes"):
+            inflate(bomb, "zstd", 1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Inflating it whole would take 64 MiB; reading stops one chunk past the 1 MiB limit (1 MiB spare for the rest).
+    assert peak < (1 << 20) + 2 * INFLATE_CHUNK + (1 << 20)
+    assert status_for(TooLargeError("x")) == 413
+
+
+def test_every_zstd_frame_is_inflated_and_a_frame_cut_short_or_trailing_bytes_are_refused():
+    compress = zstandard.ZstdCompressor().compress
+    first, second = sdk_request()[:20], sdk_request()[20:]
+    # Before: only the first frame was read, and a cut frame inflated to its prefix without a word.
+    assert inflate(compress(first) + compress(second), "zstd", 1 << 20) == sdk_request()
+    whole = compress(sdk_request())
+    with pytest.raises(InvalidRequestError, match="ends in the middle of a frame"):
+        inflate(whole[:-3], "zstd", 1 << 20)
+    with pytest.raises(InvalidRequestError, match="could not be decompressed"):
+        inflate(whole + b"junk", "zstd", 1 << 20)
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    # Found by fuzzing: a 500 (numpy's "buffer size must be a multiple of element size").
+    (lambda datum: setattr(datum.model_input.add().encoded_text, "tokens", b"abc"), "not a whole number of int32"),
+    (lambda datum: datum.model_input.add(), "empty model_input chunk"),
+])
+def test_malformed_datums_are_refused_with_a_message(build, message):
+    request = pb.ForwardBackwardRequest(model_id="s1:train:0", seq_id=1)
+    build(request.data.add())
+    with pytest.raises(InvalidRequestError, match=message):
+        decode_forward_backward(request.SerializeToString())
 
 
 def test_the_sdk_version_is_the_one_the_schema_comes_from():

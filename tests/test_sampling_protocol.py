@@ -3,6 +3,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
@@ -54,10 +56,33 @@ def test_without_max_tokens_a_sample_may_fill_the_context():
     (sdk_body(stop=[5, 5000]), "list of token ids"),
     ({**sdk_body(), "topk_sample_logprobs": 3}, "topk_sample_logprobs is not supported"),
     ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "image chunks"),
+    # Each of these was a 500 (found by probing asample with a real sampling session).
+    ({**sdk_body(), "prompt": {"chunks": "abc"}}, "list of chunk objects"),
+    ({**sdk_body(), "prompt": {"chunks": [1]}}, "list of chunk objects"),
+    ({**sdk_body(), "prompt": {"chunks": [{"tokens": ["a"]}]}}, "list of integer token ids"),
+    ({**sdk_body(), "prompt": {"chunks": [{"tokens": 5}]}}, "list of integer token ids"),
 ])
 def test_a_request_that_cannot_run_is_refused_with_what_to_change(body, message):
     with pytest.raises(InvalidRequestError, match=message):
         decode_sample_request(body, **LIMITS)
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                        max_size=3), max_leaves=8)
+chunk_likes = st.fixed_dictionaries({}, optional={"type": st.sampled_from(["encoded_text", "image"]) | json_values,
+                                                  "tokens": st.lists(st.integers(-5, 2000), max_size=4) | json_values})
+
+
+@settings(max_examples=300, derandomize=True, database=None, deadline=None)
+@given(prompt=st.fixed_dictionaries({}, optional={"chunks": st.lists(chunk_likes | json_values, max_size=3)
+                                                  | json_values}))
+def test_any_prompt_json_is_decoded_or_refused_with_a_message(prompt):
+    """asample's prompt is free-form JSON the HTTP fuzzer cannot reach without a real sampling session."""
+    try:
+        decode_sample_request({**sdk_body(), "prompt": prompt}, **LIMITS)
+    except InvalidRequestError:
+        pass
 
 
 def test_a_sample_response_we_encode_is_what_the_sdk_reads():

@@ -44,6 +44,7 @@ RETRY_BASE_S = 1.0  # 1 + 2 + 4 + 8 + 16 + 32: about a minute before a batch goe
 OUTBOX_LIMIT = 100_000
 # Under SQLite's compiled-in bound-parameter limit (32766 since 3.32), with room for a few other parameters.
 MAX_BOUND_PARAMS = 32_000
+MAX_REQUEST_ID = (1 << 63) - 1  # SQLite's largest INTEGER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +136,9 @@ def parse_request_id(raw: str | int) -> int:
         request_id = int(raw)
     except (TypeError, ValueError):
         raise InvalidRequestError(f"request_id {raw!r} is not a request id; pass the id a submission returned.") from None
-    if request_id < 1:
-        raise InvalidRequestError(f"request_id {raw!r} is not a request id; ids are positive integers.")
+    if not 1 <= request_id <= MAX_REQUEST_ID:  # a larger one would fail every SQLite query it joins
+        raise InvalidRequestError(f"request_id {raw!r} is not a request id; ids are positive integers up to "
+                                  f"{MAX_REQUEST_ID}.")
     return request_id
 
 

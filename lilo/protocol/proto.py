@@ -15,8 +15,9 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from lilo.backend.types import Datum, TrainInput
-from lilo.errors import InvalidRequestError
+from lilo.errors import InvalidRequestError, TooLargeError
 
+INFLATE_CHUNK = 1 << 20  # inflated bytes read per step while counting against the limit
 _NUMPY_BY_DTYPE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
 
 
@@ -29,19 +30,38 @@ class ForwardBackwardCall:
 
 
 def inflate(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
-    """The request body, zstd-decompressed when so encoded, refusing to inflate past ``max_bytes``."""
+    """The request body, zstd-decompressed when so encoded (every frame of it), refusing to inflate past
+    ``max_bytes``: a bomb is stopped after ``max_bytes + INFLATE_CHUNK`` bytes at most, never inflated whole."""
     if not content_encoding or content_encoding == "identity":
         return body
     if content_encoding != "zstd":
         raise InvalidRequestError(f"Content-Encoding {content_encoding!r} is not supported; send zstd or none.")
+    chunks, size = [], 0
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(body)
-        inflated = reader.read(max_bytes + 1)
+        reader = zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True)
+        while chunk := reader.read(INFLATE_CHUNK):
+            size += len(chunk)
+            if size > max_bytes:
+                raise TooLargeError(f"The body inflates past this server's limit of {max_bytes} bytes "
+                                    "(LILO_MAX_BODY_MB); send smaller chunks.")
+            chunks.append(chunk)
+        _check_whole_frames(body)
     except zstandard.ZstdError as error:
-        raise InvalidRequestError(f"The zstd body could not be decompressed ({error}).") from None
-    if len(inflated) > max_bytes:
-        raise InvalidRequestError(f"The body inflates past {max_bytes} bytes; send smaller chunks.")
-    return inflated
+        raise InvalidRequestError(f"The zstd body could not be decompressed ({error}); send whole zstd frames.") \
+            from None
+    return b"".join(chunks)
+
+
+def _check_whole_frames(body: bytes) -> None:
+    """Refuse a body whose last zstd frame is cut short: the stream reader returns such a frame's prefix without
+    complaint. Called once the body is known to inflate within the limit, so walking it again is bounded too."""
+    rest = body
+    while rest:
+        frame = zstandard.ZstdDecompressor().decompressobj()
+        frame.decompress(rest)
+        if not frame.eof:
+            raise InvalidRequestError("The zstd body ends in the middle of a frame; send the whole compressed body.")
+        rest = frame.unused_data
 
 
 def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
@@ -66,8 +86,13 @@ def _datum(index: int, message: pb.Datum) -> Datum:
     tokens: list[np.ndarray] = []
     for chunk in message.model_input:
         kind = chunk.WhichOneof("chunk")
+        if kind is None:
+            raise InvalidRequestError(f"Datum {index} has an empty model_input chunk; send encoded_text chunks.")
         if kind != "encoded_text":
             raise InvalidRequestError(f"Datum {index}: {kind} chunks are not supported by this server; send text.")
+        if len(chunk.encoded_text.tokens) % 4:
+            raise InvalidRequestError(f"Datum {index}: encoded_text tokens are {len(chunk.encoded_text.tokens)} "
+                                      "bytes, not a whole number of int32 token ids.")
         tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
     inputs = {name: _tensor(index, name, tensor) for name, tensor in message.loss_fn_inputs.items()}
     return Datum(tokens=np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32), loss_inputs=inputs)

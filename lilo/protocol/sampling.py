@@ -52,12 +52,23 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
 
 def prompt_tokens(model_input: Mapping[str, Any]) -> list[int]:
     """The tokens of a ModelInput (``{"chunks": [...]}``); only text chunks are supported."""
+    chunks = model_input.get("chunks") or []
+    if not isinstance(chunks, list) or not all(isinstance(chunk, dict) for chunk in chunks):
+        raise InvalidRequestError("prompt.chunks must be a list of chunk objects such as "
+                                  '{"type": "encoded_text", "tokens": [1, 2]}.')
     tokens: list[int] = []
-    for chunk in model_input.get("chunks") or []:
+    for chunk in chunks:
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise InvalidRequestError(f"{chunk.get('type')} chunks are not supported by this server; send text.")
-        tokens.extend(chunk.get("tokens") or [])
+        chunk_tokens = chunk.get("tokens") or []
+        if not isinstance(chunk_tokens, list) or not all(_is_int(token) for token in chunk_tokens):
+            raise InvalidRequestError("The prompt's tokens must be a list of integer token ids.")
+        tokens.extend(chunk_tokens)
     return tokens
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_ids: Sequence[int],
@@ -70,7 +81,7 @@ def stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_ids: Seque
         return [], [stop]
     if all(isinstance(item, str) for item in stop):
         return [], list(stop)
-    if not all(isinstance(item, int) and 0 <= item < vocab_size for item in stop):
+    if not all(_is_int(item) and 0 <= item < vocab_size for item in stop):
         raise InvalidRequestError(f"stop must be a string, a list of strings, or a list of token ids in "
                                   f"[0, {vocab_size}).")
     return [[token] for token in stop], []
