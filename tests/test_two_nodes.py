@@ -3,9 +3,11 @@ spread over both nodes, every request still reaches its model's owner, and when 
 models fail what they had in flight and come back on the node that is left."""
 
 import json
+import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,21 +44,30 @@ def datum(seed: int, length: int = 17) -> types.Datum:
                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)})
 
 
-def remove_a_node_mid_step(cluster, node, leaving: list, staying: list) -> None:
-    """Take ``node`` out of the cluster while ``leaving``'s models (placed on it) have a step in flight: those
-    fail within 30 s and their models serve again, restored elsewhere; ``staying``'s models train on throughout."""
+def remove_a_node_mid_step(cluster, node, leaving: list, staying: list, futures_db: Path) -> None:
+    """Take ``node`` out of the cluster while ``leaving``'s models (placed on it) have a step in flight: the
+    service fails those within 30 s and their models serve again, restored elsewhere; ``staying``'s models train
+    on throughout."""
+    assert leaving and staying
     in_flight = [client.forward_backward([datum(seed, 129) for seed in range(32)], "cross_entropy")
                  for client in leaving]
     time.sleep(0.5)
-    left_at = time.monotonic()
+    left_at = time.time()
     cluster.remove_node(node, allow_graceful=False)
     for client in staying:
         client.forward_backward([datum(7)], "cross_entropy").result(timeout=120)
+    # The client learns of it once it reaches an ingress again: if Serve's only replica was on that node, Serve
+    # first has to replace it (seconds, more on a loaded machine), so the client's wait is bounded loosely...
     for future in in_flight:
         with pytest.raises(tinker.RequestFailedError) as failed:
-            future.result(timeout=30)
+            future.result(timeout=120)
         assert failed.value.category == "server" and "stopped before this request finished" in failed.value.message
-    assert time.monotonic() - left_at < 30
+    # ...and the service's own bound is checked where it acts: when it failed them, in the futures DB.
+    with sqlite3.connect(futures_db) as db:
+        failed_at = [at for (at,) in db.execute(
+            f"SELECT finished_at FROM futures WHERE status = 'failed' AND model_id IN ({','.join('?' * len(leaving))})",
+            [client.model_id for client in leaving])]
+    assert failed_at and max(failed_at) - left_at < 30
     for client in leaving:  # restored on the node that is left (no checkpoint: a fresh adapter), same client
         assert np.isfinite(client.forward_backward([datum(8)], "cross_entropy").result(timeout=120).metrics["loss:sum"])
 
@@ -95,7 +106,7 @@ def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_afte
                          for model_id in trainer["models"]}
             leaving = [client for client in clients if client.model_id in on_worker]
             staying = [client for client in clients if client.model_id not in on_worker]
-            remove_a_node_mid_step(two_node_cluster, worker, leaving, staying)
+            remove_a_node_mid_step(two_node_cluster, worker, leaving, staying, home / "futures.db")
     finally:
         stopped = lilo("down", "--home", str(home))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
