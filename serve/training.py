@@ -13,6 +13,7 @@ from ray.actor import ActorHandle
 from cluster.placement import named_actor, place
 from lilo.backend.checkpoint_index import WEIGHTS
 from lilo.backend.checkpoints import checked_name, parse_tinker_path
+from lilo.backend.losses import check_train_input
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
@@ -191,6 +192,7 @@ async def failing_future(futures: ActorHandle, request_id: int, kind: str) -> As
 async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCall,
                                   tenant: str | None) -> dict[str, str]:
     train = call.train
+    check_train_input(train)  # a malformed request is a 4xx here, before anything is recorded
     stored = {"loss_fn": train.loss_fn, "loss_config": dict(train.loss_config),
               "data": [{"tokens": d.tokens, "inputs": dict(d.loss_inputs)} for d in train.data]}
     kind = FORWARD if call.forward_only else FORWARD_BACKWARD

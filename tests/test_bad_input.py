@@ -127,3 +127,31 @@ def test_a_declared_size_over_the_limit_is_refused_before_the_body_is_sent(local
                 break
             answer += chunk
     assert answer.startswith("HTTP/1.1 413") and "LILO_MAX_BODY_MB" in answer, answer
+
+
+def forward_backward_body(model_id: str, loss_fn: str = "cross_entropy", weights=None, data: bool = True) -> bytes:
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    tokens = list(range(1, 10))
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * 8})
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum] if data else [], loss_fn=loss_fn),
+        model_id=model_id, seq_id=1)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_a_malformed_training_batch_is_a_422_at_once_and_records_nothing(local_cluster, session_id):
+    created = post(local_cluster, "create_model", b'{"session_id": "%s", "model_seq_id": 1, "base_model": "%s", '
+                   b'"lora_config": {"rank": 4}}' % (session_id.encode(), local_cluster.base_models[0].encode()))
+    assert created.status_code == 200, created.text
+    model_id = created.json()["model_id"]
+    for body, words in ((forward_backward_body(model_id, loss_fn="hinge"), "Unknown loss_fn 'hinge'"),
+                        (forward_backward_body(model_id, weights=[1.0] * 7), "has 7 entries but the input has 8"),
+                        (forward_backward_body(model_id, weights=[float("nan")] * 8), "NaN or infinite"),
+                        (forward_backward_body(model_id, data=False), "no data")):
+        assert_refused(post(local_cluster, "forward_backward", body, PROTOBUF), 422, words)
+    # None of them took seq 1: the well-formed request under it is a new one, not a conflict with a refused one.
+    accepted = post(local_cluster, "forward_backward", forward_backward_body(model_id), PROTOBUF)
+    assert accepted.status_code == 200, accepted.text

@@ -25,7 +25,7 @@ from lilo.backend.checkpoints import (
 )
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import AdamParams, SlotAdamW
-from lilo.backend.types import Datum, LoadRequest, LoraSpec, TrainInput
+from lilo.backend.types import Datum, LoadRequest, LoraSpec
 from lilo.engine.commands import SAVE_WEIGHTS, Command
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
@@ -169,13 +169,7 @@ class TorchBackend:
 
     def _validate(self, command: Command) -> tuple[losses.LossFn, dict]:
         self._adapter(command.model_id)
-        train: TrainInput = command.payload
-        if not train.data:
-            raise InvalidRequestError(f"Request {command.request_id} has no data; send at least one datum.")
-        loss_fn, config = losses.resolve(train.loss_fn, train.loss_config)
-        for n, datum in enumerate(train.data):
-            _check_datum(n, datum, losses.REQUIRED_INPUTS[train.loss_fn], self.vocab_size)
-        return loss_fn, config
+        return losses.check_train_input(command.payload, self.vocab_size)
 
     def _route(self, slots: Sequence[int] | None) -> None:
         """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none)."""
@@ -297,26 +291,6 @@ class TorchBackend:
                 self.bank.view(weights, index)[where] = state.tensors[key].to(weights.device, weights.dtype)
             self._samplers[path] = version
         self._samplers.move_to_end(path)
-
-
-def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: int) -> None:
-    length = len(datum.tokens)
-    if length == 0:
-        raise InvalidRequestError(f"Datum {index} has no tokens; send at least one input token.")
-    missing = [key for key in required if key not in datum.loss_inputs]
-    if missing:
-        raise InvalidRequestError(f"Datum {index} lacks loss input(s) {', '.join(missing)}.")
-    for key, values in datum.loss_inputs.items():
-        if len(values) != length:
-            raise InvalidRequestError(
-                f"Datum {index}: {key} has {len(values)} entries but the input has {length} tokens; make them equal.")
-        if key != "target_tokens" and not np.isfinite(np.asarray(values, dtype=np.float64)).all():
-            raise InvalidRequestError(f"Datum {index}: {key} holds NaN or infinite values; send finite numbers.")
-    for key, values in (("tokens", datum.tokens), ("target_tokens", datum.loss_inputs["target_tokens"])):
-        array = np.asarray(values)
-        if array.min() < 0 or array.max() >= vocab_size:
-            raise InvalidRequestError(
-                f"Datum {index}: {key} holds ids outside the vocabulary [0, {vocab_size}); check the tokenizer.")
 
 
 def _micro_batches(rows: Sequence[tuple[int, Datum]], max_tokens: int) -> list[list[tuple[int, Datum]]]:
