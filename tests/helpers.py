@@ -71,3 +71,13 @@ def record_counts(db_path: Path) -> dict[str, int]:
     with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as connection:
         return {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
                 for table in ("futures", "models", "sessions", "sampling_sessions")}
+
+
+def unload_models(api_url: str, model_ids: list[str], api_key: str = "tml-local-test") -> None:
+    """Unload these models and wait until their adapter slots are free (the session cluster has 16 per trainer,
+    and the tests that run last need some)."""
+    with httpx.Client(timeout=60, headers={"X-API-Key": api_key}) as http:
+        for model_id in model_ids:
+            unloaded = http.post(f"{api_url}/api/v1/unload_model", json={"model_id": model_id})
+            assert unloaded.status_code == 200, unloaded.text
+            retrieve_finished(http, f"{api_url}/api/v1/retrieve_future", unloaded.json()["request_id"])

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import zstandard
 
+from helpers import unload_models
 from lilo.protocol.proto import pb
 from serve.app import api as ingress_api
 
@@ -154,4 +155,5 @@ def test_a_malformed_training_batch_is_a_422_at_once_and_records_nothing(local_c
         assert_refused(post(local_cluster, "forward_backward", body, PROTOBUF), 422, words)
     # None of them took seq 1: the well-formed request under it is a new one, not a conflict with a refused one.
     accepted = post(local_cluster, "forward_backward", forward_backward_body(model_id), PROTOBUF)
+    unload_models(local_cluster.api_url, [model_id])
     assert accepted.status_code == 200, accepted.text

@@ -25,7 +25,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.recovery import RECOVERY_ACTOR_NAME
-from helpers import retrieve_finished
+from helpers import retrieve_finished, unload_models
 
 pytestmark = pytest.mark.disruptive
 
@@ -38,6 +38,19 @@ def datum(seed: int, length: int = 33) -> types.Datum:
     tokens = np.random.default_rng(seed).integers(0, 1000, length).tolist()
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)})
+
+
+@pytest.fixture
+def created(service, local_cluster):
+    """The models a test creates (``created(client)``), unloaded when it ends, so their slots are free again."""
+    model_ids: list[str] = []
+
+    def track(client):
+        model_ids.append(client.model_id)
+        return client
+
+    yield track
+    unload_models(local_cluster.api_url, model_ids)
 
 
 def train_step(client, seed: int) -> float:
@@ -62,12 +75,12 @@ def owner_pid(model_id: str) -> tuple[str, int]:
     return trainer, ray.get(ray.get_actor(trainer, namespace=NAMESPACE).ready.remote())["pid"]
 
 
-def test_a_trainer_killed_mid_step_fails_its_in_flight_futures_and_its_models_come_back(service, ray_driver):
-    victim = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
+def test_a_trainer_killed_mid_step_fails_its_in_flight_futures_and_its_models_come_back(service, ray_driver, created):
+    victim = created(service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120))
     victim_trainer, pid = owner_pid(victim.model_id)
     # A model on the other trainer serving the same base model (placement evens out the load: a few tries at most).
     for _ in range(8):
-        bystander = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
+        bystander = created(service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120))
         if owner_pid(bystander.model_id)[0] != victim_trainer:
             break
     else:
@@ -119,8 +132,8 @@ def test_a_trainer_killed_mid_step_fails_its_in_flight_futures_and_its_models_co
     assert event["trainer"] == victim_trainer and checkpoint.endswith("/weights/before-kill")
 
 
-def test_killing_the_futures_db_actor_loses_no_acknowledged_request(service, ray_driver):
-    client = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
+def test_killing_the_futures_db_actor_loses_no_acknowledged_request(service, ray_driver, created):
+    client = created(service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120))
     train_step(client, 1)
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
     pid = ray.get(futures.stats.remote())["pid"]
@@ -134,8 +147,8 @@ def test_killing_the_futures_db_actor_loses_no_acknowledged_request(service, ray
     train_step(client, 2)  # and new requests work, from the same client
 
 
-def test_killing_the_ingress_replica_is_retried_by_the_client(service, ray_driver):
-    client = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
+def test_killing_the_ingress_replica_is_retried_by_the_client(service, ray_driver, created):
+    client = created(service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120))
     train_step(client, 1)
     (replica,) = [actor for actor in ray.util.list_named_actors(all_namespaces=True) if "LiloIngress" in actor["name"]]
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]))  # Serve's controller starts another
@@ -146,8 +159,8 @@ def test_killing_the_ingress_replica_is_retried_by_the_client(service, ray_drive
     assert serving["name"] != replica["name"]  # they were served by the replica Serve started in its place
 
 
-def test_a_held_write_lock_on_the_database_delays_completions_but_leaves_none_pending(service, local_cluster):
-    client = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
+def test_a_held_write_lock_on_the_database_delays_completions_but_leaves_none_pending(service, local_cluster, created):
+    client = created(service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120))
     train_step(client, 1)
     step = client.forward_backward([datum(seed, 129) for seed in range(16)], "cross_entropy")
     # Another process takes SQLite's write lock for longer than the store's busy timeout (5 s): the trainer's
@@ -202,4 +215,5 @@ def test_a_submission_retried_after_a_timeout_with_a_new_idempotency_key_runs_on
         assert retried.json()["request_id"] == lost["request_id"]  # the first request's future, not a new one
         retrieve_finished(http, f"{api}/retrieve_future", retried.json()["request_id"])
         timing = http.get(f"{api}/timing", params={"model_id": created["model_id"]}).json()
+    unload_models(local_cluster.api_url, [created["model_id"]])
     assert timing["phases"]["forward_backward.execute"]["count"] == 1  # and the trainer ran it once
