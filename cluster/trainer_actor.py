@@ -275,7 +275,8 @@ def start_trainers(settings: Settings) -> list[str]:
     else:
         served = [model for model in models for _ in range(settings.trainers or 1)]
     handles = [start_trainer(index, model, num_gpus=1 if gpus else 0, num_cpus=1,
-                             checkpoint_dir=str(settings.home / "checkpoints"), device=settings.device)
+                             checkpoint_dir=str(settings.home / "checkpoints"), device=settings.device,
+                             max_adapters=settings.max_adapters)
                for index, model in enumerate(served)]
     try:
         infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)

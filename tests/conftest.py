@@ -61,7 +61,9 @@ def local_cluster() -> Iterator[RunningCluster]:
     keys_file.write_text(API_KEYS_FILE)
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
             "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "6", "--trainers", "2",
-            "--api-keys-file", str(keys_file)]
+            "--api-keys-file", str(keys_file),
+            # Few tests unload their models: room for all of them, whichever test runs when.
+            "--max-adapters", "32"]
     for name in cluster.base_models:
         args += ["--base-model", name]
     started = lilo(*args)

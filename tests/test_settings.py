@@ -54,3 +54,10 @@ def test_invalid_environment_value_names_the_variable():
 def test_a_long_home_is_fine_when_joining_an_existing_cluster():
     settings = load_settings(env={}, home="/tmp/" + "a" * 60, ray_address="auto")
     assert settings.ray_address == "auto"
+
+
+def test_adapter_slots_per_trainer_come_from_the_environment_or_a_flag_and_must_be_positive():
+    assert load_settings(env={}).max_adapters == 16
+    assert load_settings(env={"LILO_MAX_ADAPTERS": "32"}).max_adapters == 32
+    with pytest.raises(SettingsError, match="--max-adapters must be at least 1"):
+        load_settings(env={}, max_adapters=0)
