@@ -143,7 +143,13 @@ def timing_record(model_id: str) -> str | None:
         return None
 
 
-@serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING_REQUESTS)
+# On the head node (Ray gives it this resource), beside the futures DB actor it calls on every request: a worker node
+# that leaves never takes the ingress along, which would leave clients without one until Serve placed another.
+HEAD_NODE = {"node:__internal_head__": 0.001}
+
+
+@serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE},
+                  max_ongoing_requests=MAX_ONGOING_REQUESTS)
 @serve.ingress(api)
 class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
