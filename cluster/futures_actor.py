@@ -154,10 +154,6 @@ class FuturesActor:
     async def model(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
         return await self._run(self._store.model, model_id, tenant)
 
-    async def route(self, model_id: str, tenant: str | None = None) -> str:
-        """The trainer for a model's new requests; raises (404, or 410 once unloaded) otherwise."""
-        return await self._run(self._store.route, model_id, tenant)
-
     async def evacuate(self, trainer: str, error: str) -> list[DisplacedModel]:
         """A trainer failed: its unfinished requests fail with ``error`` (parked retrieves wake at once) and its
         models are unplaced until restored; returns those models."""

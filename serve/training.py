@@ -68,7 +68,7 @@ async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict
     submission = Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
                             seq_id=0, tenant=tenant, trainer=trainer)
     return await _record_new_model(
-        futures, submission, trainer, body, body.get("lora_config") or {},
+        futures, submission, body, body.get("lora_config") or {},
         lambda actor, request_id: actor.create_model_future.remote(model_id, spec, request_id))
 
 
@@ -101,7 +101,7 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
                                                      "base_model": base_model}, seq_id=0, tenant=tenant,
                             trainer=trainer).prepared()
     return await _record_new_model(
-        futures, submission, trainer, {**body, "base_model": base_model}, dataclasses.asdict(spec),
+        futures, submission, {**body, "base_model": base_model}, dataclasses.asdict(spec),
         lambda actor, request_id: actor.create_model_from_checkpoint.remote(model_id, spec, Command(
             model_id, 0, LOAD_WEIGHTS, request_id, payload=request, fingerprint=submission.payload_sha256)))
 
@@ -116,11 +116,13 @@ async def checkpoint_run(futures: ActorHandle, path: str, tenant: str | None) ->
                             "returned.") from None
 
 
-async def _record_new_model(futures: ActorHandle, submission: Submission, trainer: str | None, body: dict[str, Any],
+async def _record_new_model(futures: ActorHandle, submission: Submission, body: dict[str, Any],
                             lora_config: dict[str, Any],
                             start: Callable[[ActorHandle, str], Awaitable[None]]) -> dict[str, str]:
     """Record a model's creation as its seq 0 (a retry finds the first future instead of a second model) and, when
-    it is new, add the model on ``trainer`` and ``start`` it there; a failure on the way fails the future."""
+    it is new, add the model on the submission's trainer and ``start`` it there; a failure on the way fails the
+    future. (No trainer: the model exists already.)"""
+    trainer = submission.trainer
     submission = submission.prepared()
     outcome = await futures.submit_once.remote(submission)
     if not outcome.duplicate:

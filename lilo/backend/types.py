@@ -24,17 +24,17 @@ class LoraSpec:
         """A client's ``lora_config`` (Tinker's defaults: every target trained), or a stored spec."""
         rank, seed = config.get("rank"), config.get("seed")
         # Checked, not left to int(): 4.7 would become rank 4, and a float seed failed torch on the trainer.
+        malformed = InvalidRequestError("lora_config needs an integer rank (and optional integer seed, numeric "
+                                        "alpha, train_attn, train_mlp, train_unembed).")
         if not _is_int(rank) or not (seed is None or _is_int(seed)):
-            raise InvalidRequestError("lora_config needs an integer rank (and optional integer seed, train_attn, "
-                                      "train_mlp, train_unembed).")
+            raise malformed
         try:
             alpha = config.get("alpha")
             return cls(rank=rank, alpha=None if alpha is None else float(alpha), seed=seed,
                        train_attn=bool(config.get("train_attn", True)), train_mlp=bool(config.get("train_mlp", True)),
                        train_unembed=bool(config.get("train_unembed", True)))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise InvalidRequestError("lora_config needs an integer rank (and optional seed, train_attn, train_mlp, "
-                                      "train_unembed).") from None
+        except (TypeError, ValueError):
+            raise malformed from None
 
 
 def _is_int(value: Any) -> bool:
