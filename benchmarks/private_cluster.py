@@ -1,8 +1,9 @@
-"""A private local lilo for a benchmark: its own temp home, loopback only, stopped when the benchmark ends."""
+"""A private local lilo for a benchmark: its own temp home, loopback only, stopped and removed when the benchmark ends."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,3 +25,4 @@ def private_cluster(base_model: str, port: int, *up_args: str) -> Iterator[Path]
         yield home
     finally:
         lilo("down", "--home", str(home))
+        shutil.rmtree(home, ignore_errors=True)

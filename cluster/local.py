@@ -162,8 +162,11 @@ def start_private_head(settings: Settings) -> str:
         _temp_dir=str(settings.ray_temp_dir),
         configure_logging=False,
         log_to_driver=False,
-        # Idle workers started ahead of time cost ~100 MB each and serve nothing until trainers exist.
-        _system_config={"prestart_worker_first_driver": False},
+        # No prestarted workers: idle ones cost ~100 MB each and serve nothing until trainers exist. Worker niceness
+        # 0: Ray runs its workers at niceness 15 by default, below every ordinary process, but lilo's control plane
+        # (the HTTP proxy, the ingress, the futures DB) lives in workers and is latency-bound; the trainers lower
+        # their own compute threads instead (Settings.compute_nice).
+        _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
         # Every worker of this job (Serve replicas included) keeps its gRPC server on loopback; see cluster/loopback.
         runtime_env={"worker_process_setup_hook": "cluster.loopback.bind_replica_grpc_to_loopback"},
     )

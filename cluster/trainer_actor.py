@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import queue
+import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -55,7 +56,8 @@ def trainer_name(index: int) -> str:
 @ray.remote(max_restarts=-1, max_concurrency=1000)
 class TrainerActor:
     def __init__(self, name: str, base_model: str, *, max_adapters: int = 16, max_rank: int = 32,
-                 checkpoint_dir: str | None = None, model_cache_dir: str | None = None, device: str = "auto") -> None:
+                 checkpoint_dir: str | None = None, model_cache_dir: str | None = None, device: str = "auto",
+                 compute_nice: int = 0) -> None:
         self.name = name
         self.base_model = base_model
         self._ready: Future = Future()
@@ -64,13 +66,14 @@ class TrainerActor:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         settings = dict(max_adapters=max_adapters, max_rank=max_rank, checkpoint_dir=checkpoint_dir,
-                        model_cache_dir=model_cache_dir, device=device)
+                        model_cache_dir=model_cache_dir, device=device, compute_nice=compute_nice)
         self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
                                               daemon=True)
         self._torch_thread.start()
 
     def _run_torch(self, max_adapters: int, max_rank: int, checkpoint_dir: str | None,
-                   model_cache_dir: str | None, device: str) -> None:
+                   model_cache_dir: str | None, device: str, compute_nice: int) -> None:
+        lower_thread_priority(compute_nice)
         try:
             directory = model_directory(self.base_model, Path(model_cache_dir) if model_cache_dir else None)
             backend = TorchBackend(load_base_model(directory, resolve_device(device)), max_adapters=max_adapters,
@@ -235,6 +238,22 @@ class TrainerActor:
         engine.stop()
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps nicer than it is (at most 19); threads it starts later (torch's)
+    inherit that. On Linux niceness is per thread, so the actor's own threads (its RPCs, its writes to the futures
+    DB) keep their priority."""
+    if nice <= 0:
+        return
+    if sys.platform != "linux":
+        logger.info("compute_nice=%d is applied on Linux only; the compute thread keeps its priority", nice)
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
+    except OSError as error:
+        logger.warning("could not make the compute thread %d steps nicer: %s", nice, error)
+
+
 def completion_for(kind: str, request_id: int, done: Future) -> Completion:
     """The stored result of a finished command: protobuf for forward passes and samples (as the SDK demands), JSON
     otherwise; a failure carries its message and whether the client (``user``) or the server caused it."""
@@ -276,7 +295,7 @@ def start_trainers(settings: Settings) -> list[str]:
         served = [model for model in models for _ in range(settings.trainers or 1)]
     handles = [start_trainer(index, model, num_gpus=1 if gpus else 0, num_cpus=1,
                              checkpoint_dir=str(settings.home / "checkpoints"), device=settings.device,
-                             max_adapters=settings.max_adapters)
+                             max_adapters=settings.max_adapters, compute_nice=settings.compute_nice)
                for index, model in enumerate(served)]
     try:
         infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)

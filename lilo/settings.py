@@ -48,6 +48,10 @@ class Settings:
     device: str = "auto"
     # Largest request body the API accepts (a larger one is a 413); zstd bodies may not inflate past it either.
     max_body_mb: int = 64
+    # How much nicer than the rest of its process each trainer's compute thread (and the torch threads it starts)
+    # runs: batched steps yield the CPU to the latency-bound control plane (HTTP proxy, ingress, futures DB), so a
+    # heartbeat or a submission does not queue behind a training step. 0 leaves the compute thread as it is.
+    compute_nice: int = 10
     # API keys (see lilo.api_keys): comma-separated ``tml-key[=tenant]`` entries (only from the environment, never
     # a flag, which any local user could read in the process list) and/or a file of them. None of either: local
     # mode, which accepts any ``tml-`` key and listens on loopback only.
@@ -117,6 +121,8 @@ class Settings:
             raise SettingsError(f"--num-cpus must be at least 1, got {self.num_cpus}.")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise SettingsError(f"--device must be auto, cpu or cuda, got {self.device!r}.")
+        if not 0 <= self.compute_nice <= 19:
+            raise SettingsError(f"--compute-nice must be between 0 and 19, got {self.compute_nice}.")
         if self.max_body_mb < 1:
             raise SettingsError(f"--max-body-mb must be at least 1, got {self.max_body_mb}.")
         if not self.base_models:
@@ -144,6 +150,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
     "LILO_DEVICE": ("device", str),
     "LILO_MAX_BODY_MB": ("max_body_mb", int),
+    "LILO_COMPUTE_NICE": ("compute_nice", int),
     "LILO_API_KEYS": ("api_keys", str),
     "LILO_API_KEYS_FILE": ("api_keys_file", Path),
 }

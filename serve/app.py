@@ -176,20 +176,20 @@ class LiloIngress:
         }
 
     @api.get("/api/v1/healthz")
-    def healthz(self) -> dict[str, str]:
+    async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
     # The first call the tinker SDK makes; {} means "use the SDK's defaults" for every feature flag.
     @api.post("/api/v1/client/config")
-    def client_config(self) -> dict[str, Any]:
+    async def client_config(self) -> dict[str, Any]:
         return {}
 
     @api.get("/api/v1/get_server_capabilities")
-    def get_server_capabilities(self) -> dict[str, Any]:
+    async def get_server_capabilities(self) -> dict[str, Any]:
         return self._capabilities
 
     @api.post("/api/v1/client/dynamic_config")
-    def client_dynamic_config(self) -> dict[str, Any]:
+    async def client_dynamic_config(self) -> dict[str, Any]:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
 
     @api.post("/api/v1/create_session")
@@ -204,11 +204,11 @@ class LiloIngress:
         return {"type": "session_heartbeat"}
 
     @api.post("/api/v1/sessions/{session_id}/finish")
-    def finish_session(self, session_id: str) -> dict[str, Any]:
+    async def finish_session(self, session_id: str) -> dict[str, Any]:
         return {}
 
     @api.post("/api/v1/telemetry")
-    def telemetry(self) -> dict[str, str]:
+    async def telemetry(self) -> dict[str, str]:
         return {"status": "accepted"}
 
     @api.post("/api/v1/create_model")

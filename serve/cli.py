@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         help="deploy onto this existing Ray cluster (\"auto\" on a `ray up` head) instead of starting one",
     )
     up.add_argument("--device", help="where trainers compute: auto (CUDA when a trainer has a GPU), cpu or cuda")
+    up.add_argument("--compute-nice", type=int,
+                    help="how much nicer the trainers' compute threads run, 0-19: steps yield the CPU to the "
+                         "API (default 10)")
     up.add_argument("--max-body-mb", type=int, help="largest request body the API accepts, in MB (default 64)")
     up.add_argument("--api-keys-file", type=Path, metavar="PATH",
                     help="file of API keys, one `tml-key[=tenant]` per line (default: $LILO_API_KEYS_FILE; none and "
@@ -107,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters", "base_models",
-              "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file")
+              "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
+              "compute_nice")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
 
 

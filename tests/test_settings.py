@@ -56,6 +56,13 @@ def test_a_long_home_is_fine_when_joining_an_existing_cluster():
     assert settings.ray_address == "auto"
 
 
+def test_compute_niceness_comes_from_the_environment_or_a_flag_and_stays_in_range():
+    assert load_settings(env={}).compute_nice == 10
+    assert load_settings(env={"LILO_COMPUTE_NICE": "0"}).compute_nice == 0
+    with pytest.raises(SettingsError, match="--compute-nice must be between 0 and 19"):
+        load_settings(env={}, compute_nice=20)
+
+
 def test_adapter_slots_per_trainer_come_from_the_environment_or_a_flag_and_must_be_positive():
     assert load_settings(env={}).max_adapters == 16
     assert load_settings(env={"LILO_MAX_ADAPTERS": "32"}).max_adapters == 32

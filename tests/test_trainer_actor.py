@@ -1,7 +1,11 @@
 """A trainer actor on the real local cluster: its own torch thread, a real tiny model, and its timing served over
 HTTP by the trainer that owns the model."""
 
+import os
+import sys
+import threading
 import uuid
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -10,7 +14,7 @@ import ray
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
-from cluster.trainer_actor import start_trainer
+from cluster.trainer_actor import lower_thread_priority, start_trainer, trainer_name
 from helpers import AUTH
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import Datum, LoraSpec, TrainInput
@@ -64,3 +68,40 @@ def test_a_placed_models_timing_is_answered_by_its_trainer(trainer, local_cluste
     assert {"trainer.backend_ready_s", "trainer.serving_ready_s", "trainer.first_model_ready_s"} <= set(body["gauges"])
     again = httpx.get(url, params={"model_id": model_id, "reset": "true", "reader": "test"}, headers=AUTH).json()
     assert again["phases"]["forward_backward.execute"]["count"] == 0
+
+
+def thread_niceness(pid: int) -> dict[int, int]:
+    """Each thread's niceness, from /proc (field 19 of its stat line, counted after the command's parentheses)."""
+    found = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        found[int(stat.parent.name)] = int(fields[16])
+    return found
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="niceness is per thread on Linux only")
+def test_a_served_trainer_computes_on_a_nicer_thread_than_its_control_plane(ray_driver):
+    # The session cluster runs with the defaults: Ray's workers at niceness 0 (not Ray's 15), compute threads +10.
+    info = ray.get(ray.get_actor(trainer_name(0), namespace=NAMESPACE).ready.remote(), timeout=60)
+    niceness = thread_niceness(info["pid"])
+    assert niceness[info["pid"]] == 0  # the process's main thread: its RPCs
+    assert sorted(set(niceness.values())) == [0, 10]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="niceness is per thread on Linux only")
+def test_lowering_a_threads_priority_leaves_the_others_alone():
+    seen = {}
+
+    def compute() -> None:
+        lower_thread_priority(7)
+        seen["mine"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    thread = threading.Thread(target=compute)
+    thread.start()
+    thread.join()
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen["mine"] == min(19, before + 7)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
