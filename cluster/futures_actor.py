@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.local import NAMESPACE
+from cluster.worker_setup import freeze_startup
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.scheduling import PendingMeta
 from lilo.futures.schema import PENDING
@@ -53,6 +54,7 @@ class FuturesActor:
         self._maintenance: asyncio.Task | None = None
         self._session_tenants: dict[str, str] = {}  # sessions known to exist -> their tenant
         self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
+        freeze_startup()
 
     async def _run(self, function: Callable, *args: Any) -> Any:
         self._start_maintenance()

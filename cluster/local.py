@@ -167,8 +167,8 @@ def start_private_head(settings: Settings) -> str:
         # (the HTTP proxy, the ingress, the futures DB) lives in workers and is latency-bound; the trainers lower
         # their own compute threads instead (Settings.compute_nice).
         _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
-        # Every worker of this job (Serve replicas included) keeps its gRPC server on loopback; see cluster/loopback.
-        runtime_env={"worker_process_setup_hook": "cluster.loopback.bind_replica_grpc_to_loopback"},
+        # Every worker of this job (Serve's included) keeps its gRPC server on loopback and tunes its GC for latency.
+        runtime_env={"worker_process_setup_hook": "cluster.worker_setup.private_head_worker"},
     )
     return context.address_info["gcs_address"]
 
@@ -177,7 +177,8 @@ def connect_existing(settings: Settings) -> str:
     """Connect to the Ray cluster at ``settings.ray_address`` (for example "auto" on a `ray up` head)."""
     import ray
 
-    context = ray.init(address=settings.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    context = ray.init(address=settings.ray_address, namespace=NAMESPACE, log_to_driver=False,
+                       runtime_env={"worker_process_setup_hook": "cluster.worker_setup.cluster_worker"})
     return context.address_info["gcs_address"]
 
 

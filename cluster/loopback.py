@@ -4,7 +4,7 @@ Ray Serve 2.60 starts an inter-deployment gRPC server in every replica on the ha
 (``ray.serve._private.replica``), i.e. on every interface, even when Ray itself is loopback-only. lilo never
 uses that server across machines in local mode (handles go through Ray actor calls), so in local mode each
 worker rewrites that one address to loopback before the replica code loads. Applied through the job-level
-``worker_process_setup_hook`` of the private head's driver, so only in local mode.
+``worker_process_setup_hook`` of the private head's driver (``cluster.worker_setup``), so only in local mode.
 """
 
 from __future__ import annotations

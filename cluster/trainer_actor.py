@@ -24,6 +24,7 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE, ClusterError
 from cluster.timing import TimingPublisher, get_timing_actor
+from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoint_index import (
     WEIGHTS, CheckpointEntry, delete_checkpoint, list_checkpoints, weights_spec,
 )
@@ -83,6 +84,7 @@ class TrainerActor:
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
             publisher = TimingPublisher(engine.timings, self.name, get_timing_actor()).start()
+            freeze_startup()
             self._ready.set_result((engine, backend, publisher))
         except BaseException as error:
             self._ready.set_exception(error)

@@ -17,6 +17,7 @@ from cluster.futures_actor import FUTURES_ACTOR_NAME, RETRIEVE_TIMEOUT_S
 from cluster.local import NAMESPACE
 from cluster.placement import named_actor
 from cluster.timing import get_timing_actor
+from cluster.worker_setup import freeze_startup
 
 from lilo import __version__
 from lilo.api_keys import ApiKeys
@@ -174,6 +175,7 @@ class LiloIngress:
                 for name in base_models
             ]
         }
+        freeze_startup()
 
     @api.get("/api/v1/healthz")
     async def healthz(self) -> dict[str, str]:
