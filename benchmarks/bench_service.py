@@ -8,10 +8,14 @@ optim_step, and stops the cluster. Per K:
 - ``overhead_p50_ms``: per operation, the median step minus what the trainer spent on it from the critical path
   (its execute time, and its wait behind other models' executions), halved: the service's own cost (HTTP, the
   futures DB, polling, scheduling);
-- ``fairness``: most steps any client completed over fewest.
+- ``fairness``: most steps any client completed over fewest;
+- ``mean_batch``: how many clients' forward_backward shared one execution (median over the clients);
+- ``cpu_cores``: CPU seconds per second in the window, per part: the trainers, the ingress replica, Serve's HTTP
+  proxy, the futures DB actor, the rest of Ray, and the clients (this process). On a small machine the clients and
+  the service share the cores the trainer computes on; this says how.
 Prints one JSON line:
 {"bench": "service", "model": .., "results": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
- "overhead_p50_ms": .., "fairness": ..}, ...]}
+ "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "cpu_cores": {"trainer": .., ...}}, ...]}
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 
 import numpy as np
 
+from cpu_split import CpuSplit
 from private_cluster import private_cluster
 
 API_KEY = "tml-bench-service"
@@ -56,16 +61,19 @@ def client_loop(service, base_model: str, rows: int, seq: int, vocab: int, ready
     out["steps"] = steps
 
 
-def trainer_seconds(base_url: str, model_id: str) -> float:
-    """Seconds the trainer spent executing this model's work, or queued behind other models', since last read."""
+def trainer_side(base_url: str, model_id: str) -> tuple[float, float]:
+    """Since this reader's last read: seconds the trainer spent executing this model's work or queued behind other
+    models', and how many commands shared its forward_backward executions on average."""
     from lilo.timing import critical_path_metrics
 
     metrics = critical_path_metrics(model_id, base_url=base_url, api_key=API_KEY, reset=True, reader=READER)
-    return sum(metrics.get(f"lilo/{kind}.{part}.total_s", 0.0)
+    busy = sum(metrics.get(f"lilo/{kind}.{part}.total_s", 0.0)
                for kind in ("forward_backward", "optim_step") for part in ("execute", "queue_wait_others"))
+    return busy, metrics.get("lilo/forward_backward.execute.mean_batch", 0.0)
 
 
-def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int) -> dict:
+def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
+        cpu: CpuSplit) -> dict:
     import tinker
 
     services = [tinker.ServiceClient(base_url=base_url, api_key=API_KEY) for _ in range(clients)]
@@ -77,16 +85,19 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
         thread.start()
     ready.wait(timeout=600)
     for out in outs:
-        trainer_seconds(base_url, out["model_id"])  # start this reader's interval at the window
+        trainer_side(base_url, out["model_id"])  # start this reader's interval at the window
     started = time.perf_counter()
+    cpu.start()
     time.sleep(seconds)
+    cores = cpu.cores()
     stop.set()
     for thread in threads:
         thread.join(timeout=600)
     elapsed = time.perf_counter() - started
     steps = [out["steps"] for out in outs]
     all_steps = np.array([s for client in steps for s in client])
-    busy_per_step = [trainer_seconds(base_url, out["model_id"]) / max(len(out["steps"]), 1) for out in outs]
+    trainer = [trainer_side(base_url, out["model_id"]) for out in outs]
+    busy_per_step = [busy / max(len(out["steps"]), 1) for (busy, _), out in zip(trainer, outs)]
     for service in services:
         service.close("success").result()
     step_p50 = float(np.percentile(all_steps, 50))
@@ -97,6 +108,8 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
         "step_p99_ms": round(float(np.percentile(all_steps, 99)) * 1e3, 1),
         "overhead_p50_ms": round(max(step_p50 - float(np.median(busy_per_step)), 0.0) / 2 * 1e3, 1),
         "fairness": round(max(len(s) for s in steps) / max(min(len(s) for s in steps), 1), 2),
+        "mean_batch": round(float(np.median([batch for _, batch in trainer])), 2),
+        "cpu_cores": cores,
     }
 
 
@@ -111,14 +124,15 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
     base_model = MODELS[args.model]
-    with private_cluster(base_model, args.port):
+    with private_cluster(base_model, args.port) as home:
         from lilo.backend.models import model_directory
 
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_directory(base_model)).vocab_size
         base_url = f"http://127.0.0.1:{args.port}"
-        results = [run(base_url, base_model, int(k), args.seconds, args.rows, args.seq, vocab)
+        cpu = CpuSplit(home)
+        results = [run(base_url, base_model, int(k), args.seconds, args.rows, args.seq, vocab, cpu)
                    for k in args.clients.split(",")]
     print(json.dumps({"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq,
                       "seconds": args.seconds, "results": results}))
