@@ -1,7 +1,7 @@
-"""Real faults on the session cluster: a trainer killed in the middle of a step, the futures DB actor killed, an
-ingress replica killed (by ray.kill), SQLite's write lock held by another process, a response lost after its
-request was accepted. Every future ends, nothing acknowledged is lost or runs twice, and the clients go on without
-a restart.
+"""Real faults on the session cluster: a trainer killed in the middle of a step, a trainer killed while the recovery
+actor is down too, the futures DB actor killed, an ingress replica killed (by ray.kill), SQLite's write lock held by
+another process, a response lost after its request was accepted. Every future ends, nothing acknowledged is lost
+or runs twice, and the clients go on without a restart.
 
 These run last (marker ``disruptive``): each kills a real process with SIGKILL and waits for Ray and lilo to
 recover, so no other test's work overlaps a fault.
@@ -20,6 +20,7 @@ import pytest
 import ray
 import tinker
 from tinker import types
+from ray.util.state import list_actors
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
@@ -130,6 +131,48 @@ def test_a_trainer_killed_mid_step_fails_its_in_flight_futures_and_its_models_co
     (event,) = [e for e in ray.get(recovery.history.remote()) if victim.model_id in e["models"]]
     trainer, checkpoint = event["models"][victim.model_id]
     assert event["trainer"] == victim_trainer and checkpoint.endswith("/weights/before-kill")
+
+
+def recovery_actor_pid() -> int:
+    (actor,) = list_actors(filters=[("class_name", "=", "RecoveryActor"), ("state", "=", "ALIVE")])
+    return actor.pid
+
+
+def recoveries_of(model_id: str, within_s: float = 120.0) -> list[dict]:
+    """The recovery actor's history entries naming ``model_id``, once there is one."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            history = ray.get(ray.get_actor(RECOVERY_ACTOR_NAME, namespace=NAMESPACE).history.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ValueError):  # restarting, or not registered again yet
+            history = []
+        found = [event for event in history if model_id in event["models"]]
+        if found:
+            return found
+        time.sleep(0.5)
+    pytest.fail(f"no recovery of {model_id} within {within_s:.0f} s")
+
+
+def test_a_trainer_that_died_while_the_recovery_actor_was_down_is_recovered_when_it_restarts(service, ray_driver,
+                                                                                              created):
+    client = created(service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120))
+    train_step(client, 1)
+    client.save_state("before-both-died").result(timeout=120)
+    checkpoint_loss = forward_loss(client, 99)
+    trainer, trainer_pid = owner_pid(client.model_id)
+    old_recovery_pid = recovery_actor_pid()
+
+    # The recovery actor first, so nobody watches when the trainer dies; Ray restarts both.
+    kill(old_recovery_pid)
+    kill(trainer_pid)
+
+    # Its new incarnation finds the restarted trainer without the model placed on it, and restores it.
+    (event,) = recoveries_of(client.model_id)
+    assert recovery_actor_pid() != old_recovery_pid
+    assert event["trainer"] == trainer
+    assert event["models"][client.model_id][1].endswith("/weights/before-both-died")
+    assert forward_loss(client, 99) == pytest.approx(checkpoint_loss, rel=1e-6)
+    train_step(client, 2)
 
 
 def test_killing_the_futures_db_actor_loses_no_acknowledged_request(service, ray_driver, created):
