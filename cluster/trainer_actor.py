@@ -35,7 +35,7 @@ from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, SAMPLE, UNLOAD_MODEL, Command,
 )
 from lilo.engine.engine import Engine
-from lilo.errors import LiloError
+from lilo.errors import NotFoundError, UnavailableError, failure_category
 from lilo.futures.store import Completion
 from lilo.protocol.proto import encode_forward_backward_output, encode_sample_response
 from lilo.settings import Settings
@@ -118,7 +118,17 @@ class TrainerActor:
         when it finishes, in batches with others'. Ordering and seq conflicts raise here, at once."""
         engine = await self._engine()
         self._start_flusher()
-        engine.submit(command).add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
+        try:
+            future = engine.submit(command)
+        except NotFoundError:
+            if command.model_id in engine.model_ids():
+                raise
+            # The futures DB routed it here, so the model is placed here: this trainer restarted since, and the
+            # recovery actor is restoring the model (it answers 503 from the DB once it has taken the model off).
+            raise UnavailableError(
+                f"Model {command.model_id!r} is not on trainer {self.name} any more (the trainer restarted); it is "
+                "being restored on a live trainer: retry in a few seconds.") from None
+        future.add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
 
     async def create_model_future(self, model_id: str, spec: LoraSpec, request_id: str) -> None:
         """Create a model; the create_model future ``request_id`` completes with ``{"model_id"}`` when it is ready."""
@@ -261,8 +271,7 @@ def completion_for(kind: str, request_id: int, done: Future) -> Completion:
     otherwise; a failure carries its message and whether the client (``user``) or the server caused it."""
     error = done.exception()
     if error is not None:
-        category = "user" if isinstance(error, LiloError) else "server"
-        return Completion.failure(request_id, str(error), category, request_type=kind)
+        return Completion.failure(request_id, str(error), failure_category(error), request_type=kind)
     result = done.result()
     if kind in (FORWARD_BACKWARD, FORWARD):
         body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])

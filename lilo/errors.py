@@ -35,3 +35,9 @@ class UnavailableError(LiloError):
 
 class TooLargeError(LiloError):
     """The request is larger than this server takes, as sent or once inflated (HTTP 413)."""
+
+
+def failure_category(error: BaseException) -> str:
+    """The category a failed future reports: ``user`` when the client can fix the request, ``server`` when the
+    service failed it (an internal error, or something being restored)."""
+    return "user" if isinstance(error, LiloError) and not isinstance(error, UnavailableError) else "server"

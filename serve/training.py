@@ -19,7 +19,7 @@ from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, UNLOAD_MODEL, Command,
 )
-from lilo.errors import ConflictError, InvalidRequestError, LiloError, NotFoundError
+from lilo.errors import ConflictError, InvalidRequestError, NotFoundError, failure_category
 from lilo.futures.store import Completion, Submission, unknown_model_error
 from lilo.protocol.proto import ForwardBackwardCall
 
@@ -186,8 +186,8 @@ async def failing_future(futures: ActorHandle, request_id: int, kind: str) -> As
         yield
     except Exception as error:
         cause = getattr(error, "cause", None) or error
-        category = "user" if isinstance(cause, LiloError) else "server"
-        await futures.complete.remote([Completion.failure(request_id, str(cause), category, request_type=kind)])
+        await futures.complete.remote([Completion.failure(request_id, str(cause), failure_category(cause),
+                                                          request_type=kind)])
         raise
 
 

@@ -4,7 +4,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError
+from lilo.errors import (
+    ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, UnavailableError,
+    failure_category,
+)
 from serve.errors import install_error_handlers
 
 
@@ -27,3 +30,13 @@ def test_each_error_maps_to_its_status_with_its_message(error, status):
     response = TestClient(api).get("/boom")
     assert response.status_code == status
     assert response.json() == {"detail": str(error)}
+
+
+@pytest.mark.parametrize(("error", "category"), [
+    (InvalidRequestError("Token id 5000 is outside the vocabulary of 1000; send ids below 1000."), "user"),
+    (NotFoundError("Unknown model_id 'm'; create the model first."), "user"),
+    (UnavailableError("Model 'm' is being restored on another trainer; retry in a few seconds."), "server"),
+    (RuntimeError("CUDA out of memory"), "server"),
+])
+def test_a_failed_future_blames_the_client_only_for_what_the_client_can_fix(error, category):
+    assert failure_category(error) == category

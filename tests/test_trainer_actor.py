@@ -19,6 +19,7 @@ from helpers import AUTH
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import Datum, LoraSpec, TrainInput
 from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
+from lilo.errors import UnavailableError
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,12 @@ def test_lowering_a_threads_priority_leaves_the_others_alone():
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen["mine"] == min(19, before + 7)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_command_for_a_model_the_trainer_does_not_hold_is_retryable(trainer):
+    # What a trainer that restarted gets for a model the futures DB still places on it, until the recovery actor
+    # has taken the model off: a 503 (the SDK retries it), not a 404 telling the client to create the model.
+    actor, _ = trainer
+    command = Command("m-never-here", 1, FORWARD_BACKWARD, "1", payload=train_input(3))
+    with pytest.raises(UnavailableError, match="is not on trainer .* any more"):
+        ray.get(actor.submit.remote(command), timeout=60)
