@@ -5,7 +5,8 @@ Starts a private cluster (tiny model, its own temp home, loopback only), then tw
 2. the same clients, plus ``--waiters`` concurrent ``retrieve_future`` long-polls over HTTP, each parked on its own
    pending future: forward passes of one more model, sent with seq ids 2..N+1, which wait in its queue for seq 1.
    Seq 1 is sent when the phase ends, so they all run then and every waiter gets its result.
-Meanwhile a probe, in a process of its own, sends ``session_heartbeat`` every 50 ms. Then the clients stop and every waiter is awaited.
+Meanwhile a probe, in a process of its own, sends ``session_heartbeat`` every 50 ms. Then the clients stop and every
+waiter is awaited.
 
 - ``heartbeat_p99_ms`` (and ``heartbeat_p50_ms``): the probe's latency during phase 2;
 - ``db_stmt_per_s`` and ``db_stmt_per_s_no_waiters``: SQL statements per second on the futures DB (its own

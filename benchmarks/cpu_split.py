@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import psutil
 
-from cluster.local import cluster_processes
+from cluster.local import cluster_processes, read_state
 from lilo.settings import Settings
 
 # Ray renames each actor's process after its class: the first word of its command line.
@@ -28,9 +27,9 @@ class CpuSplit:
     clients a benchmark runs in its own threads)."""
 
     def __init__(self, home: Path) -> None:
-        supervisor = json.loads((home / "cluster.json").read_text())["pid"]
+        settings = Settings(home=home)
         self._processes = {process: part_of(process)
-                           for process in cluster_processes(Settings(home=home), supervisor)}
+                           for process in cluster_processes(settings, read_state(settings).pid)}
         self._processes[psutil.Process(os.getpid())] = "clients"
         self._started: tuple[float, dict[str, float]] | None = None
 

@@ -1,4 +1,5 @@
-"""A private local lilo for a benchmark: its own temp home, loopback only, stopped and removed when the benchmark ends."""
+"""A private local lilo for a benchmark: its own temp home, loopback only, stopped and removed when the benchmark
+ends."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def _unstorable(value: Any) -> str | None:
             pending.extend((child, depth + 1) for child in item.values())
         elif isinstance(item, list):
             pending.extend((child, depth + 1) for child in item)
-        elif isinstance(item, int) and not isinstance(item, bool) and not INT64_MIN <= item <= INT64_MAX:
+        elif isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:  # a bool is always within
             return f"the integer {item} does not fit in 64 bits"
     return None
 

@@ -26,7 +26,7 @@ class LoraSpec:
         # Checked, not left to int(): 4.7 would become rank 4, and a float seed failed torch on the trainer.
         malformed = InvalidRequestError("lora_config needs an integer rank (and optional integer seed, numeric "
                                         "alpha, train_attn, train_mlp, train_unembed).")
-        if not _is_int(rank) or not (seed is None or _is_int(seed)):
+        if not is_int(rank) or not (seed is None or is_int(seed)):
             raise malformed
         try:
             alpha = config.get("alpha")
@@ -37,7 +37,8 @@ class LoraSpec:
             raise malformed from None
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer as a client sent it: JSON's true and false are Python bools, which are ints too."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

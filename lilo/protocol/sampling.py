@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from lilo.backend.sampling import SamplingRequest
+from lilo.backend.types import is_int
 from lilo.errors import InvalidRequestError
 
 MAX_NUM_SAMPLES = 128
@@ -61,14 +62,10 @@ def prompt_tokens(model_input: Mapping[str, Any]) -> list[int]:
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise InvalidRequestError(f"{chunk.get('type')} chunks are not supported by this server; send text.")
         chunk_tokens = chunk.get("tokens") or []
-        if not isinstance(chunk_tokens, list) or not all(_is_int(token) for token in chunk_tokens):
+        if not isinstance(chunk_tokens, list) or not all(is_int(token) for token in chunk_tokens):
             raise InvalidRequestError("The prompt's tokens must be a list of integer token ids.")
         tokens.extend(chunk_tokens)
     return tokens
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_ids: Sequence[int],
@@ -81,7 +78,7 @@ def stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_ids: Seque
         return [], [stop]
     if all(isinstance(item, str) for item in stop):
         return [], list(stop)
-    if not all(_is_int(item) and 0 <= item < vocab_size for item in stop):
+    if not all(is_int(item) and 0 <= item < vocab_size for item in stop):
         raise InvalidRequestError(f"stop must be a string, a list of strings, or a list of token ids in "
                                   f"[0, {vocab_size}).")
     return [[token] for token in stop], []
