@@ -244,10 +244,19 @@ class TrainerActor:
         _, backend, _ = await asyncio.wrap_future(self._ready)
         return model_id in backend.adapters
 
-    async def stop(self) -> None:
-        engine, _, publisher = await asyncio.wrap_future(self._ready)
+    async def stop(self, save_as: str | None = None) -> list[str]:
+        """Stop serving: the execution under way finishes, queued commands fail. With ``save_as``, every training
+        model's adapter and optimizer state is then saved as the save_weights checkpoint of that name (replacing
+        an older one), so that the next start restores each model exactly where it stopped. Returns the saved
+        checkpoints' tinker paths."""
+        engine, backend, publisher = await asyncio.wrap_future(self._ready)
         publisher.stop()
-        engine.stop()
+        await asyncio.to_thread(engine.stop)
+        if save_as is None:
+            return []
+        await asyncio.to_thread(self._torch_thread.join)  # the compute lane returns once its execution ends
+        models = sorted(engine.model_ids() & backend.adapters.keys())
+        return await asyncio.to_thread(lambda: [backend.save_now(model_id, save_as) for model_id in models])
 
 
 def lower_thread_priority(nice: int) -> None:

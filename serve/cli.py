@@ -35,6 +35,10 @@ from lilo.settings import Settings, SettingsError, load_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 DETACHED_CHILD_FLAG = "--detached-child"
+# The save_weights checkpoint every model gets when the service stops; the next start restores models from it.
+SHUTDOWN_CHECKPOINT = "lilo-shutdown"
+# How long the trainers may take to save, within `lilo down`'s default wait of 60 s.
+SAVE_ON_STOP_TIMEOUT_S = 40.0
 
 
 class StopRequested(Exception):
@@ -219,17 +223,13 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
     progress("Removing the Serve application")
     try:
         undeploy()
+        _save_and_stop_trainers(progress)
         if settings.ray_address is not None:  # a shared cluster lives on: take our detached actors with us
             from cluster.futures_actor import FUTURES_ACTOR_NAME
             from cluster.local import NAMESPACE
-            from cluster.recovery import RECOVERY_ACTOR_NAME
             from cluster.timing import TIMING_ACTOR_NAME
-            from cluster.trainer_actor import TRAINER_PREFIX
 
-            ours = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-                    if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX)]
-            # Recovery first, or it would take the trainers' shutdown for failures to recover from.
-            for name in (RECOVERY_ACTOR_NAME, TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *ours):
+            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *_trainer_names()):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
         progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
@@ -237,6 +237,50 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
         progress("Stopping the private Ray head")
     ray.shutdown()
     progress("Stopped")
+
+
+def _trainer_names() -> list[str]:
+    import ray
+
+    from cluster.local import NAMESPACE
+    from cluster.trainer_actor import TRAINER_PREFIX
+
+    return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                  if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX))
+
+
+def _save_and_stop_trainers(progress: Progress) -> None:
+    """Each trainer finishes the execution under way and saves every model it holds as the checkpoint
+    ``SHUTDOWN_CHECKPOINT`` (adapter and optimizer state), from which the next `lilo up` on this home restores them.
+    The recovery actor goes first, or it would take the trainers' shutdown for failures to recover from."""
+    import ray
+
+    from cluster.local import NAMESPACE
+    from cluster.recovery import RECOVERY_ACTOR_NAME
+
+    try:
+        ray.kill(ray.get_actor(RECOVERY_ACTOR_NAME, namespace=NAMESPACE))
+    except ValueError:  # not started (the startup failed before it)
+        pass
+    trainers = _trainer_names()
+    if not trainers:
+        return
+    progress(f"Saving the models of {len(trainers)} trainer(s), if any, as checkpoint {SHUTDOWN_CHECKPOINT!r}")
+    calls = {ray.get_actor(name, namespace=NAMESPACE).stop.remote(save_as=SHUTDOWN_CHECKPOINT): name
+             for name in trainers}
+    done, late = ray.wait(list(calls), num_returns=len(calls), timeout=SAVE_ON_STOP_TIMEOUT_S)
+    saved = 0
+    for call in done:
+        try:
+            saved += len(ray.get(call))
+        except Exception as error:
+            progress(f"{calls[call]} could not save its models ({str(error).splitlines()[0]}); the next start "
+                     "restores them from their latest checkpoint")
+    for call in late:
+        progress(f"{calls[call]} did not finish saving within {SAVE_ON_STOP_TIMEOUT_S:.0f} s; the next start "
+                 "restores its models from their latest complete checkpoint")
+    if saved:
+        progress(f"Saved {saved} model(s); the next `lilo up` on this home resumes each where it stopped")
 
 
 def _follow(path: Path) -> Iterator[str]:
@@ -252,6 +296,15 @@ def _follow(path: Path) -> Iterator[str]:
         yield from lines
         if not lines:
             yield ""
+
+
+def _progress_lines_since(log_file: Path, offset: int) -> list[str]:
+    """The supervisor's progress lines (not Ray's) written to ``log_file`` after ``offset``."""
+    if not log_file.exists():
+        return []
+    with open(log_file, errors="replace") as log:
+        log.seek(offset)
+        return [line for line in log.read().splitlines() if line.startswith("[lilo ")]
 
 
 def up_detached(settings: Settings, argv: Sequence[str]) -> int:
@@ -338,7 +391,11 @@ def cmd_down(args: argparse.Namespace) -> int:
             print(f"Killed {len(strays)} leftover process(es) of an earlier cluster that was not stopped: {strays}")
         return EXIT_OK
     print(f"Stopping lilo (pid {state.pid}) and every process it started...", flush=True)
+    log_size = settings.log_file.stat().st_size if settings.log_file.exists() else 0
     killed = stop_cluster(settings, state.pid, timeout_s=args.timeout)
+    # A detached supervisor reports its shutdown (the models it saved) to its log: pass that on.
+    for line in _progress_lines_since(settings.log_file, log_size):
+        print(line, flush=True)
     if killed:
         print(f"Killed {len(killed)} process(es) that did not stop within {args.timeout:.0f} s: {killed}")
     print(f"Stopped in {time.monotonic() - started:.1f} s.")

@@ -38,6 +38,16 @@ def test_complete_checkpoints_of_both_kinds_are_listed_oldest_first_with_their_s
     assert list_checkpoints(tmp_path, "session-1:train:9") == []
 
 
+@pytest.mark.parametrize("kind", ["weights", "sampler_weights"])
+def test_a_rewrite_that_fails_half_way_leaves_no_complete_looking_checkpoint(tmp_path, kind):
+    directory = save(tmp_path, kind, "latest", 200)
+    broken = AdapterState(SPEC, {"layers.0.q_proj.lora_A": "not a tensor"}, step=3)  # the write raises midway
+    with pytest.raises(AttributeError):
+        write_state(broken, directory) if kind == "weights" else write_peft(broken, directory, "lilo/tiny-llama")
+    # The old marker went first: no one takes old metadata with half-new tensors for a checkpoint.
+    assert directory.exists() and list_checkpoints(tmp_path, RUN) == []
+
+
 def test_a_deleted_checkpoint_is_gone_from_disk_and_from_the_list(tmp_path):
     directory = save(tmp_path, "weights", "step-2", 200)
     delete_checkpoint(tmp_path, RUN, "weights/step-2")

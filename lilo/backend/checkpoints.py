@@ -81,11 +81,19 @@ def local_directory(root: Path, path: str) -> Path:
 
 
 def write_state(state: AdapterState, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    _start_writing(directory, META_FILE)
     save_file({key: tensor.contiguous() for key, tensor in state.tensors.items()}, str(directory / STATE_FILE))
     meta = {"spec": dataclasses.asdict(state.spec), "step": state.step}
     (directory / META_FILE).write_text(json.dumps(meta, indent=2))
     return directory
+
+
+def _start_writing(directory: Path, marker: str) -> None:
+    """Ready ``directory`` for a checkpoint whose ``marker`` file is written last. A save under an existing name
+    drops the old marker first, so a rewrite cut short (a crash, a full disk) never passes for a complete
+    checkpoint: it is skipped, and a restore falls back to the checkpoint before it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / marker).unlink(missing_ok=True)
 
 
 def read_state(directory: Path) -> AdapterState:
@@ -99,7 +107,7 @@ def read_state(directory: Path) -> AdapterState:
 
 def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
     """The adapter as PEFT saves one: keys ``base_model.model.<path>.lora_A.weight``, alpha and rank as trained."""
-    directory.mkdir(parents=True, exist_ok=True)
+    _start_writing(directory, PEFT_CONFIG)
     weights = {f"base_model.model.{key}.weight": tensor.contiguous() for key, tensor in state.tensors.items()
                if key.endswith((".lora_A", ".lora_B"))}
     save_file(weights, str(directory / PEFT_WEIGHTS))

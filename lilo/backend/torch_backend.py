@@ -25,7 +25,7 @@ from lilo.backend.checkpoints import (
 )
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import AdamParams, SlotAdamW
-from lilo.backend.types import Datum, LoadRequest, LoraSpec
+from lilo.backend.types import Datum, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import SAVE_WEIGHTS, Command
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
@@ -242,6 +242,12 @@ class TorchBackend:
         if command.payload.sampling_session_id:
             return {"path": path, "sampling_session_id": command.payload.sampling_session_id}
         return {"path": path}
+
+    def save_now(self, model_id: str, name: str) -> str:
+        """Capture and write ``model_id``'s adapter and optimizer state as the save_weights checkpoint ``name``
+        at once, outside any engine (a trainer saving its models as it stops); returns its tinker path."""
+        command = Command(model_id, 0, SAVE_WEIGHTS, f"save-{model_id}", payload=SaveRequest(name=name))
+        return self.persist(command, self.capture(command))["path"]
 
     def load_weights(self, command: Command) -> dict[str, str]:
         """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights."""
