@@ -164,12 +164,19 @@ class FuturesActor:
             self._waiter.notify(state)
         return displaced
 
+    async def evacuate_strays(self, trainers: Sequence[str], error: str) -> list[DisplacedModel]:
+        """At the recovery actor's start: ``evacuate`` for the models on none of ``trainers``."""
+        displaced, failed = await self._run(self._store.evacuate_strays, list(trainers), error)
+        for state in failed:
+            self._waiter.notify(state)
+        return displaced
+
     async def fail_orphans(self) -> int:
         """At service start: fail what a previous run left pending (its trainers are gone); returns how many."""
         return await self._run(self._store.fail_all_pending, ORPHAN_MESSAGE)
 
-    async def mark_unloaded(self, model_id: str) -> None:
-        await self._run(self._store.mark_unloaded, model_id)
+    async def mark_unloaded(self, model_id: str, reason: str | None = None) -> None:
+        await self._run(self._store.mark_unloaded, model_id, reason)
 
     async def training_runs(self, limit: int | None, offset: int = 0,
                             tenant: str | None = None) -> tuple[list[dict[str, Any]], int]:

@@ -11,6 +11,12 @@ that call fails as soon as the trainer dies, and then, for that trainer:
    and restored there from its latest ``save_weights`` checkpoint, or from a fresh adapter when it has none, ready
    for its client's next seq id. Then its requests flow again, without the client restarting.
 
+When this actor starts (with the service, or again after its own death) it catches up: a trainer without the
+models placed on it (the whole service restarted, or the trainer died while nobody watched) is recovered as above,
+and so are the models on none of the service's trainers (a previous run had more, or a restore was cut short). So a
+restarted service takes back every model, from the ``lilo-shutdown`` checkpoint ``lilo down`` saved. A model whose
+base model no trainer serves any more is unloaded instead, with a reason its client's next request gets (410).
+
 In-flight requests fail rather than replay: a replay would apply them to the last checkpoint, silently skipping the
 steps that had completed since, so only the client can decide how to go on.
 """
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -42,9 +48,20 @@ RETRY_PLACEMENT_S = 2.0
 
 def lost_message(trainer: str) -> str:
     return (f"Trainer {trainer} stopped before this request finished (its process died or its node left the "
-            "cluster), so it did not take effect. The model is being restored on a live trainer from its latest "
-            "save_weights checkpoint (a fresh adapter if it has none): steps after that checkpoint are lost. Load "
-            "your last checkpoint (load_state) to resume from it, or go on from the restored state.")
+            f"cluster), so it did not take effect. {RESTORING}")
+
+
+STRAY_MESSAGE = ("The trainer this request was handed to is no longer part of the service (it restarted with fewer "
+                 "trainers), so the request did not take effect.")
+RESTORING = ("The model is being restored on a live trainer from its latest save_weights checkpoint (a fresh "
+             "adapter if it has none): steps after that checkpoint are lost. Load your last checkpoint (load_state) to "
+             "resume from it, or go on from the restored state.")
+
+
+def unservable_reason(base_model: str, served: Iterable[str]) -> str:
+    return (f"its base model {base_model!r} is not served here any more (this service serves "
+            f"{', '.join(sorted(served))}). Start lilo with --base-model {base_model} and create a model from one "
+            "of its checkpoints (create_training_client_from_state) to train it again.")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -52,10 +69,30 @@ class RecoveryActor:
     def __init__(self, trainers: Sequence[str]) -> None:
         self._trainers = list(trainers)
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-        self._watches = [asyncio.get_event_loop().create_task(self._watch(name)) for name in self._trainers]
         self.recoveries: list[dict] = []
+        # The watches wait until the strays are taken: a model a watch displaces must not look like a stray too.
+        self._strays_taken = asyncio.Event()
+        loop = asyncio.get_event_loop()
+        self._tasks = [loop.create_task(self._recover_strays())]
+        self._tasks += [loop.create_task(self._watch(name)) for name in self._trainers]
+
+    async def _recover_strays(self) -> None:
+        """On this actor's (re)start: models on none of this service's trainers (a previous run had more, or
+        their restore was cut short when this actor died) are displaced and restored like a dead trainer's."""
+        while True:
+            try:
+                displaced = await self._futures.evacuate_strays.remote(self._trainers,
+                                                                       f"{STRAY_MESSAGE} {RESTORING}")
+                break
+            except ray.exceptions.RayActorError:
+                await asyncio.sleep(RETRY_PLACEMENT_S)
+        self._strays_taken.set()
+        if displaced:
+            logger.warning("%d model(s) are on none of this service's trainers; restoring them", len(displaced))
+            await self._restore("(strays)", displaced)
 
     async def _watch(self, trainer: str) -> None:
+        await self._strays_taken.wait()
         await self._catch_up(trainer)
         while True:
             try:
@@ -70,7 +107,8 @@ class RecoveryActor:
 
     async def _catch_up(self, trainer: str) -> None:
         """On this actor's (re)start: a trainer that died while nobody watched (this actor was on the node that
-        left with it, say) is up again without the models placed on it; recover it now."""
+        left with it, say, or the whole service restarted) is up again without the models placed on it; recover
+        it now."""
         while True:
             try:
                 held = set(await named_actor(trainer).model_ids.remote())
@@ -84,22 +122,36 @@ class RecoveryActor:
             await self._recover(trainer)
 
     async def _recover(self, trainer: str) -> None:
-        displaced: list[DisplacedModel] = await self._futures.evacuate.remote(trainer, lost_message(trainer))
+        await self._restore(trainer, await self._futures.evacuate.remote(trainer, lost_message(trainer)))
+
+    async def _restore(self, trainer: str, displaced: Sequence[DisplacedModel]) -> None:
+        """Restore every displaced model of ``trainer``, round after round until each is placed (or unloaded,
+        when no trainer serves its base model any more)."""
         restored: dict[str, tuple[str, str | None]] = {}
+        unloaded: dict[str, str] = {}
         while True:
-            await self._restore_round([m for m in displaced if m.model_id not in restored], restored)
-            if len(restored) == len(displaced):
+            await self._restore_round([m for m in displaced if m.model_id not in restored | unloaded], restored,
+                                      unloaded)
+            if len(restored) + len(unloaded) == len(displaced):
                 break
             await asyncio.sleep(RETRY_PLACEMENT_S)  # a trainer may restart or free a slot meanwhile
-        self.recoveries.append({"trainer": trainer, "models": restored})
+        self.recoveries.append({"trainer": trainer, "models": restored, "unloaded": unloaded})
 
-    async def _restore_round(self, models: Sequence[DisplacedModel], restored: dict) -> None:
+    async def _restore_round(self, models: Sequence[DisplacedModel], restored: dict, unloaded: dict) -> None:
         """Place and restore each model on the least loaded live trainer serving its base model, asking the
         trainers once for the round (a dead one would cost a timeout per model); ``restored`` gains, per model
-        restored, its trainer and the checkpoint it was restored from (None: a fresh adapter)."""
+        restored, its trainer and the checkpoint it was restored from (None: a fresh adapter). A model whose base
+        model no trainer serves (every trainer answered) is unloaded, saying why: ``unloaded`` gains it."""
         facts = await trainer_facts(self._trainers, ANSWER_WITHIN_S)
+        served = {info["base_model"] for info in facts.values()}
         placed = await models_placed(self._futures)
         for model in models:
+            if len(facts) == len(self._trainers) and model.base_model not in served:
+                reason = unservable_reason(model.base_model, served)
+                await self._futures.mark_unloaded.remote(model.model_id, reason)
+                unloaded[model.model_id] = reason
+                logger.warning("model %s unloaded: %s", model.model_id, reason)
+                continue
             try:
                 trainer = choose_trainer(free_slots(facts, model.base_model), placed)
                 checkpoint = await named_actor(trainer).restore_model.remote(

@@ -126,8 +126,10 @@ class TrainerActor:
             # The futures DB routed it here, so the model is placed here: this trainer restarted since, and the
             # recovery actor is restoring the model (it answers 503 from the DB once it has taken the model off).
             raise UnavailableError(
-                f"Model {command.model_id!r} is not on trainer {self.name} any more (the trainer restarted); it is "
-                "being restored on a live trainer: retry in a few seconds.") from None
+                f"Model {command.model_id!r} is not on trainer {self.name} any more (the trainer restarted), so this "
+                "request did not take effect. The model is being restored from its latest save_weights checkpoint "
+                "(steps after it are lost); send your next request in a few seconds, or load_state your last "
+                "checkpoint first.") from None
         future.add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
 
     async def create_model_future(self, model_id: str, spec: LoraSpec, request_id: str) -> None:

@@ -224,7 +224,7 @@ class LiloIngress:
     async def get_info(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
         model = await self._futures.model.remote(body.model_id, tenant)
         if model["unloaded_at"] is not None:
-            raise unloaded_error(body.model_id)
+            raise unloaded_error(body.model_id, model["unloaded_reason"])
         base = model["base_model"]
         return {"model_id": body.model_id, "model_data": {"arch": "llama", "model_name": base, "tokenizer_id": base},
                 "is_lora": True, "lora_rank": model["lora_config"].get("rank"), "model_name": base,

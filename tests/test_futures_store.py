@@ -207,10 +207,12 @@ def test_create_missing_columns_backfills_an_old_models_table(tmp_path):
     FuturesStore(path).close()
     with sqlite3.connect(path) as old:
         old.execute("ALTER TABLE models DROP COLUMN unloaded_at")
+        old.execute("ALTER TABLE models DROP COLUMN unloaded_reason")
         old.execute("ALTER TABLE models DROP COLUMN user_metadata")
         old.execute("INSERT INTO models (model_id, base_model, lora_config, created_at) VALUES ('m', 'b', '{}', 1)")
     reopened = FuturesStore(path)
     assert reopened.model("m")["unloaded_at"] is None and reopened.model("m")["user_metadata"] is None
+    assert reopened.model("m")["unloaded_reason"] is None
     assert reopened.create_missing_columns() == []
 
 
@@ -434,6 +436,37 @@ def test_evacuating_a_trainer_fails_its_unfinished_requests_and_unplaces_its_mod
     assert isinstance(refused.error, UnavailableError)
     store.place_model("a", "trainer-2")
     assert store.route("a") == "trainer-2"
+
+
+def test_strays_are_the_models_on_none_of_the_trainers_now_and_are_evacuated_alike(store):
+    store.add_model("kept", "base", {"rank": 4}, trainer="trainer-0")
+    store.add_model("left-behind", "base", {"rank": 4}, trainer="trainer-1")  # a previous run had trainer-1
+    store.add_model("half-restored", "base", {"rank": 8}, trainer="trainer-0")
+    store.evacuate("trainer-0", "trainer-0 died")
+    store.place_model("kept", "trainer-0")  # restored; "half-restored" was not when the recovery actor died
+    store.add_model("unloaded", "base", {"rank": 4}, trainer="trainer-1")
+    store.mark_unloaded("unloaded")
+    kept = store.submit(Submission("kept", "forward_backward", step(1), seq_id=4, routed=True))
+    lost = store.submit(Submission("left-behind", "forward_backward", step(1), seq_id=6, routed=True))
+
+    displaced, failed = store.evacuate_strays(["trainer-0"], "its trainer is gone")
+
+    assert sorted((m.model_id, m.next_seq) for m in displaced) == [("half-restored", None), ("left-behind", 7)]
+    assert [state.request_id for state in failed] == [lost]
+    states = store.states([kept, lost])
+    assert states[kept].status == "pending" and (states[lost].status, states[lost].error) == (
+        "failed", "its trainer is gone")
+    assert store.placement() == {"kept": "trainer-0", "left-behind": None, "half-restored": None}
+
+
+def test_a_model_the_service_unloads_itself_says_why_to_its_clients(store):
+    store.add_model("m", "base", {"rank": 4}, trainer="trainer-0")
+    store.mark_unloaded("m", "its base model 'base' is not served here any more.")
+    with pytest.raises(GoneError, match="unloaded by the service: its base model 'base' is not served"):
+        store.route("m")
+    (refused,) = store.submit_many([Submission("m", "forward_backward", step(1), seq_id=1, routed=True)])
+    assert "is not served here any more" in str(refused.error)
+    assert store.model("m")["unloaded_reason"] == "its base model 'base' is not served here any more."
 
 
 def test_at_service_start_whatever_a_previous_run_left_pending_fails_with_a_message(store):

@@ -8,6 +8,7 @@ import tinker
 from tinker import types
 
 from helpers import free_port, lilo, short_home
+from lilo.backend.models import build_tiny_llama
 from serve.cli import SHUTDOWN_CHECKPOINT
 from test_tinker_sdk import memorize_datum
 
@@ -23,10 +24,13 @@ def home():
     shutil.rmtree(home, ignore_errors=True)
 
 
-def up(home, http_port: int) -> None:
-    started = lilo("up", "--detach", "--home", str(home), "--port", str(http_port), "--dashboard-port",
-                   str(free_port()), "--num-cpus", "1", "--base-model", "lilo/tiny-llama", "--timeout", "240",
-                   timeout_s=300)
+def up(home, http_port: int, base_models: tuple[str, ...] = ("lilo/tiny-llama",)) -> None:
+    """A detached cluster with one trainer per base model (trainer i serves base model i)."""
+    args = ["up", "--detach", "--home", str(home), "--port", str(http_port), "--dashboard-port", str(free_port()),
+            "--num-cpus", str(len(base_models)), "--timeout", "240"]
+    for base_model in base_models:
+        args += ["--base-model", base_model]
+    started = lilo(*args, timeout_s=300)
     assert started.returncode == 0, started.stdout + started.stderr
 
 
@@ -69,3 +73,27 @@ def test_a_restarted_service_resumes_every_model_where_it_stopped(home):
         assert forward_loss(resumed, data) == pytest.approx(stopped_at, rel=1e-5)
         step(resumed, data)
         assert forward_loss(resumed, data) == pytest.approx(twin_one_step_on, rel=1e-5)
+
+
+def test_a_restart_with_fewer_trainers_moves_their_models_and_unloads_those_no_trainer_serves(home):
+    other_base = str(build_tiny_llama(home / "other-base", seed=2))
+    http_port = free_port()
+    up(home, http_port, (other_base, "lilo/tiny-llama"))
+    data = [memorize_datum()]
+    with tinker.ServiceClient(base_url=f"http://127.0.0.1:{http_port}", api_key="tml-local") as service:
+        moved = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=8).result(timeout=120)
+        orphaned = service.create_lora_training_client(base_model=other_base, rank=8).result(timeout=120)
+        for training in (moved, orphaned):
+            step(training, data)
+        stopped_at = forward_loss(moved, data)
+        assert lilo("down", "--home", str(home)).returncode == 0
+
+        # Now one trainer, lilo-trainer-0, serving only tiny-llama: `moved` was on lilo-trainer-1, which is gone,
+        # and no trainer serves `orphaned`'s base model.
+        up(home, http_port)
+        assert forward_loss(moved, data) == pytest.approx(stopped_at, rel=1e-5)
+        step(moved, data)
+        with pytest.raises(tinker.APIStatusError, match="is not served here any more") as refused:
+            orphaned.forward_backward(data, "cross_entropy").result(timeout=120)
+        assert refused.value.status_code == 410
+        assert f"--base-model {other_base}" in str(refused.value)

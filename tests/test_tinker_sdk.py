@@ -60,7 +60,7 @@ def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ra
                           json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
     # What a restarted trainer answers until the recovery actor has taken the model off it: retry (the SDK does).
     assert response.status_code == 503
-    assert "is being restored on a live trainer" in response.json()["detail"]
+    assert "did not take effect. The model is being restored" in response.json()["detail"]
     assert ray.get(futures.scan_pending.remote([model_id])) == []  # recorded, and failed: never pending
 
 

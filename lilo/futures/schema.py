@@ -57,6 +57,8 @@ models = Table(
     Column("user_metadata", Text, nullable=True),
     # Set by unload_model: new requests for the model are refused; its row (and checkpoints) stay, as its run.
     Column("unloaded_at", Float, nullable=True),
+    # Why lilo unloaded it itself (its base model is no longer served); None after the client's unload_model.
+    Column("unloaded_reason", Text, nullable=True),
 )
 
 sessions = Table(

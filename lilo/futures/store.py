@@ -268,7 +268,8 @@ class FuturesStore:
         placed: dict[str, Any] = {}
         for chunk in chunks(sorted(routed_models)):
             placed.update((row.model_id, row) for row in connection.execute(
-                select(models.c.model_id, models.c.trainer, models.c.unloaded_at).where(models.c.model_id.in_(chunk))))
+                select(models.c.model_id, models.c.trainer, models.c.unloaded_at, models.c.unloaded_reason)
+                .where(models.c.model_id.in_(chunk))))
         trainers: dict[int, str | None] = {}
         for i in new:
             sub = submissions[i]
@@ -503,7 +504,8 @@ class FuturesStore:
         """The trainer that takes new requests for a model; NotFoundError when unknown or another tenant's,
         GoneError once it was unloaded, UnavailableError while it is being restored elsewhere. One row."""
         with self.engine.connect() as connection:
-            row = connection.execute(select(models.c.trainer, models.c.unloaded_at, models.c.tenant).where(
+            row = connection.execute(select(models.c.trainer, models.c.unloaded_at, models.c.unloaded_reason,
+                                            models.c.tenant).where(
                 models.c.model_id == model_id)).first()
         return _placed_trainer(model_id, row if row is not None and may_see(tenant, row.tenant) else None)
 
@@ -518,18 +520,28 @@ class FuturesStore:
         """``trainer`` failed: in one transaction, take its models off it (routing answers 503 until each is
         placed again) and fail, with ``error``, every request handed to it that had not finished. Returns the
         models to restore and the futures failed."""
+        return self._displace(models.c.trainer == trainer, futures.c.trainer == trainer, error)
+
+    def evacuate_strays(self, trainers: Sequence[str], error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
+        """As ``evacuate``, for every model on none of ``trainers`` (the service's trainers now): on a trainer a
+        previous run had and this one has not, or unplaced because a restore was cut short."""
+        live = list(trainers)
+        return self._displace(models.c.trainer.is_(None) | models.c.trainer.not_in(live),
+                              futures.c.trainer.is_not(None) & futures.c.trainer.not_in(live), error)
+
+    def _displace(self, model_rows: Any, future_rows: Any, error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
         now = self._clock()
-        on_trainer = (models.c.trainer == trainer) & models.c.unloaded_at.is_(None)
-        lost = (futures.c.trainer == trainer) & (futures.c.status == PENDING)
+        displaced_rows = model_rows & models.c.unloaded_at.is_(None)
+        lost = future_rows & (futures.c.status == PENDING)
         with self.engine.begin() as connection:
             rows = connection.execute(select(models.c.model_id, models.c.base_model, models.c.lora_config)
-                                      .where(on_trainer)).all()
+                                      .where(displaced_rows)).all()
             last_seq: dict[str, int] = {}
             for chunk in chunks([row.model_id for row in rows]):
                 last_seq.update(connection.execute(
                     select(futures.c.model_id, func.max(futures.c.seq_id))
                     .where(futures.c.model_id.in_(chunk), futures.c.seq_id >= 0).group_by(futures.c.model_id)).all())
-            connection.execute(update(models).where(on_trainer).values(trainer=None))
+            connection.execute(update(models).where(displaced_rows).values(trainer=None))
             failed = connection.execute(select(futures.c.request_id, futures.c.request_type, futures.c.tenant)
                                         .where(lost)).all()
             connection.execute(update(futures).where(lost).values(
@@ -539,11 +551,12 @@ class FuturesStore:
                      for row in rows]
         return displaced, [FutureState(rid, FAILED, None, error, "server", kind, tenant) for rid, kind, tenant in failed]
 
-    def mark_unloaded(self, model_id: str) -> None:
-        """From now on ``route`` refuses the model (its row stays: it is a training run with checkpoints)."""
+    def mark_unloaded(self, model_id: str, reason: str | None = None) -> None:
+        """From now on ``route`` refuses the model (its row stays: it is a training run with checkpoints), saying
+        ``reason`` when lilo unloads it itself."""
         with self.engine.begin() as connection:
             connection.execute(update(models).where(models.c.model_id == model_id, models.c.unloaded_at.is_(None))
-                               .values(unloaded_at=self._clock()))
+                               .values(unloaded_at=self._clock(), unloaded_reason=reason))
 
     def model(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
         with self.engine.connect() as connection:
@@ -663,7 +676,9 @@ def _owned_by(table: Any, tenant: str | None) -> Any:
     return true() if tenant is None else func.coalesce(table.c.tenant, LOCAL_TENANT) == tenant
 
 
-def unloaded_error(model_id: str) -> GoneError:
+def unloaded_error(model_id: str, reason: str | None = None) -> GoneError:
+    if reason is not None:
+        return GoneError(f"Model {model_id!r} was unloaded by the service: {reason}")
     return GoneError(f"Model {model_id!r} was unloaded (unload_model); create a new model, or one from a checkpoint "
                      "of it (create_training_client_from_state), to train again.")
 
@@ -673,7 +688,7 @@ def _placed_trainer(model_id: str, row: Any) -> str:
     if row is None:
         raise unknown_model_error(model_id)
     if row.unloaded_at is not None:
-        raise unloaded_error(model_id)
+        raise unloaded_error(model_id, row.unloaded_reason)
     if row.trainer is None:
         raise UnavailableError(f"Model {model_id!r} is being restored on another trainer after its trainer failed; "
                                "retry in a few seconds.")
