@@ -3,6 +3,7 @@ spread over both nodes, every request still reaches its model's owner, and when 
 models fail what they had in flight and come back on the node that is left."""
 
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -76,13 +77,15 @@ def remove_a_node_mid_step(cluster, node, leaving: list, staying: list, futures_
 def two_node_cluster():
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": str(short_home())})
+    temp_dir = short_home()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": str(temp_dir)})
     worker = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     try:
         yield cluster, worker
     finally:
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_after_a_node_leaves(two_node_cluster):
@@ -110,6 +113,7 @@ def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_afte
     finally:
         stopped = lilo("down", "--home", str(home))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        shutil.rmtree(home, ignore_errors=True)
     assert len({trainer["node_id"] for trainer in report.values()}) == 2  # one trainer per node
     # Each model ran on exactly one trainer, once; both trainers got models.
     owners = {model_id: [name for name, t in report.items() if model_id in t["models"]] for model_id in model_ids}
