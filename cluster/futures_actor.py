@@ -73,8 +73,7 @@ class FuturesActor:
                 loop = asyncio.get_running_loop()
                 if self._store.outbox_size:
                     await loop.run_in_executor(self._db, self._store.flush_outbox)
-                beats, self._heartbeats = self._heartbeats, {}
-                await loop.run_in_executor(self._db, self._store.record_heartbeats, beats)
+                await loop.run_in_executor(self._db, self._store.record_heartbeats, self._take_heartbeats())
                 if since_prune >= PRUNE_EVERY_S:
                     since_prune = 0.0
                     pruned = await loop.run_in_executor(self._db, self._store.prune)
@@ -82,6 +81,11 @@ class FuturesActor:
                         logger.info("pruned %d futures past the retention time", pruned)
             except Exception:
                 logger.exception("futures maintenance failed; trying again later")
+
+    def _take_heartbeats(self) -> dict[str, float]:
+        """The heartbeats noted since the last write, to write now."""
+        beats, self._heartbeats = self._heartbeats, {}
+        return beats
 
     # --- futures -------------------------------------------------------------------------------------------
     async def submit(self, submission: Submission) -> int:
@@ -201,6 +205,14 @@ class FuturesActor:
         elif tenant is not None and known != tenant:
             raise unknown_session_error(session_id)
         self._heartbeats[session_id] = time.time()
+
+    async def session_models(self, session_id: str, tenant: str | None) -> list[str]:
+        return await self._run(self._store.session_models, session_id, tenant)
+
+    async def idle_session_models(self, idle_s: float) -> list[tuple[str, str | None, str]]:
+        """Models of sessions idle for ``idle_s`` (heartbeats noted in memory are written first)."""
+        await self._run(self._store.record_heartbeats, self._take_heartbeats())
+        return await self._run(self._store.idle_session_models, idle_s)
 
     async def check_session(self, session_id: str, tenant: str | None) -> None:
         await self._run(self._store.check_session, session_id, tenant)

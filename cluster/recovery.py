@@ -17,6 +17,9 @@ and so are the models on none of the service's trainers (a previous run had more
 restarted service takes back every model, from the ``lilo-shutdown`` checkpoint ``lilo down`` saved. A model whose
 base model no trainer serves any more is unloaded instead, with a reason its client's next request gets (410).
 
+It also unloads the models of sessions that sent no heartbeat for the session timeout (their client died without
+closing), so that their adapter slots are not taken forever; closing a client unloads its models at once.
+
 In-flight requests fail rather than replay: a replay would apply them to the last checkpoint, silently skipping the
 steps that had completed since, so only the client can decide how to go on.
 """
@@ -33,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
+from cluster.unloading import unload_models
 from lilo.backend.types import LoraSpec
 from lilo.errors import LiloError
 from lilo.futures.store import DisplacedModel
@@ -64,10 +68,17 @@ def unservable_reason(base_model: str, served: Iterable[str]) -> str:
             "of its checkpoints (create_training_client_from_state) to train it again.")
 
 
+def idle_reason(idle_s: float) -> str:
+    return (f"its session sent no heartbeat for {idle_s:.0f} s (its client stopped without closing), so its adapter "
+            "slot was freed. Create a model from one of its checkpoints (create_training_client_from_state) to train "
+            "it again.")
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class RecoveryActor:
-    def __init__(self, trainers: Sequence[str]) -> None:
+    def __init__(self, trainers: Sequence[str], session_timeout_s: float = 0.0) -> None:
         self._trainers = list(trainers)
+        self._session_timeout_s = session_timeout_s
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         self.recoveries: list[dict] = []
         # The watches wait until the strays are taken: a model a watch displaces must not look like a stray too.
@@ -75,6 +86,23 @@ class RecoveryActor:
         loop = asyncio.get_event_loop()
         self._tasks = [loop.create_task(self._recover_strays())]
         self._tasks += [loop.create_task(self._watch(name)) for name in self._trainers]
+        if session_timeout_s > 0:
+            self._tasks.append(loop.create_task(self._unload_idle_sessions()))
+
+    async def _unload_idle_sessions(self) -> None:
+        """Every so often, unload the models of sessions idle past the timeout, as their client's close would."""
+        every_s = min(60.0, max(1.0, self._session_timeout_s / 4))
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                idle = await self._futures.idle_session_models.remote(self._session_timeout_s)
+                if idle:
+                    logger.warning("unloading %d model(s) of sessions idle for over %.0f s", len(idle),
+                                   self._session_timeout_s)
+                    await unload_models(self._futures, [(model_id, tenant) for model_id, tenant, _ in idle],
+                                        idle_reason(self._session_timeout_s), "its session went idle")
+            except Exception:
+                logger.exception("unloading the models of idle sessions failed; trying again later")
 
     async def _recover_strays(self) -> None:
         """On this actor's (re)start: models on none of this service's trainers (a previous run had more, or
@@ -171,9 +199,11 @@ class RecoveryActor:
         return self.recoveries
 
 
-def start_recovery(trainers: Sequence[str]) -> ray.actor.ActorHandle:
-    """The cluster's recovery actor, watching ``trainers``, on this driver's node (the head, with the futures DB
-    actor), so that a worker node leaving does not take it along; if it dies anyway, it catches up on restart."""
+def start_recovery(trainers: Sequence[str], session_timeout_s: float = 0.0) -> ray.actor.ActorHandle:
+    """The cluster's recovery actor, watching ``trainers`` (and unloading the models of sessions idle for
+    ``session_timeout_s``; 0: never), on this driver's node (the head, with the futures DB actor), so that a worker
+    node leaving does not take it along; if it dies anyway, it catches up on restart."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     return RecoveryActor.options(name=RECOVERY_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                                 get_if_exists=True, scheduling_strategy=here).remote(list(trainers))
+                                 get_if_exists=True, scheduling_strategy=here).remote(list(trainers),
+                                                                                      session_timeout_s)

@@ -52,6 +52,9 @@ class Settings:
     # runs: batched steps yield the CPU to the latency-bound control plane (HTTP proxy, ingress, futures DB), so a
     # heartbeat or a submission does not queue behind a training step. 0 leaves the compute thread as it is.
     compute_nice: int = 10
+    # A session that sends no heartbeat for this long (its client died without closing; the SDK beats every 10 s)
+    # has its models unloaded, as closing the client would, so their adapter slots are not taken forever. 0: never.
+    session_timeout_s: float = 3600.0
     # API keys (see lilo.api_keys): comma-separated ``tml-key[=tenant]`` entries (only from the environment, never
     # a flag, which any local user could read in the process list) and/or a file of them. None of either: local
     # mode, which accepts any ``tml-`` key and listens on loopback only.
@@ -123,6 +126,8 @@ class Settings:
             raise SettingsError(f"--device must be auto, cpu or cuda, got {self.device!r}.")
         if not 0 <= self.compute_nice <= 19:
             raise SettingsError(f"--compute-nice must be between 0 and 19, got {self.compute_nice}.")
+        if self.session_timeout_s < 0:
+            raise SettingsError(f"--session-timeout must be 0 (never) or more seconds, got {self.session_timeout_s}.")
         if self.max_body_mb < 1:
             raise SettingsError(f"--max-body-mb must be at least 1, got {self.max_body_mb}.")
         if not self.base_models:
@@ -151,6 +156,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_DEVICE": ("device", str),
     "LILO_MAX_BODY_MB": ("max_body_mb", int),
     "LILO_COMPUTE_NICE": ("compute_nice", int),
+    "LILO_SESSION_TIMEOUT_S": ("session_timeout_s", float),
     "LILO_API_KEYS": ("api_keys", str),
     "LILO_API_KEYS_FILE": ("api_keys_file", Path),
 }

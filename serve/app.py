@@ -17,6 +17,7 @@ from cluster.futures_actor import FUTURES_ACTOR_NAME, RETRIEVE_TIMEOUT_S
 from cluster.local import NAMESPACE
 from cluster.placement import named_actor
 from cluster.timing import get_timing_actor
+from cluster.unloading import unload_model
 from cluster.worker_setup import freeze_startup
 
 from lilo import __version__
@@ -206,7 +207,8 @@ class LiloIngress:
         return {"type": "session_heartbeat"}
 
     @api.post("/api/v1/sessions/{session_id}/finish")
-    async def finish_session(self, session_id: str) -> dict[str, Any]:
+    async def finish_session(self, session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+        await training.finish_session(self._futures, session_id, tenant)
         return {}
 
     @api.post("/api/v1/telemetry")
@@ -307,7 +309,7 @@ class LiloIngress:
 
     @api.post("/api/v1/unload_model")
     async def unload_model(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, str]:
-        return await training.submit_unload(self._futures, body.model_id, tenant=tenant)
+        return await unload_model(self._futures, body.model_id, tenant)
 
     @api.post("/api/v1/retrieve_future", response_model=None)
     async def retrieve_future(self, body: RetrieveFutureRequest, tenant: str = Depends(caller)) -> Response | dict[str, Any]:

@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--compute-nice", type=int,
                     help="how much nicer the trainers' compute threads run, 0-19: steps yield the CPU to the "
                          "API (default 10)")
+    up.add_argument("--session-timeout", type=float, dest="session_timeout_s", metavar="SECONDS",
+                    help="unload the models of a session that sent no heartbeat for this long (its client died "
+                         "without closing); 0: never (default 3600)")
     up.add_argument("--max-body-mb", type=int, help="largest request body the API accepts, in MB (default 64)")
     up.add_argument("--api-keys-file", type=Path, metavar="PATH",
                     help="file of API keys, one `tml-key[=tenant]` per line (default: $LILO_API_KEYS_FILE; none and "
@@ -115,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters", "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
-              "compute_nice")
+              "compute_nice", "session_timeout_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
 
 
@@ -190,7 +193,7 @@ def supervise(settings: Settings, detached: bool) -> int:
             progress(f"Failed {orphans} request(s) a previous run left unfinished (their clients get a message)")
         progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
         trainers = start_trainers(settings)
-        start_recovery(trainers)
+        start_recovery(trainers, settings.session_timeout_s)
         progress(f"Trainers ready: {', '.join(trainers)}; deploying the Serve application")
         deploy(settings, trainers)
         progress(f"Waiting for {settings.api_url}/api/v1/healthz")

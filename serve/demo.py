@@ -167,6 +167,8 @@ def run_demo(base_url: str, *, home: Path, base_model: str = DEFAULT_BASE_MODEL,
             thread.start()
         for thread in threads:
             thread.join()
+        # Read while the client is open: closing it unloads its models, and their timing with them.
+        table = "" if errors else time_table(base_url, model_ids)
     finish()
     if errors:
         raise RuntimeError(f"{len(errors)} demo client(s) failed; the first: {errors[0]!r}") from errors[0]
@@ -175,7 +177,7 @@ def run_demo(base_url: str, *, home: Path, base_model: str = DEFAULT_BASE_MODEL,
         print(f"  [{task.name}] {task.prompts[0]}\n      before: {samples[task.name]['before']!r}\n"
               f"      after:  {samples[task.name]['after']!r}", file=out)
     print("\nWhere each model's forward_backward time went (seconds, whole run):", file=out)
-    print(time_table(base_url, model_ids), file=out, flush=True)
+    print(table, file=out, flush=True)
     return samples
 
 

@@ -3,30 +3,27 @@ submissions that become futures and commands on the trainer that owns the model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from ray.actor import ActorHandle
 
 from cluster.placement import named_actor, place
+from cluster.unloading import failing_future, unload_models
 from lilo.backend.checkpoint_index import WEIGHTS
 from lilo.backend.checkpoints import checked_name, parse_tinker_path
 from lilo.backend.losses import check_train_input
 from lilo.backend.optimizer import AdamParams
 from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
-    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, UNLOAD_MODEL, Command,
+    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, Command,
 )
-from lilo.errors import ConflictError, InvalidRequestError, NotFoundError, failure_category
-from lilo.futures.store import Completion, Submission, unknown_model_error
+from lilo.errors import ConflictError, InvalidRequestError, NotFoundError
+from lilo.futures.store import Submission
 from lilo.protocol.proto import ForwardBackwardCall
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-# The seq a model's unload is recorded under, apart from its steps (1 on) and its creation (0): one unload per
-# model, so a retried unload_model finds the first.
-UNLOAD_SEQ = -1
 
 
 def new_session_id() -> str:
@@ -137,19 +134,13 @@ async def _record_new_model(futures: ActorHandle, submission: Submission, body: 
     return {"request_id": str(outcome.request_id), "model_id": submission.model_id}
 
 
-async def submit_unload(futures: ActorHandle, model_id: str, tenant: str | None) -> dict[str, str]:
-    """unload_model: from now on new requests for the model are refused (410); its trainer frees its adapter slot
-    once what it queued before has run, and the future completes then. Its run and checkpoints stay."""
-    trainer = await futures.trainer_of.remote(model_id, tenant)
-    if trainer is None:
-        raise unknown_model_error(model_id)
-    outcome = await futures.submit_once.remote(
-        Submission(model_id, UNLOAD_MODEL, {}, seq_id=UNLOAD_SEQ, tenant=tenant, trainer=trainer).prepared())
-    if not outcome.duplicate:
-        async with failing_future(futures, outcome.request_id, UNLOAD_MODEL):
-            await futures.mark_unloaded.remote(model_id)
-            await named_actor(trainer).unload_future.remote(model_id, str(outcome.request_id))
-    return {"request_id": str(outcome.request_id), "model_id": model_id}
+async def finish_session(futures: ActorHandle, session_id: str, tenant: str | None) -> None:
+    """The client closed its ServiceClient, and its training clients with it (the SDK has no way to reach a model
+    from another one): unload the session's models, so their adapter slots are free again once what they queued
+    has run. A model that cannot be unloaded now is left as it is: a close must not fail."""
+    model_ids = await futures.session_models.remote(session_id, tenant)
+    await unload_models(futures, [(model_id, tenant) for model_id in model_ids], None,
+                        f"session {session_id} finished")
 
 
 async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, payload: Any, stored: Any,
@@ -176,19 +167,6 @@ async def submit_to(futures: ActorHandle, submission: Submission, command: Comma
         async with failing_future(futures, outcome.request_id, command.kind):
             await named_actor(outcome.trainer).submit.remote(command)
     return outcome.request_id
-
-
-@contextlib.asynccontextmanager
-async def failing_future(futures: ActorHandle, request_id: int, kind: str) -> AsyncIterator[None]:
-    """Whatever fails inside also fails the recorded future ``request_id`` (then raises on), so a future is never
-    left pending by a step that did not happen."""
-    try:
-        yield
-    except Exception as error:
-        cause = getattr(error, "cause", None) or error
-        await futures.complete.remote([Completion.failure(request_id, str(cause), failure_category(cause),
-                                                          request_type=kind)])
-        raise
 
 
 async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCall,

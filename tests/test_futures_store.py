@@ -341,6 +341,20 @@ def test_a_database_on_a_network_filesystem_is_warned_about(tmp_path, monkeypatc
     assert "is on a nfs4 filesystem" in caplog.text
 
 
+def test_a_sessions_models_and_those_of_sessions_idle_too_long_are_found(store, clock):
+    store.add_session("busy", tenant="t")
+    store.add_session("idle", tenant="t")
+    for model_id, session_id in (("busy:train:0", "busy"), ("idle:train:0", "idle"), ("idle:train:1", "idle")):
+        store.add_model(model_id, "base", {"rank": 4}, tenant="t", session_id=session_id, trainer="trainer-0")
+    store.mark_unloaded("idle:train:1")
+    assert store.session_models("idle", "t") == ["idle:train:0"]
+    assert store.session_models("idle", "someone-else") == []  # another tenant's session has none of theirs
+    clock.now += 100
+    store.record_heartbeats({"busy": clock.now - 1})
+    assert store.idle_session_models(60) == [("idle:train:0", "t", "idle")]
+    assert store.idle_session_models(120) == []
+
+
 def test_models_sessions_and_sampling_sessions_round_trip(store):
     store.add_session("s1", tenant="t", info={"tags": ["a"]})
     store.check_session("s1", "t")

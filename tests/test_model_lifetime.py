@@ -1,7 +1,12 @@
-"""`lilo down`, then `lilo up` on the same home: every model resumes exactly where it stopped, for the same client."""
+"""How long a model lives, each on a cluster of its own: across `lilo down` and `lilo up` on the same home (it resumes
+exactly where it stopped, for the same client), across a restart with other trainers, and after its client vanished
+without closing."""
 
 import json
 import shutil
+import time
+
+import httpx
 
 import pytest
 import tinker
@@ -24,10 +29,10 @@ def home():
     shutil.rmtree(home, ignore_errors=True)
 
 
-def up(home, http_port: int, base_models: tuple[str, ...] = ("lilo/tiny-llama",)) -> None:
+def up(home, http_port: int, base_models: tuple[str, ...] = ("lilo/tiny-llama",), *extra: str) -> None:
     """A detached cluster with one trainer per base model (trainer i serves base model i)."""
     args = ["up", "--detach", "--home", str(home), "--port", str(http_port), "--dashboard-port", str(free_port()),
-            "--num-cpus", str(len(base_models)), "--timeout", "240"]
+            "--num-cpus", str(len(base_models)), "--timeout", "240", *extra]
     for base_model in base_models:
         args += ["--base-model", base_model]
     started = lilo(*args, timeout_s=300)
@@ -97,3 +102,29 @@ def test_a_restart_with_fewer_trainers_moves_their_models_and_unloads_those_no_t
             orphaned.forward_backward(data, "cross_entropy").result(timeout=120)
         assert refused.value.status_code == 410
         assert f"--base-model {other_base}" in str(refused.value)
+
+
+def test_the_models_of_a_session_that_stops_beating_are_unloaded_and_a_live_clients_stay(home):
+    timeout_s = 20  # twice the SDK's heartbeat period
+    http_port = free_port()
+    up(home, http_port, ("lilo/tiny-llama",), "--session-timeout", str(timeout_s))
+    api = f"http://127.0.0.1:{http_port}/api/v1"
+    data = [memorize_datum()]
+    with tinker.ServiceClient(base_url=f"http://127.0.0.1:{http_port}", api_key="tml-local") as service, \
+            httpx.Client(base_url=api, headers={"X-API-Key": "tml-local"}, timeout=60) as http:
+        alive = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120)
+        # A client that made a model and vanished: its session never beats.
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        vanished = http.post("/create_model", json={"session_id": session_id, "model_seq_id": 0,
+                                                    "base_model": "lilo/tiny-llama", "lora_config": {"rank": 4}})
+        assert vanished.status_code == 200, vanished.text
+        started = time.monotonic()
+        while http.post("/get_info", json={"model_id": vanished.json()["model_id"]}).status_code == 200:
+            assert time.monotonic() - started < 6 * timeout_s, "the idle session's model was never unloaded"
+            step(alive, data)
+        info = http.post("/get_info", json={"model_id": vanished.json()["model_id"]})
+        assert info.status_code == 410
+        assert f"its session sent no heartbeat for {timeout_s} s" in info.json()["detail"]
+        # The SDK client beat all along: its model trains on.
+        for _ in range(2):
+            step(alive, data)

@@ -49,23 +49,24 @@ def test_each_model_runs_only_on_its_owner_across_trainers_and_base_models(local
             for backward, optim in futures:
                 backward.result(timeout=120)
                 optim.result(timeout=120)
-    placement = ray.get(futures_actor.placement.remote())
-    owners = {client.model_id: placement[client.model_id] for client in everyone}
-    # Each base model's models are spread over both of its trainers, and each sits on a trainer serving it.
-    for base, group in clients.items():
-        ours = [owners[c.model_id] for c in group]
-        assert all(served[owner] == base for owner in ours)
-        assert all(ours.count(owner) >= 2 for owner in set(ours)) and len(set(ours)) == 2
-    for model_id, owner in owners.items():
-        for name in trainers:
-            trainer = ray.get_actor(name, namespace=NAMESPACE)
-            snapshot = ray.get(trainer.timing.remote(model_id))
-            if name == owner:
-                # The owner ran every step of it: forward_backward and optim_step, `steps` times each.
-                assert snapshot["phases"]["forward_backward.execute"]["count"] == steps
-                assert snapshot["phases"]["optim_step.execute"]["count"] == steps
-            else:
-                assert snapshot is None  # no other trainer ever held it
+        # Checked before the client closes, which unloads its models.
+        placement = ray.get(futures_actor.placement.remote())
+        owners = {client.model_id: placement[client.model_id] for client in everyone}
+        # Each base model's models are spread over both of its trainers, and each sits on a trainer serving it.
+        for base, group in clients.items():
+            ours = [owners[c.model_id] for c in group]
+            assert all(served[owner] == base for owner in ours)
+            assert all(ours.count(owner) >= 2 for owner in set(ours)) and len(set(ours)) == 2
+        for model_id, owner in owners.items():
+            for name in trainers:
+                trainer = ray.get_actor(name, namespace=NAMESPACE)
+                snapshot = ray.get(trainer.timing.remote(model_id))
+                if name == owner:
+                    # The owner ran every step of it: forward_backward and optim_step, `steps` times each.
+                    assert snapshot["phases"]["forward_backward.execute"]["count"] == steps
+                    assert snapshot["phases"]["optim_step.execute"]["count"] == steps
+                else:
+                    assert snapshot is None  # no other trainer ever held it
 
 
 def test_two_clients_stepping_at_once_share_one_pass(local_cluster, ray_driver):
@@ -87,7 +88,7 @@ def test_two_clients_stepping_at_once_share_one_pass(local_cluster, ray_driver):
         held.result(timeout=120)
         for step in steps:
             step.result(timeout=120)
-    for client in (first, second):
-        timing = httpx.get(f"{local_cluster.api_url}/api/v1/timing", params={"model_id": client.model_id},
-                           headers=AUTH).json()
-        assert timing["phases"]["forward_backward.execute"]["mean_batch"] > 1
+        for client in (first, second):
+            timing = httpx.get(f"{local_cluster.api_url}/api/v1/timing", params={"model_id": client.model_id},
+                               headers=AUTH).json()
+            assert timing["phases"]["forward_backward.execute"]["mean_batch"] > 1

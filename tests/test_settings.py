@@ -56,6 +56,13 @@ def test_a_long_home_is_fine_when_joining_an_existing_cluster():
     assert settings.ray_address == "auto"
 
 
+def test_the_session_timeout_comes_from_the_environment_or_a_flag_and_is_not_negative():
+    assert load_settings(env={}).session_timeout_s == 3600
+    assert load_settings(env={"LILO_SESSION_TIMEOUT_S": "0"}).session_timeout_s == 0
+    with pytest.raises(SettingsError, match="--session-timeout must be 0 .never. or more seconds"):
+        load_settings(env={}, session_timeout_s=-1)
+
+
 def test_compute_niceness_comes_from_the_environment_or_a_flag_and_stays_in_range():
     assert load_settings(env={}).compute_nice == 10
     assert load_settings(env={"LILO_COMPUTE_NICE": "0"}).compute_nice == 0

@@ -115,6 +115,11 @@ def test_another_tenants_session_and_model_answer_as_unknown_ones(work, beta):
         assert as_unknown(*both(path, body, "model_id", NO_MODEL), work.model_id, NO_MODEL), path
 
 
+def test_finishing_another_tenants_session_unloads_nothing_of_it(work, alpha, beta):
+    assert beta.post(f"/sessions/{work.session_id}/finish", json={"reason": {"type": "success"}}).status_code == 200
+    assert alpha.post("/get_info", json={"model_id": work.model_id}).status_code == 200
+
+
 def test_another_tenants_future_answers_as_one_that_is_gone(work, alpha, beta):
     assert "metrics" in alpha.post("/retrieve_future", json={"request_id": work.request_id}).json()
     foreign = beta.post("/retrieve_future", json={"request_id": work.request_id})

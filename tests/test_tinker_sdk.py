@@ -64,6 +64,34 @@ def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ra
     assert ray.get(futures.scan_pending.remote([model_id])) == []  # recorded, and failed: never pending
 
 
+def test_closing_the_service_client_unloads_its_models_and_frees_their_slots(local_cluster, ray_driver):
+    import time
+
+    import httpx
+    import ray
+
+    from cluster.futures_actor import FUTURES_ACTOR_NAME
+    from cluster.local import NAMESPACE
+    from cluster.placement import named_actor
+    from helpers import AUTH
+
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
+        training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120)
+        training.forward_backward([memorize_datum()], "cross_entropy").result(timeout=120)
+        model_id = training.model_id
+        futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+        trainer = named_actor(ray.get(futures.trainer_of.remote(model_id)))
+        assert model_id in ray.get(trainer.model_ids.remote())
+    # Leaving the block closed the client (sessions/{id}/finish): no client can reach the model any more.
+    info = httpx.post(f"{local_cluster.api_url}/api/v1/get_info", json={"model_id": model_id}, headers=AUTH,
+                      timeout=60)
+    assert info.status_code == 410 and "was unloaded" in info.json()["detail"]
+    deadline = time.monotonic() + 60
+    while model_id in ray.get(trainer.model_ids.remote()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert model_id not in ray.get(trainer.model_ids.remote())  # its adapter slot is free again
+
+
 def test_save_state_then_load_state_resumes_where_it_was(local_cluster):
     with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
         training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120)

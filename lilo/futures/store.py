@@ -609,6 +609,23 @@ class FuturesStore:
                 connection.execute(update(sessions).where(sessions.c.session_id == bindparam("sid")).values(
                     last_heartbeat_at=bindparam("at")), [{"sid": sid, "at": at} for sid, at in beats.items()])
 
+    def session_models(self, session_id: str, tenant: str | None) -> list[str]:
+        """The models ``session_id`` created that are not unloaded (none when it is another tenant's)."""
+        with self.engine.connect() as connection:
+            return list(connection.execute(select(models.c.model_id).where(
+                models.c.session_id == session_id, models.c.unloaded_at.is_(None), _owned_by(models, tenant))
+                .order_by(models.c.model_id)).scalars())
+
+    def idle_session_models(self, idle_s: float) -> list[tuple[str, str | None, str]]:
+        """``(model_id, tenant, session_id)`` of every model not unloaded whose session's last heartbeat (or its
+        creation, if it never beat) is more than ``idle_s`` ago."""
+        with self.engine.connect() as connection:
+            return [tuple(row) for row in connection.execute(
+                select(models.c.model_id, models.c.tenant, models.c.session_id)
+                .join(sessions, sessions.c.session_id == models.c.session_id)
+                .where(models.c.unloaded_at.is_(None), sessions.c.last_heartbeat_at < self._clock() - idle_s)
+                .order_by(models.c.model_id))]
+
     def check_session(self, session_id: str, tenant: str | None) -> None:
         """NotFoundError unless ``session_id`` is a session of ``tenant``."""
         with self.engine.connect() as connection:
