@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
-from lilo.backend.optimizer import AdamParams
+from lilo.backend.types import AdamParams
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import Datum, LoraSpec, TrainInput
 from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command

@@ -28,8 +28,6 @@ from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoint_index import (
     WEIGHTS, CheckpointEntry, delete_checkpoint, list_checkpoints, weights_spec,
 )
-from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
-from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, SAMPLE, UNLOAD_MODEL, Command,
@@ -76,6 +74,11 @@ class TrainerActor:
                    model_cache_dir: str | None, device: str, compute_nice: int) -> None:
         lower_thread_priority(compute_nice)
         try:
+            # Torch is imported here, not with this module: Ray imports this module in every process that holds a
+            # trainer's handle (the API replicas, the recovery actor), and those need no torch.
+            from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
+            from lilo.backend.torch_backend import TorchBackend
+
             directory = model_directory(self.base_model, Path(model_cache_dir) if model_cache_dir else None)
             backend = TorchBackend(load_base_model(directory, resolve_device(device)), max_adapters=max_adapters,
                                    max_rank=max_rank, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,

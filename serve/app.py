@@ -26,7 +26,7 @@ from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
 from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER
 from lilo.errors import InvalidRequestError
-from lilo.backend.checkpoints import TINKER_SCHEME, parse_tinker_path
+from lilo.backend.checkpoint_paths import TINKER_SCHEME, parse_tinker_path
 from lilo.futures.schema import PENDING
 from lilo.futures.store import FutureState, unloaded_error
 from lilo.telemetry.phase_stats import ALL_MODELS

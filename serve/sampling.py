@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from ray.actor import ActorHandle
 
 from cluster.placement import choose_sampling_trainer, named_actor
-from lilo.backend.checkpoints import sampler_run, tinker_path
+from lilo.backend.checkpoint_paths import sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command

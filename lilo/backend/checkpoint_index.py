@@ -1,7 +1,7 @@
 """Checkpoints on disk as clients see them: a training run's list, deleting one, and the LoRA spec of a weights
 checkpoint (to create a model from it).
 
-Layout (``checkpoints.local_directory``): ``<root>/<run>/{weights|sampler_weights}/<name>/``, written by the trainer
+Layout (``checkpoint_paths.local_directory``): ``<root>/<run>/{weights|sampler_weights}/<name>/``, written by the trainer
 that owns the run. These functions run on that trainer too (``TrainerActor.list_checkpoints`` and friends), so they
 see the files wherever they are; on a multi-node cluster, loading or sampling a checkpoint on a different trainer
 than the one that wrote it needs ``root`` on storage every node mounts (the cluster home on a shared filesystem).
@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lilo.backend.checkpoints import (
+from lilo.backend.checkpoint_paths import (
     KIND_DIRECTORIES, META_FILE, PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, parse_tinker_path,
 )
 from lilo.backend.types import LoraSpec

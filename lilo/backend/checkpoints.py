@@ -5,31 +5,24 @@ Two formats:
   resumes exactly after ``load_weights``;
 - ``save_weights_for_sampler``: the adapter alone in PEFT's format (``adapter_config.json`` +
   ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads onto the same base model.
-Names are plain file names; nothing a client sends can point outside the checkpoint directory, and nothing read
-back is unpickled (safetensors and JSON only).
+Where they go and how they are named is ``checkpoint_paths``; nothing read back is unpickled (safetensors and JSON
+only).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from lilo.backend.checkpoint_paths import META_FILE, PEFT_CONFIG, PEFT_WEIGHTS, STATE_FILE
 from lilo.backend.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
-
-STATE_FILE, META_FILE = "state.safetensors", "meta.json"
-TINKER_SCHEME = "tinker://"
-KIND_DIRECTORIES = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights"}
-PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
 
 @dataclasses.dataclass
 class AdapterState:
@@ -38,46 +31,6 @@ class AdapterState:
     spec: LoraSpec
     tensors: dict[str, torch.Tensor]  # "<path>.lora_A" / "<path>.lora_B" (and ".exp_avg" / ".exp_avg_sq")
     step: int | None = None  # optimizer steps taken; None when the optimizer state was not captured
-
-
-def checked_name(name: str) -> str:
-    if not NAME_PATTERN.match(name or "") or ".." in name:
-        raise InvalidRequestError(
-            f"Checkpoint name {name!r} is not allowed; use letters, digits, '.', '_' and '-' (at most 128), "
-            "starting with a letter or digit.")
-    return name
-
-
-def tinker_path(model_id: str, kind: str, name: str) -> str:
-    """``tinker://<model_id>/{weights|sampler_weights}/<name>``: how clients name a checkpoint."""
-    return f"{TINKER_SCHEME}{model_id}/{KIND_DIRECTORIES[kind]}/{name}"
-
-
-def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """``(run, kind directory, name)`` of a ``tinker://`` checkpoint path; anything that could leave the
-    checkpoint directory is refused."""
-    if not path.startswith(TINKER_SCHEME):
-        raise InvalidRequestError(f"Checkpoint path {path!r} is not a tinker:// path; pass one save_weights returned.")
-    parts = path[len(TINKER_SCHEME):].split("/")
-    if len(parts) != 3 or parts[1] not in KIND_DIRECTORIES.values() or parts[0] in ("", ".", ".."):
-        raise InvalidRequestError(f"Checkpoint path {path!r} is not of the form tinker://<run>/weights/<name>.")
-    return parts[0], parts[1], checked_name(parts[2])
-
-
-def sampler_run(path: str) -> str:
-    """The training run (model id) that saved the sampler checkpoint ``path``; other paths are refused."""
-    run, kind, _ = parse_tinker_path(path)
-    if kind != KIND_DIRECTORIES["save_weights_for_sampler"]:
-        raise InvalidRequestError(
-            f"{path!r} is not a sampler checkpoint; sample from a path save_weights_for_sampler returned "
-            "(tinker://<run>/sampler_weights/<name>).")
-    return run
-
-
-def local_directory(root: Path, path: str) -> Path:
-    """Where a ``tinker://`` checkpoint lives under ``root``."""
-    run, kind, name = parse_tinker_path(path)
-    return root / run / kind / name
 
 
 def write_state(state: AdapterState, directory: Path) -> Path:

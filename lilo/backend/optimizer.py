@@ -11,29 +11,11 @@ gradients, so a step leaves them exactly zero.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
 
-from lilo.errors import InvalidRequestError
-
-
-@dataclasses.dataclass(frozen=True)
-class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0: no clipping
-
-    def __post_init__(self) -> None:
-        if not (self.learning_rate >= 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0
-                and self.weight_decay >= 0 and self.grad_clip_norm >= 0):
-            raise InvalidRequestError(
-                f"Invalid AdamParams {self}: use learning_rate >= 0, 0 <= beta1, beta2 < 1, eps > 0, "
-                "weight_decay >= 0 and grad_clip_norm >= 0.")
+from lilo.backend.types import AdamParams
 
 
 class SlotAdamW:

@@ -17,24 +17,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from lilo.backend.types import SamplingRequest
 from lilo.errors import InvalidRequestError
 
 STOP, LENGTH = "stop", "length"
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingRequest:
-    prompt: Sequence[int]
-    max_tokens: int = 16
-    num_samples: int = 1
-    temperature: float = 1.0
-    top_k: int = -1  # -1: all tokens
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: Sequence[Sequence[int]] = ()  # token-id sequences that end a sample
-    stop_strings: Sequence[str] = ()  # text that ends a sample (needs the base model's tokenizer)
-    prompt_logprobs: bool = False
-    base_only: bool = False  # the bare base model, no adapter (the request named only a base model)
 
 
 @dataclasses.dataclass

@@ -19,13 +19,12 @@ import torch
 from torch import nn
 
 from lilo.backend import losses, sampling
-from lilo.backend.checkpoints import (
-    PEFT_WEIGHTS, TINKER_SCHEME, AdapterState, checked_name, local_directory, read_peft, read_state, tinker_path,
-    write_peft, write_state,
-)
+from lilo.backend.checkpoint_paths import PEFT_WEIGHTS, TINKER_SCHEME, checked_name, local_directory, tinker_path
+from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_peft, write_state
+from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
-from lilo.backend.optimizer import AdamParams, SlotAdamW
-from lilo.backend.types import Datum, LoadRequest, LoraSpec, SaveRequest
+from lilo.backend.optimizer import SlotAdamW
+from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest
 from lilo.engine.commands import SAVE_WEIGHTS, Command
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
@@ -169,7 +168,8 @@ class TorchBackend:
 
     def _validate(self, command: Command) -> tuple[losses.LossFn, dict]:
         self._adapter(command.model_id)
-        return losses.check_train_input(command.payload, self.vocab_size)
+        config = check_train_input(command.payload, self.vocab_size)
+        return losses.LOSSES[command.payload.loss_fn], config
 
     def _route(self, slots: Sequence[int] | None) -> None:
         """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none)."""
@@ -191,7 +191,7 @@ class TorchBackend:
         pinned: set[str] = set()
         for i, command in enumerate(commands):
             try:
-                request: sampling.SamplingRequest = command.payload
+                request: SamplingRequest = command.payload
                 slot = BASE_SLOT if request.base_only else self._sampling_slot(command.model_id, pinned)
                 sampling.validate(request, self.vocab_size, self.decode)
                 valid.append(i)

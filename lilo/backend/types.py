@@ -75,3 +75,35 @@ class SaveRequest:
 class LoadRequest:
     path: str
     optimizer: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0: no clipping
+
+    def __post_init__(self) -> None:
+        if not (self.learning_rate >= 0 and 0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0
+                and self.weight_decay >= 0 and self.grad_clip_norm >= 0):
+            raise InvalidRequestError(
+                f"Invalid AdamParams {self}: use learning_rate >= 0, 0 <= beta1, beta2 < 1, eps > 0, "
+                "weight_decay >= 0 and grad_clip_norm >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRequest:
+    prompt: Sequence[int]
+    max_tokens: int = 16
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1: all tokens
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[Sequence[int]] = ()  # token-id sequences that end a sample
+    stop_strings: Sequence[str] = ()  # text that ends a sample (needs the base model's tokenizer)
+    prompt_logprobs: bool = False
+    base_only: bool = False  # the bare base model, no adapter (the request named only a base model)

@@ -12,10 +12,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
-from tinker.proto import tinker_public_pb2 as pb
 
 from lilo.backend.types import Datum, TrainInput
 from lilo.errors import InvalidRequestError, TooLargeError
+from lilo.protocol import tinker_schema
+
+pb = tinker_schema.load()
 
 INFLATE_CHUNK = 1 << 20  # inflated bytes read per step while counting against the limit
 _NUMPY_BY_DTYPE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}

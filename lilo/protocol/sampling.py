@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from lilo.backend.sampling import SamplingRequest
-from lilo.backend.types import is_int
+from lilo.backend.types import SamplingRequest, is_int
 from lilo.errors import InvalidRequestError
 
 MAX_NUM_SAMPLES = 128
