@@ -84,25 +84,33 @@ class RecoveryActor:
         # The watches wait until the strays are taken: a model a watch displaces must not look like a stray too.
         self._strays_taken = asyncio.Event()
         loop = asyncio.get_event_loop()
-        self._tasks = [loop.create_task(self._recover_strays())]
+        self._tasks = [loop.create_task(self._start())]
         self._tasks += [loop.create_task(self._watch(name)) for name in self._trainers]
-        if session_timeout_s > 0:
-            self._tasks.append(loop.create_task(self._unload_idle_sessions()))
+
+    async def _start(self) -> None:
+        """First the models of sessions idle past the timeout (a previous run's abandoned clients) are unloaded,
+        so that they are not restored into slots nobody will use; then the strays are recovered; then, every so
+        often, idle sessions are looked for again."""
+        if self._session_timeout_s > 0:
+            await self._unload_idle_sessions()
+        await self._recover_strays()
+        if self._session_timeout_s > 0:
+            every_s = min(60.0, max(1.0, self._session_timeout_s / 4))
+            while True:
+                await asyncio.sleep(every_s)
+                await self._unload_idle_sessions()
 
     async def _unload_idle_sessions(self) -> None:
-        """Every so often, unload the models of sessions idle past the timeout, as their client's close would."""
-        every_s = min(60.0, max(1.0, self._session_timeout_s / 4))
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                idle = await self._futures.idle_session_models.remote(self._session_timeout_s)
-                if idle:
-                    logger.warning("unloading %d model(s) of sessions idle for over %.0f s", len(idle),
-                                   self._session_timeout_s)
-                    await unload_models(self._futures, [(model_id, tenant) for model_id, tenant, _ in idle],
-                                        idle_reason(self._session_timeout_s), "its session went idle")
-            except Exception:
-                logger.exception("unloading the models of idle sessions failed; trying again later")
+        """Unload the models of sessions idle past the timeout, as their client's close would."""
+        try:
+            idle = await self._futures.idle_session_models.remote(self._session_timeout_s)
+            if idle:
+                logger.warning("unloading %d model(s) of sessions idle for over %.0f s", len(idle),
+                               self._session_timeout_s)
+                await unload_models(self._futures, [(model_id, tenant) for model_id, tenant, _ in idle],
+                                    idle_reason(self._session_timeout_s), "its session went idle")
+        except Exception:
+            logger.exception("unloading the models of idle sessions failed; trying again later")
 
     async def _recover_strays(self) -> None:
         """On this actor's (re)start: models on none of this service's trainers (a previous run had more, or

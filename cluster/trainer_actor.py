@@ -177,10 +177,16 @@ class TrainerActor:
 
     async def unload_future(self, model_id: str, request_id: str) -> None:
         """Free the model's adapter slot once what it queued has run; the unload_model future ``request_id``
-        completes with ``{"model_id"}`` then. New commands for it are refused from now on."""
+        completes with ``{"model_id"}`` then. New commands for it are refused from now on. A model this trainer
+        does not hold (it restarted, and nobody restored the model yet) is unloaded at once: nothing to free."""
         engine = await self._engine()
         self._start_flusher()
-        engine.unload_model(model_id).add_done_callback(lambda done: self._finished(UNLOAD_MODEL, request_id, done))
+        if model_id in engine.model_ids():
+            unloaded = engine.unload_model(model_id)
+        else:
+            unloaded = Future()
+            unloaded.set_result(model_id)
+        unloaded.add_done_callback(lambda done: self._finished(UNLOAD_MODEL, request_id, done))
 
     # Checkpoints are read and deleted by the trainer that owns their run, where the files were written (see
     # lilo.backend.checkpoint_index for what a multi-node cluster needs).

@@ -4,6 +4,9 @@ without closing."""
 
 import json
 import shutil
+import sqlite3
+import subprocess
+import sys
 import time
 
 import httpx
@@ -12,7 +15,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import free_port, lilo, short_home
+from helpers import free_port, lilo, retrieve_finished, short_home
 from lilo.backend.models import build_tiny_llama
 from serve.cli import SHUTDOWN_CHECKPOINT
 from test_tinker_sdk import memorize_datum
@@ -104,27 +107,63 @@ def test_a_restart_with_fewer_trainers_moves_their_models_and_unloads_those_no_t
         assert f"--base-model {other_base}" in str(refused.value)
 
 
+def restored_models(home) -> list[str]:
+    """Every model the cluster's recovery actor restored, asked from a child process (this one may be a driver of
+    another cluster)."""
+    script = ("import json, sys\nfrom pathlib import Path\nimport ray\n"
+              "from cluster.local import connect_driver, prepare_environment\nfrom lilo.settings import load_settings\n"
+              "prepare_environment()\nconnect_driver(load_settings(env={}, home=Path(sys.argv[1])))\n"
+              "history = ray.get(ray.get_actor('lilo-recovery', namespace='lilo').history.remote())\n"
+              "print(json.dumps(sorted({model for recovery in history for model in recovery['models']})))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(home)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def raw_model(http: httpx.Client) -> str:
+    """A model made over plain HTTP by a client that then vanishes: its session never beats."""
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    created = http.post("/create_model", json={"session_id": session_id, "model_seq_id": 0,
+                                               "base_model": "lilo/tiny-llama", "lora_config": {"rank": 4}})
+    assert created.status_code == 200, created.text
+    retrieve_finished(http, "/retrieve_future", created.json()["request_id"])
+    return created.json()["model_id"]
+
+
 def test_the_models_of_a_session_that_stops_beating_are_unloaded_and_a_live_clients_stay(home):
     timeout_s = 20  # twice the SDK's heartbeat period
     http_port = free_port()
     up(home, http_port, ("lilo/tiny-llama",), "--session-timeout", str(timeout_s))
-    api = f"http://127.0.0.1:{http_port}/api/v1"
     data = [memorize_datum()]
     with tinker.ServiceClient(base_url=f"http://127.0.0.1:{http_port}", api_key="tml-local") as service, \
-            httpx.Client(base_url=api, headers={"X-API-Key": "tml-local"}, timeout=60) as http:
+            httpx.Client(base_url=f"http://127.0.0.1:{http_port}/api/v1", headers={"X-API-Key": "tml-local"},
+                         timeout=60) as http:
         alive = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120)
-        # A client that made a model and vanished: its session never beats.
-        session_id = http.post("/create_session", json={}).json()["session_id"]
-        vanished = http.post("/create_model", json={"session_id": session_id, "model_seq_id": 0,
-                                                    "base_model": "lilo/tiny-llama", "lora_config": {"rank": 4}})
-        assert vanished.status_code == 200, vanished.text
+        vanished = raw_model(http)
         started = time.monotonic()
-        while http.post("/get_info", json={"model_id": vanished.json()["model_id"]}).status_code == 200:
+        while http.post("/get_info", json={"model_id": vanished}).status_code == 200:
             assert time.monotonic() - started < 6 * timeout_s, "the idle session's model was never unloaded"
             step(alive, data)
-        info = http.post("/get_info", json={"model_id": vanished.json()["model_id"]})
+        info = http.post("/get_info", json={"model_id": vanished})
         assert info.status_code == 410
         assert f"its session sent no heartbeat for {timeout_s} s" in info.json()["detail"]
         # The SDK client beat all along: its model trains on.
         for _ in range(2):
             step(alive, data)
+
+        # A model whose client vanished before a restart, and stayed away past the timeout, is not restored into
+        # a slot nobody would use: the next start unloads it first.
+        left = raw_model(http)
+        left_at = time.monotonic()
+        assert lilo("down", "--home", str(home)).returncode == 0
+        time.sleep(max(0.0, timeout_s + 2 - (time.monotonic() - left_at)))
+        up(home, http_port, ("lilo/tiny-llama",), "--session-timeout", str(timeout_s))
+        started = time.monotonic()
+        while http.post("/get_info", json={"model_id": left}).status_code != 410:
+            assert time.monotonic() - started < 60, "the abandoned model was not unloaded at the start"
+            time.sleep(0.5)
+        assert left not in restored_models(home)
+        with sqlite3.connect(home / "futures.db") as db:
+            (status,) = db.execute("SELECT status FROM futures WHERE model_id = ? AND request_type = 'unload_model'",
+                                   (left,)).fetchone()
+        assert status == "completed"  # no trainer held it, so there was nothing to free
