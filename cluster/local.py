@@ -50,6 +50,8 @@ class ClusterState:
     dashboard_url: str
     gcs_address: str | None
     started_at: float
+    # How long its trainers may take to save their models when it stops (``lilo down`` waits that much longer).
+    stop_save_timeout_s: float = 40.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

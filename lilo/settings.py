@@ -55,6 +55,9 @@ class Settings:
     # A session that sends no heartbeat for this long (its client died without closing; the SDK beats every 10 s)
     # has its models unloaded, as closing the client would, so their adapter slots are not taken forever. 0: never.
     session_timeout_s: float = 3600.0
+    # How long the trainers may take, when the service stops, to save every model they hold (the checkpoint
+    # ``lilo-shutdown``, from which the next start resumes them); ``lilo down`` waits this plus a margin. 0: no save.
+    stop_save_timeout_s: float = 40.0
     # API keys (see lilo.api_keys): comma-separated ``tml-key[=tenant]`` entries (only from the environment, never
     # a flag, which any local user could read in the process list) and/or a file of them. None of either: local
     # mode, which accepts any ``tml-`` key and listens on loopback only.
@@ -126,6 +129,8 @@ class Settings:
             raise SettingsError(f"--device must be auto, cpu or cuda, got {self.device!r}.")
         if not 0 <= self.compute_nice <= 19:
             raise SettingsError(f"--compute-nice must be between 0 and 19, got {self.compute_nice}.")
+        if self.stop_save_timeout_s < 0:
+            raise SettingsError(f"--stop-save-timeout must be 0 (no save) or more seconds, got {self.stop_save_timeout_s}.")
         if self.session_timeout_s < 0:
             raise SettingsError(f"--session-timeout must be 0 (never) or more seconds, got {self.session_timeout_s}.")
         if self.max_body_mb < 1:
@@ -157,6 +162,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_MAX_BODY_MB": ("max_body_mb", int),
     "LILO_COMPUTE_NICE": ("compute_nice", int),
     "LILO_SESSION_TIMEOUT_S": ("session_timeout_s", float),
+    "LILO_STOP_SAVE_TIMEOUT_S": ("stop_save_timeout_s", float),
     "LILO_API_KEYS": ("api_keys", str),
     "LILO_API_KEYS_FILE": ("api_keys_file", Path),
 }

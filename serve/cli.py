@@ -37,8 +37,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 DETACHED_CHILD_FLAG = "--detached-child"
 # The save_weights checkpoint every model gets when the service stops; the next start restores models from it.
 SHUTDOWN_CHECKPOINT = "lilo-shutdown"
-# How long the trainers may take to save, within `lilo down`'s default wait of 60 s.
-SAVE_ON_STOP_TIMEOUT_S = 40.0
+# What `lilo down` allows the supervisor beyond the trainers' save time: removing the Serve app, stopping Ray.
+STOP_MARGIN_S = 20.0
 
 
 class StopRequested(Exception):
@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--session-timeout", type=float, dest="session_timeout_s", metavar="SECONDS",
                     help="unload the models of a session that sent no heartbeat for this long (its client died "
                          "without closing); 0: never (default 3600)")
+    up.add_argument("--stop-save-timeout", type=float, dest="stop_save_timeout_s", metavar="SECONDS",
+                    help="how long the trainers may take, when the service stops, to save every model they hold so "
+                         "the next start resumes it; 0: no save (default 40)")
     up.add_argument("--max-body-mb", type=int, help="largest request body the API accepts, in MB (default 64)")
     up.add_argument("--api-keys-file", type=Path, metavar="PATH",
                     help="file of API keys, one `tml-key[=tenant]` per line (default: $LILO_API_KEYS_FILE; none and "
@@ -103,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
 
     down = commands.add_parser("down", help="stop the running cluster and every process it started")
     add_home(down)
-    down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait before killing what is left")
+    down.add_argument("--timeout", type=float,
+                      help="seconds to wait before killing what is left (default: the cluster's --stop-save-timeout "
+                           f"plus {STOP_MARGIN_S:.0f}, 60 by default)")
 
     demo = commands.add_parser("demo", help="four SDK clients fine-tune four adapters at once (starts lilo if needed)")
     add_home(demo)
@@ -118,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters", "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
-              "compute_nice", "session_timeout_s")
+              "compute_nice", "session_timeout_s", "stop_save_timeout_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
 
 
@@ -164,6 +169,7 @@ def supervise(settings: Settings, detached: bool) -> int:
         state = ClusterState(
             pid=os.getpid(), status="starting", home=str(settings.home), api_url=settings.api_url,
             dashboard_url=settings.dashboard_url, gcs_address=None, started_at=time.time(),
+            stop_save_timeout_s=settings.stop_save_timeout_s,
         )
         write_state(settings, state)
         if settings.ray_address is None:
@@ -226,7 +232,7 @@ def _shut_down(settings: Settings, progress: Progress) -> None:
     progress("Removing the Serve application")
     try:
         undeploy()
-        _save_and_stop_trainers(progress)
+        _save_and_stop_trainers(progress, settings.stop_save_timeout_s)
         if settings.ray_address is not None:  # a shared cluster lives on: take our detached actors with us
             from cluster.futures_actor import FUTURES_ACTOR_NAME
             from cluster.local import NAMESPACE
@@ -252,10 +258,11 @@ def _trainer_names() -> list[str]:
                   if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX))
 
 
-def _save_and_stop_trainers(progress: Progress) -> None:
-    """Each trainer finishes the execution under way and saves every model it holds as the checkpoint
-    ``SHUTDOWN_CHECKPOINT`` (adapter and optimizer state), from which the next `lilo up` on this home restores them.
-    The recovery actor goes first, or it would take the trainers' shutdown for failures to recover from."""
+def _save_and_stop_trainers(progress: Progress, timeout_s: float) -> None:
+    """Each trainer finishes the execution under way and saves, within ``timeout_s`` (0: no save), every model it
+    holds as the checkpoint ``SHUTDOWN_CHECKPOINT`` (adapter and optimizer state), from which the next `lilo up` on
+    this home restores them. The recovery actor goes first, or it would take the trainers' shutdown for failures to
+    recover from."""
     import ray
 
     from cluster.local import NAMESPACE
@@ -266,12 +273,12 @@ def _save_and_stop_trainers(progress: Progress) -> None:
     except ValueError:  # not started (the startup failed before it)
         pass
     trainers = _trainer_names()
-    if not trainers:
+    if not trainers or timeout_s == 0:
         return
     progress(f"Saving the models of {len(trainers)} trainer(s), if any, as checkpoint {SHUTDOWN_CHECKPOINT!r}")
     calls = {ray.get_actor(name, namespace=NAMESPACE).stop.remote(save_as=SHUTDOWN_CHECKPOINT): name
              for name in trainers}
-    done, late = ray.wait(list(calls), num_returns=len(calls), timeout=SAVE_ON_STOP_TIMEOUT_S)
+    done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
     saved = 0
     for call in done:
         try:
@@ -280,7 +287,7 @@ def _save_and_stop_trainers(progress: Progress) -> None:
             progress(f"{calls[call]} could not save its models ({str(error).splitlines()[0]}); the next start "
                      "restores them from their latest checkpoint")
     for call in late:
-        progress(f"{calls[call]} did not finish saving within {SAVE_ON_STOP_TIMEOUT_S:.0f} s; the next start "
+        progress(f"{calls[call]} did not finish saving within {timeout_s:.0f} s; the next start "
                  "restores its models from their latest complete checkpoint")
     if saved:
         progress(f"Saved {saved} model(s); the next `lilo up` on this home resumes each where it stopped")
@@ -383,6 +390,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if state is not None else EXIT_NOT_RUNNING
 
 
+def stop_wait_s(state: ClusterState | None) -> float:
+    """How long to wait for a cluster's supervisor to stop before killing what is left: its trainers' save time plus
+    the rest of its shutdown."""
+    return (state.stop_save_timeout_s if state is not None else 0.0) + STOP_MARGIN_S
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     settings = _settings(args)
     state = running_state(settings)
@@ -395,12 +408,13 @@ def cmd_down(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"Stopping lilo (pid {state.pid}) and every process it started...", flush=True)
     log_size = settings.log_file.stat().st_size if settings.log_file.exists() else 0
-    killed = stop_cluster(settings, state.pid, timeout_s=args.timeout)
+    timeout_s = args.timeout if args.timeout is not None else stop_wait_s(state)
+    killed = stop_cluster(settings, state.pid, timeout_s=timeout_s)
     # A detached supervisor reports its shutdown (the models it saved) to its log: pass that on.
     for line in _progress_lines_since(settings.log_file, log_size):
         print(line, flush=True)
     if killed:
-        print(f"Killed {len(killed)} process(es) that did not stop within {args.timeout:.0f} s: {killed}")
+        print(f"Killed {len(killed)} process(es) that did not stop within {timeout_s:.0f} s: {killed}")
     print(f"Stopped in {time.monotonic() - started:.1f} s.")
     return EXIT_OK
 
@@ -432,7 +446,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if started_here and not args.keep:
             ours = running_state(settings)
             print("Stopping the lilo cluster the demo started...", flush=True)
-            stop_cluster(settings, ours.pid if ours else None)
+            stop_cluster(settings, ours.pid if ours else None, timeout_s=stop_wait_s(ours))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
