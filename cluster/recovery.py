@@ -165,13 +165,14 @@ class RecoveryActor:
         when no trainer serves its base model any more)."""
         restored: dict[str, tuple[str, str | None]] = {}
         unloaded: dict[str, str] = {}
+        # In the history at once, filled in as models come back: one model short of a slot hides no other.
+        self.recoveries.append({"trainer": trainer, "models": restored, "unloaded": unloaded})
         while True:
             await self._restore_round([m for m in displaced if m.model_id not in restored | unloaded], restored,
                                       unloaded)
             if len(restored) + len(unloaded) == len(displaced):
                 break
             await asyncio.sleep(RETRY_PLACEMENT_S)  # a trainer may restart or free a slot meanwhile
-        self.recoveries.append({"trainer": trainer, "models": restored, "unloaded": unloaded})
 
     async def _restore_round(self, models: Sequence[DisplacedModel], restored: dict, unloaded: dict) -> None:
         """Place and restore each model on the least loaded live trainer serving its base model, asking the
@@ -203,7 +204,8 @@ class RecoveryActor:
             logger.warning("model %s restored on %s from %s", model.model_id, trainer, checkpoint or "a fresh adapter")
 
     async def history(self) -> list[dict]:
-        """Each recovery so far: the trainer that died, and per model where it went and from which checkpoint."""
+        """Each recovery so far (one under way included, its models listed as they come back): the trainer that
+        died, per model where it went and from which checkpoint, and the models unloaded instead."""
         return self.recoveries
 
 

@@ -62,8 +62,9 @@ def local_cluster() -> Iterator[RunningCluster]:
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
             "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "6", "--trainers", "2",
             "--api-keys-file", str(keys_file),
-            # Few tests unload their models: room for all of them, whichever test runs when.
-            "--max-adapters", "32"]
+            # Few tests unload their models, and a restarted recovery actor restores the ones tests placed on
+            # trainers that never existed: room for all of them, whichever test runs when.
+            "--max-adapters", "48"]
     for name in cluster.base_models:
         args += ["--base-model", name]
     started = lilo(*args)

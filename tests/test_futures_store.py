@@ -473,6 +473,16 @@ def test_strays_are_the_models_on_none_of_the_trainers_now_and_are_evacuated_ali
     assert store.placement() == {"kept": "trainer-0", "left-behind": None, "half-restored": None}
 
 
+def test_displaced_models_come_most_recently_used_first(store, clock):
+    for model_id in ("idle", "busy", "new"):
+        store.add_model(model_id, "base", {"rank": 4}, trainer="trainer-1")
+    for model_id in ("busy", "idle", "busy"):  # busy's latest request is the latest of all
+        clock.now += 1
+        store.submit(Submission(model_id, "forward_backward", step(int(clock.now)), seq_id=int(clock.now), routed=True))
+    displaced, _ = store.evacuate("trainer-1", "trainer-1 died")
+    assert [m.model_id for m in displaced] == ["busy", "idle", "new"]  # "new" never sent a request
+
+
 def test_a_model_the_service_unloads_itself_says_why_to_its_clients(store):
     store.add_model("m", "base", {"rank": 4}, trainer="trainer-0")
     store.mark_unloaded("m", "its base model 'base' is not served here any more.")

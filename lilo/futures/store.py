@@ -519,7 +519,7 @@ class FuturesStore:
     def evacuate(self, trainer: str, error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
         """``trainer`` failed: in one transaction, take its models off it (routing answers 503 until each is
         placed again) and fail, with ``error``, every request handed to it that had not finished. Returns the
-        models to restore and the futures failed."""
+        models to restore, the most recently used first, and the futures failed."""
         return self._displace(models.c.trainer == trainer, futures.c.trainer == trainer, error)
 
     def evacuate_strays(self, trainers: Sequence[str], error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
@@ -536,18 +536,20 @@ class FuturesStore:
         with self.engine.begin() as connection:
             rows = connection.execute(select(models.c.model_id, models.c.base_model, models.c.lora_config)
                                       .where(displaced_rows)).all()
-            last_seq: dict[str, int] = {}
+            last: dict[str, tuple[int, float]] = {}  # model -> (its highest seq, its latest request's time)
             for chunk in chunks([row.model_id for row in rows]):
-                last_seq.update(connection.execute(
-                    select(futures.c.model_id, func.max(futures.c.seq_id))
-                    .where(futures.c.model_id.in_(chunk), futures.c.seq_id >= 0).group_by(futures.c.model_id)).all())
+                last.update((model_id, (seq, at)) for model_id, seq, at in connection.execute(
+                    select(futures.c.model_id, func.max(futures.c.seq_id), func.max(futures.c.submitted_at))
+                    .where(futures.c.model_id.in_(chunk), futures.c.seq_id >= 0).group_by(futures.c.model_id)))
             connection.execute(update(models).where(displaced_rows).values(trainer=None))
             failed = connection.execute(select(futures.c.request_id, futures.c.request_type, futures.c.tenant)
                                         .where(lost)).all()
             connection.execute(update(futures).where(lost).values(
                 status=FAILED, error=error, error_category="server", finished_at=now, payload=None))
+        # The most recently used first: when slots run short, those are the models most likely still wanted.
+        rows = sorted(rows, key=lambda row: last.get(row.model_id, (0, 0.0))[1], reverse=True)
         displaced = [DisplacedModel(row.model_id, row.base_model, orjson.loads(row.lora_config),
-                                    None if row.model_id not in last_seq else last_seq[row.model_id] + 1)
+                                    None if row.model_id not in last else last[row.model_id][0] + 1)
                      for row in rows]
         return displaced, [FutureState(rid, FAILED, None, error, "server", kind, tenant) for rid, kind, tenant in failed]
 
