@@ -38,7 +38,7 @@ from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
 from cluster.unloading import unload_models
 from lilo.backend.types import LoraSpec
-from lilo.errors import LiloError
+from lilo.errors import InvalidRequestError, LiloError
 from lilo.futures.store import DisplacedModel
 
 logger = logging.getLogger(__name__)
@@ -178,21 +178,23 @@ class RecoveryActor:
         """Place and restore each model on the least loaded live trainer serving its base model, asking the
         trainers once for the round (a dead one would cost a timeout per model); ``restored`` gains, per model
         restored, its trainer and the checkpoint it was restored from (None: a fresh adapter). A model whose base
-        model no trainer serves (every trainer answered) is unloaded, saying why: ``unloaded`` gains it."""
+        model no trainer serves (every trainer answered), or whose record holds no valid LoRA config, is unloaded,
+        saying why: ``unloaded`` gains it."""
         facts = await trainer_facts(self._trainers, ANSWER_WITHIN_S)
         served = {info["base_model"] for info in facts.values()}
         placed = await models_placed(self._futures)
         for model in models:
+            try:
+                spec = LoraSpec.from_config(model.lora_config)
+            except InvalidRequestError as error:  # a record no trainer could ever restore
+                await self._unload(model, f"its record cannot be restored: {error}", unloaded)
+                continue
             if len(facts) == len(self._trainers) and model.base_model not in served:
-                reason = unservable_reason(model.base_model, served)
-                await self._futures.mark_unloaded.remote(model.model_id, reason)
-                unloaded[model.model_id] = reason
-                logger.warning("model %s unloaded: %s", model.model_id, reason)
+                await self._unload(model, unservable_reason(model.base_model, served), unloaded)
                 continue
             try:
                 trainer = choose_trainer(free_slots(facts, model.base_model), placed)
-                checkpoint = await named_actor(trainer).restore_model.remote(
-                    model.model_id, LoraSpec.from_config(model.lora_config), model.next_seq)
+                checkpoint = await named_actor(trainer).restore_model.remote(model.model_id, spec, model.next_seq)
                 await self._futures.place_model.remote(model.model_id, trainer)
             except (LiloError, ray.exceptions.RayActorError) as error:
                 logger.warning("cannot restore model %s yet (%s); retrying in %.0f s", model.model_id,
@@ -202,6 +204,12 @@ class RecoveryActor:
             placed[trainer] = placed.get(trainer, 0) + 1
             restored[model.model_id] = (trainer, checkpoint)
             logger.warning("model %s restored on %s from %s", model.model_id, trainer, checkpoint or "a fresh adapter")
+
+    async def _unload(self, model: DisplacedModel, reason: str, unloaded: dict) -> None:
+        """Give up on restoring ``model``: unload it, so that its client's next request says ``reason`` (410)."""
+        await self._futures.mark_unloaded.remote(model.model_id, reason)
+        unloaded[model.model_id] = reason
+        logger.warning("model %s unloaded: %s", model.model_id, reason)
 
     async def history(self) -> list[dict]:
         """Each recovery so far (one under way included, its models listed as they come back): the trainer that
