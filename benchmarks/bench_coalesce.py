@@ -30,9 +30,8 @@ import torch
 from torch import nn
 
 from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
-from lilo.backend.types import AdamParams
+from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import Datum, LoraSpec, TrainInput
 from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
 from lilo.engine.engine import Engine
 

@@ -163,14 +163,14 @@ class FuturesActor:
     async def evacuate(self, trainer: str, error: str) -> list[DisplacedModel]:
         """A trainer failed: its unfinished requests fail with ``error`` (parked retrieves wake at once) and its
         models are unplaced until restored; returns those models."""
-        displaced, failed = await self._run(self._store.evacuate, trainer, error)
-        for state in failed:
-            self._waiter.notify(state)
-        return displaced
+        return self._woken(*await self._run(self._store.evacuate, trainer, error))
 
     async def evacuate_strays(self, trainers: Sequence[str], error: str) -> list[DisplacedModel]:
         """At the recovery actor's start: ``evacuate`` for the models on none of ``trainers``."""
-        displaced, failed = await self._run(self._store.evacuate_strays, list(trainers), error)
+        return self._woken(*await self._run(self._store.evacuate_strays, list(trainers), error))
+
+    def _woken(self, displaced: list[DisplacedModel], failed: Sequence[FutureState]) -> list[DisplacedModel]:
+        """The displaced models, once the parked retrieves of the futures failed with them are woken."""
         for state in failed:
             self._waiter.notify(state)
         return displaced

@@ -14,8 +14,7 @@ from cluster.unloading import failing_future, unload_models
 from lilo.backend.checkpoint_index import WEIGHTS
 from lilo.backend.checkpoint_paths import checked_name, parse_tinker_path
 from lilo.backend.loss_inputs import check_train_input
-from lilo.backend.types import AdamParams
-from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
+from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, Command,
 )

@@ -9,10 +9,8 @@ import torch
 from lilo.backend.checkpoint_paths import parse_tinker_path, sampler_run
 from lilo.backend.checkpoints import AdapterState, read_peft, write_peft
 from lilo.backend.models import build_tiny_llama, load_base_model
-from lilo.backend.types import AdamParams
-from lilo.backend.types import SamplingRequest
+from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import Datum, LoraSpec, SaveRequest, TrainInput
 from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 

@@ -9,9 +9,8 @@ import torch
 
 from lilo.backend.checkpoint_paths import local_directory
 from lilo.backend.models import build_tiny_llama, load_base_model
-from lilo.backend.types import AdamParams
+from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
 from lilo.engine.commands import (
     FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER, Command,
 )

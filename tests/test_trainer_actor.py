@@ -16,8 +16,7 @@ from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.trainer_actor import lower_thread_priority, start_trainer, trainer_name
 from helpers import AUTH
-from lilo.backend.types import AdamParams
-from lilo.backend.types import Datum, LoraSpec, TrainInput
+from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
 from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
 from lilo.errors import UnavailableError
 
