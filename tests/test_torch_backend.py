@@ -132,6 +132,12 @@ def test_unknown_loss_or_config_key_is_refused(base):
     assert "Unknown loss_fn_config key(s) temperature" in str(unknown_key)
 
 
+def test_every_loss_the_checks_accept_has_an_implementation_and_no_other():
+    from lilo.backend import loss_inputs, losses
+
+    assert set(losses.LOSSES) == set(loss_inputs.CONFIG_KEYS) == set(loss_inputs.REQUIRED_INPUTS)
+
+
 def test_fused_optimizer_step_matches_torch_adamw_per_adapter(base):
     hp = {"a": AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01),
           "b": AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.0)}
