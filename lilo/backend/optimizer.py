@@ -1,10 +1,12 @@
 """AdamW per adapter slot; the steps of several adapters in one call run as one fused update.
 
 Every adapter's parameters are one row of the ``LoraBank``'s ``(slots, D)`` weights, its gradients the same row of
-the gradient tensor, and the optimizer keeps both moments in the same layout. A step for models m1..mk is one norm
-kernel over their k rows and one call of torch's fused AdamW kernel per distinct set of hyperparameters (learning
-rate, betas, eps, weight decay), each row with its own step count, after clipping each model's gradient by its own
-total norm.
+the gradient tensor, and the optimizer keeps both moments in the same layout. A step for models m1..mk works on
+*blocks*: runs of consecutive slots, each a contiguous ``(rows, D)`` view. Per block it takes one norm kernel (each
+row's own norm, for its own clipping) and one zeroing; per block of rows that also share hyperparameters (learning
+rate, betas, eps, weight decay) and a step count, one call of torch's fused AdamW kernel. Models trained side by
+side sit in neighbouring slots and step in lockstep, so k of them usually cost a handful of kernels, not k times
+as many: that per-kernel overhead is what one model's step mostly is.
 Entries an adapter does not train (rank padding, projections it leaves alone) have zero weights and zero
 gradients, so a step leaves them exactly zero.
 """
@@ -40,28 +42,44 @@ class SlotAdamW:
         self.step_counts[slot] = steps
 
     def zero_grad(self, slots: Sequence[int]) -> None:
-        for slot in slots:
-            self.grads[slot].zero_()
+        for first, stop in slot_runs(slots):
+            self.grads[first:stop].zero_()
 
     @torch.no_grad()
     def step(self, slots: Sequence[int], params: Sequence[AdamParams]) -> list[float]:
         """One fused AdamW step for these slots (slot i with ``params[i]``); returns each slot's gradient norm
-        before clipping. Slots sharing hyperparameters go through one call of torch's fused AdamW kernel (one
-        pass over their rows); each row keeps its own step count."""
-        grads = [self.grads[slot] for slot in slots]
-        norms = torch.stack(torch._foreach_norm(grads)).tolist()
-        clip = [min(1.0, h.grad_clip_norm / (norm + 1e-6)) if h.grad_clip_norm > 0 else 1.0
-                for h, norm in zip(params, norms)]
-        if any(c < 1.0 for c in clip):
-            torch._foreach_mul_(grads, clip)
-        self.step_counts[list(slots)] += 1
-        groups: dict[AdamParams, list[int]] = {}
-        for slot, h in zip(slots, params):
-            groups.setdefault(h, []).append(slot)
-        for h, members in groups.items():
+        before clipping."""
+        hyper = dict(zip(slots, params))
+        norms: dict[int, float] = {}
+        for first, stop in slot_runs(slots):
+            self.step_counts[first:stop] += 1
+            block = self.grads[first:stop]
+            block_norms = torch.linalg.vector_norm(block, dim=1)
+            norms.update(zip(range(first, stop), block_norms.tolist()))
+            clip = [min(1.0, hyper[s].grad_clip_norm / (norms[s] + 1e-6)) if hyper[s].grad_clip_norm > 0 else 1.0
+                    for s in range(first, stop)]
+            if any(c < 1.0 for c in clip):
+                block.mul_(torch.tensor(clip, dtype=block.dtype, device=block.device).unsqueeze(1))
+        counts = self.step_counts.tolist()
+        groups: dict[tuple[AdamParams, float], list[int]] = {}
+        for slot, h in hyper.items():
+            groups.setdefault((h, counts[slot]), []).append(slot)
+        for (h, _), members in groups.items():
+            runs = slot_runs(members)
             torch._fused_adamw_(
-                [self.weights[s] for s in members], [self.grads[s] for s in members],
-                [self.exp_avg[s] for s in members], [self.exp_avg_sq[s] for s in members], [],
-                [self.step_counts[s] for s in members], lr=h.learning_rate, beta1=h.beta1, beta2=h.beta2,
+                [self.weights[a:b] for a, b in runs], [self.grads[a:b] for a, b in runs],
+                [self.exp_avg[a:b] for a, b in runs], [self.exp_avg_sq[a:b] for a, b in runs], [],
+                [self.step_counts[a] for a, _ in runs], lr=h.learning_rate, beta1=h.beta1, beta2=h.beta2,
                 weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
-        return norms
+        return [norms[slot] for slot in slots]
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """The distinct slots as runs of consecutive ones, ``[(first, stop), ...]`` in ascending order."""
+    runs: list[tuple[int, int]] = []
+    for slot in sorted(set(slots)):
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return runs
