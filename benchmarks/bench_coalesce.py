@@ -134,7 +134,7 @@ def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) 
         for name in names:
             model.set_adapter(name)
             tokens = torch.as_tensor(rng.integers(0, vocab, (rows, seq)))
-            logits = model(input_ids=tokens).logits
+            logits = model(input_ids=tokens, use_cache=False).logits
             loss = loss_fn(logits.reshape(-1, vocab).float(), torch.roll(tokens, -1, dims=1).reshape(-1))
             loss.backward()
             optimizers[name].step()
@@ -154,7 +154,7 @@ def base_only_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: 
 
     def one_step() -> None:
         hidden = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
-        logits = model(inputs_embeds=hidden).logits
+        logits = model(inputs_embeds=hidden, use_cache=False).logits
         nn.functional.cross_entropy(logits.flatten(0, 1).float(), torch.roll(tokens, -1, dims=1).flatten(),
                                     reduction="sum").backward()
 

@@ -148,7 +148,10 @@ class TorchBackend:
         self._route(slots)
         try:
             # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal path.
-            logits = self.model(input_ids=input_ids, attention_mask=None if bool(mask.all()) else mask).logits
+            # No KV cache: a training pass never decodes further, and the model's default builds one (a copy of
+            # every layer's keys and values).
+            logits = self.model(input_ids=input_ids, attention_mask=None if bool(mask.all()) else mask,
+                                use_cache=False).logits
         finally:
             self._route(None)
         targets = _padded([datum.loss_inputs["target_tokens"] for _, datum in chunk])[0].to(self.device)
