@@ -193,6 +193,26 @@ def test_save_then_load_resumes_training_bit_identically(base, tmp_path):
     assert torch.equal(params_first, backend.bank.weights[backend.adapters["m"].slot])
 
 
+def test_a_load_that_fails_part_way_leaves_the_model_as_it_was(base, tmp_path):
+    # A rank-16 checkpoint cannot go into a trainer whose maximum rank is 8: found only after the old adapter had
+    # been taken out, which used to lose it.
+    wide = fresh_backend(base, {"w": LoraSpec(rank=16, seed=0)})
+    wide.checkpoint_dir = tmp_path
+    train_steps(wide, "w", [1])
+    path = save(wide, "w", 3, "rank-16")
+    narrow, twin = (TorchBackend(copy.deepcopy(base), max_adapters=4, max_rank=8) for _ in range(2))
+    narrow.checkpoint_dir = tmp_path
+    for backend in (narrow, twin):
+        backend.add_adapter("m", LoraSpec(rank=8, seed=1))
+        train_steps(backend, "m", [1, 3])
+    with pytest.raises(InvalidRequestError, match="rank"):
+        narrow.load_weights(Command("m", 5, LOAD_WEIGHTS, "m:5", payload=LoadRequest(path)))
+    # Weights and optimizer state as before: its next steps equal those of a twin that never tried the load.
+    assert train_steps(narrow, "m", [7, 9]) == train_steps(twin, "m", [7, 9])
+    slot, twin_slot = narrow.adapters["m"].slot, twin.adapters["m"].slot
+    assert torch.equal(narrow.bank.weights[slot], twin.bank.weights[twin_slot])
+
+
 def test_the_sampler_export_loads_in_peft_with_equal_logits(base, tmp_path):
     from peft import PeftModel
 

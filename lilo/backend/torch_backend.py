@@ -220,9 +220,10 @@ class TorchBackend:
 
     def capture(self, command: Command) -> tuple[str, AdapterState]:
         """Copy the adapter (and for save_weights its optimizer state) to CPU; the slot may change right after."""
-        adapter = self._adapter(command.model_id)
         name = checked_name(command.payload.name)
-        with_optimizer = command.kind == SAVE_WEIGHTS
+        return name, self._state_of(self._adapter(command.model_id), with_optimizer=command.kind == SAVE_WEIGHTS)
+
+    def _state_of(self, adapter: Adapter, with_optimizer: bool) -> AdapterState:
         tensors = {}
         sources = {"": self.bank.weights}
         if with_optimizer:
@@ -231,7 +232,7 @@ class TorchBackend:
             for suffix, flat in sources.items():
                 tensors[key + suffix] = self.bank.view(flat, index)[where].to("cpu", copy=True)
         step = self.optimizer.steps(adapter.slot) if with_optimizer else None
-        return name, AdapterState(adapter.spec, tensors, step)
+        return AdapterState(adapter.spec, tensors, step)
 
     def persist(self, command: Command, captured: tuple[str, AdapterState]) -> dict[str, str]:
         """Write the captured adapter; returns its ``tinker://`` path (the directory is ``local_directory`` of it)."""
@@ -253,21 +254,35 @@ class TorchBackend:
         return self.persist(command, self.capture(command))["path"]
 
     def load_weights(self, command: Command) -> dict[str, str]:
-        """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights."""
+        """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights. A load
+        that fails part-way (a rank over this trainer's maximum, tensors of another base model) leaves the model
+        as it was."""
         request: LoadRequest = command.payload
         state = read_state(local_directory(self.checkpoint_dir, request.path))
-        self.remove_adapter(command.model_id)
-        self.add_adapter(command.model_id, state.spec)
-        adapter = self.adapters[command.model_id]
+        before = self._state_of(self._adapter(command.model_id), with_optimizer=True)
+        try:
+            self._install(command.model_id, state, optimizer=request.optimizer)
+        except Exception:
+            self._install(command.model_id, before, optimizer=True)
+            raise
+        return {"path": request.path}
+
+    def _install(self, model_id: str, state: AdapterState, optimizer: bool) -> None:
+        """``model_id``'s adapter becomes ``state``'s, with its optimizer state when ``optimizer`` and it has one
+        (else fresh)."""
+        if model_id in self.adapters:  # not after a failed install that it undoes
+            self.remove_adapter(model_id)
+        self.add_adapter(model_id, state.spec)
+        adapter = self.adapters[model_id]
+        with_optimizer = optimizer and state.step is not None
         targets = {"": self.bank.weights}
-        if request.optimizer and state.step is not None:
+        if with_optimizer:
             targets.update({".exp_avg": self.optimizer.exp_avg, ".exp_avg_sq": self.optimizer.exp_avg_sq})
         for key, index, where in self._slices(adapter):
             for suffix, flat in targets.items():
                 self.bank.view(flat, index)[where] = state.tensors[key + suffix].to(flat.device, flat.dtype)
-        if request.optimizer and state.step is not None:
+        if with_optimizer:
             self.optimizer.set_steps(adapter.slot, state.step)
-        return {"path": request.path}
 
     # --- sampler checkpoints -------------------------------------------------------------------------------
     def sampler_version(self, path: str) -> int:
