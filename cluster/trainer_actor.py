@@ -14,6 +14,7 @@ import os
 import queue
 import sys
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ class TrainerActor:
         self._flusher: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The futures of submitted commands whose completion is already on its way to the futures DB.
+        self._reported: weakref.WeakSet[Future] = weakref.WeakSet()
         settings = dict(max_adapters=max_adapters, max_rank=max_rank, checkpoint_dir=checkpoint_dir,
                         model_cache_dir=model_cache_dir, device=device, compute_nice=compute_nice)
         self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
@@ -133,7 +136,9 @@ class TrainerActor:
                 "request did not take effect. The model is being restored from its latest save_weights checkpoint "
                 "(steps after it are lost); send your next request in a few seconds, or load_state your last "
                 "checkpoint first.") from None
-        future.add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
+        if future not in self._reported:  # a retry handed over again gets the first future: report it once
+            self._reported.add(future)
+            future.add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
 
     async def create_model_future(self, model_id: str, spec: LoraSpec, request_id: str) -> None:
         """Create a model; the create_model future ``request_id`` completes with ``{"model_id"}`` when it is ready."""

@@ -3,11 +3,13 @@ submissions that become futures and commands on the trainer that owns the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 
 from cluster.placement import named_actor, place
 from cluster.unloading import failing_future, unload_models
@@ -16,9 +18,9 @@ from lilo.backend.checkpoint_paths import checked_name, parse_tinker_path
 from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
-    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, Command,
+    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, Command,
 )
-from lilo.errors import ConflictError, InvalidRequestError, NotFoundError
+from lilo.errors import ConflictError, InvalidRequestError, LiloError, NotFoundError
 from lilo.futures.store import Submission
 from lilo.protocol.proto import ForwardBackwardCall
 
@@ -154,12 +156,12 @@ async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, pa
 
 
 async def submit_to(futures: ActorHandle, submission: Submission, command: Command) -> int:
-    """Record ``submission`` (durably, deduplicated by its seq) and, unless it is a retry of a recorded one, hand
-    ``command`` under the new request id to its trainer (``submission.trainer``, or for a routed one the model's).
-    Returns the request id."""
+    """Record ``submission`` (durably, deduplicated by its seq) and, unless it is a retry of a recorded one that has
+    finished, hand ``command`` under its request id to its trainer (``submission.trainer``, or for a routed one the
+    model's). Returns the request id."""
     submission = submission.prepared()
     outcome = await futures.submit_once.remote(submission)
-    if not outcome.duplicate:
+    if not outcome.duplicate or outcome.pending:
         command = dataclasses.replace(command, request_id=str(outcome.request_id),
                                       fingerprint=submission.payload_sha256)
         # A refusal by the trainer (or its failure) also fails the recorded future.
@@ -168,10 +170,27 @@ async def submit_to(futures: ActorHandle, submission: Submission, command: Comma
     return outcome.request_id
 
 
+@contextlib.asynccontextmanager
+async def spending_seq(futures: ActorHandle, model_id: str, seq_id: int, tenant: str | None) -> AsyncIterator[None]:
+    """Checks of a seq'd request, refused with a 4xx before anything runs. The tinker SDK has spent ``seq_id`` on the
+    request all the same, and sends the model's next one with the next seq_id; so a refusal is recorded under that
+    seq as a ``REFUSED`` command, which the model's trainer fails in its turn, and the next request does not wait for
+    this one forever. (Nothing is recorded when the model is unknown, another tenant's, or unloaded.)"""
+    try:
+        yield
+    except (InvalidRequestError, NotFoundError) as refusal:
+        with contextlib.suppress(LiloError, RayActorError):
+            await submit_to(futures, Submission(model_id, REFUSED, {"refused": str(refusal)}, seq_id=seq_id,
+                                                tenant=tenant, routed=True),
+                            Command(model_id, seq_id, REFUSED, "", payload=str(refusal)))
+        raise
+
+
 async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCall,
                                   tenant: str | None) -> dict[str, str]:
     train = call.train
-    check_train_input(train)  # a malformed request is a 4xx here, before anything is recorded
+    async with spending_seq(futures, call.model_id, call.seq_id, tenant):
+        check_train_input(train)
     stored = {"loss_fn": train.loss_fn, "loss_config": dict(train.loss_config),
               "data": [{"tokens": d.tokens, "inputs": dict(d.loss_inputs)} for d in train.data]}
     kind = FORWARD if call.forward_only else FORWARD_BACKWARD
@@ -180,16 +199,18 @@ async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCal
 
 
 async def submit_optim_step(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
-    params = adam_params(body.get("adam_params") or {})
+    async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
+        params = adam_params(body.get("adam_params") or {})
     return await submit(futures, body["model_id"], int(body["seq_id"]), OPTIM_STEP, params, body.get("adam_params"),
                         tenant=tenant)
 
 
 async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, tenant: str | None) -> dict[str, str]:
     name = body.get("path")
-    if not name:
-        raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
-    checked_name(name)  # refused now, not as a failed future: nothing is recorded for a name that could escape
+    async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
+        if not name:
+            raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
+        checked_name(name)  # refused now: no name that could escape the checkpoint directory reaches a trainer
     return await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
                         {"path": name}, tenant=tenant)
 
@@ -198,6 +219,7 @@ async def submit_load(futures: ActorHandle, body: dict[str, Any], tenant: str | 
     """load_weights into an existing model, in its seq order (the legacy form, with model_id and seq_id), from a
     checkpoint of one of the caller's runs."""
     request = LoadRequest(path=str(body["path"]), optimizer=bool(body.get("optimizer", True)))
-    await checkpoint_run(futures, request.path, tenant)
+    async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
+        await checkpoint_run(futures, request.path, tenant)
     return await submit(futures, body["model_id"], int(body["seq_id"]), LOAD_WEIGHTS, request,
                         {"path": request.path, "optimizer": request.optimizer}, tenant=tenant)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import zstandard
 
-from helpers import unload_models
+from helpers import retrieve_finished, unload_models
 from lilo.protocol.proto import pb
 from serve.app import api as ingress_api
 
@@ -130,7 +130,8 @@ def test_a_declared_size_over_the_limit_is_refused_before_the_body_is_sent(local
     assert answer.startswith("HTTP/1.1 413") and "LILO_MAX_BODY_MB" in answer, answer
 
 
-def forward_backward_body(model_id: str, loss_fn: str = "cross_entropy", weights=None, data: bool = True) -> bytes:
+def forward_backward_body(model_id: str, loss_fn: str = "cross_entropy", weights=None, data: bool = True,
+                          seq_id: int = 1) -> bytes:
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -139,21 +140,31 @@ def forward_backward_body(model_id: str, loss_fn: str = "cross_entropy", weights
                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * 8})
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[datum] if data else [], loss_fn=loss_fn),
-        model_id=model_id, seq_id=1)
+        model_id=model_id, seq_id=seq_id)
     return forward_backward_request_to_proto(request).SerializeToString()
 
 
-def test_a_malformed_training_batch_is_a_422_at_once_and_records_nothing(local_cluster, session_id):
+def test_a_malformed_training_batch_is_a_422_at_once_and_the_next_seq_still_runs(local_cluster, session_id):
     created = post(local_cluster, "create_model", b'{"session_id": "%s", "model_seq_id": 1, "base_model": "%s", '
                    b'"lora_config": {"rank": 4}}' % (session_id.encode(), local_cluster.base_models[0].encode()))
     assert created.status_code == 200, created.text
     model_id = created.json()["model_id"]
-    for body, words in ((forward_backward_body(model_id, loss_fn="hinge"), "Unknown loss_fn 'hinge'"),
-                        (forward_backward_body(model_id, weights=[1.0] * 7), "has 7 entries but the input has 8"),
-                        (forward_backward_body(model_id, weights=[float("nan")] * 8), "NaN or infinite"),
-                        (forward_backward_body(model_id, data=False), "no data")):
+    refusals = ((dict(loss_fn="hinge"), "Unknown loss_fn 'hinge'"),
+                (dict(weights=[1.0] * 7), "has 7 entries but the input has 8"),
+                (dict(weights=[float("nan")] * 8), "NaN or infinite"),
+                (dict(data=False), "no data"))
+    # Each refusal spends its seq_id, as the SDK's calls do: the well-formed request after them, under seq 5, runs
+    # at once instead of waiting for seqs 1-4 forever.
+    for seq_id, (fields, words) in enumerate(refusals, start=1):
+        body = forward_backward_body(model_id, seq_id=seq_id, **fields)
         assert_refused(post(local_cluster, "forward_backward", body, PROTOBUF), 422, words)
-    # None of them took seq 1: the well-formed request under it is a new one, not a conflict with a refused one.
-    accepted = post(local_cluster, "forward_backward", forward_backward_body(model_id), PROTOBUF)
-    unload_models(local_cluster.api_url, [model_id])
+    accepted = post(local_cluster, "forward_backward", forward_backward_body(model_id, seq_id=5), PROTOBUF)
     assert accepted.status_code == 200, accepted.text
+    with httpx.Client(headers=JSON, timeout=60) as http:
+        result = retrieve_finished(http, f"{local_cluster.api_url}/api/v1/retrieve_future", accepted.json()["request_id"],
+                                   polls=2)
+    assert "protobuf" in result.headers["content-type"], result.text
+    # A refused seq is spent: sending a step under it again is a conflict that says to use the next seq_id.
+    again = post(local_cluster, "forward_backward", forward_backward_body(model_id, seq_id=1), PROTOBUF)
+    unload_models(local_cluster.api_url, [model_id])
+    assert_refused(again, 409, "send each new step with the next seq_id")

@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from lilo.engine.commands import (
-    FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, SAMPLE, SAVE_WEIGHTS, Command,
+    FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, SAMPLE, SAVE_WEIGHTS, Command,
 )
 from lilo.engine.engine import Engine, EngineStopped
 from lilo.engine.scheduler import next_batch
-from lilo.errors import ConflictError, GoneError, NotFoundError
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
 
 
 class RecordingBackend:
@@ -123,6 +123,18 @@ def test_out_of_order_arrivals_run_in_seq_order(backend):
     first = engine.submit(command("a", 1))
     results([first, middle, late])
     assert [ids for name, ids in backend.calls if name == "forward_backward"] == [["a:1"], ["a:2"], ["a:3"]]
+    engine.stop()
+
+
+def test_a_refused_request_holds_its_seq_and_fails_in_turn_without_reaching_the_backend(backend):
+    engine = ready_engine(backend, ["a"])
+    after = engine.submit(command("a", 2))  # the client's next step, sent before the refusal was recorded
+    refused = Command("a", 1, REFUSED, "a:1", payload="weights has 7 entries but the input has 8")
+    failed = engine.submit(refused)
+    with pytest.raises(InvalidRequestError, match="weights has 7 entries"):
+        failed.result(timeout=10)
+    assert after.result(timeout=10) == {"ran": "a:2"}
+    assert [call for call in backend.calls if call[0] != "add"] == [("forward_backward", ["a:2"])]
     engine.stop()
 
 

@@ -127,6 +127,16 @@ def test_a_retry_after_the_request_ran_is_still_recognised(store):
         store.submit(Submission("m", "forward_backward", step(1), seq_id=0))
 
 
+def test_a_retry_of_a_pending_request_says_which_trainer_to_hand_it_to_again(store):
+    (first,) = store.submit_many([Submission("m", "optim_step", {"lr": 1}, seq_id=3, trainer="lilo-trainer-1")])
+    (retry,) = store.submit_many([Submission("m", "optim_step", {"lr": 1}, seq_id=3)])
+    assert (retry.request_id, retry.duplicate, retry.pending, retry.trainer) == (
+        first.request_id, True, True, "lilo-trainer-1")
+    store.complete_many([Completion.success(first.request_id, b"ok")])
+    (late,) = store.submit_many([Submission("m", "optim_step", {"lr": 1}, seq_id=3)])
+    assert (late.request_id, late.duplicate, late.pending, late.trainer) == (first.request_id, True, False, None)
+
+
 # --- scheduling -----------------------------------------------------------------------------------------------
 def test_scan_pending_is_answered_from_the_covering_index(store):
     store.submit_many([Submission(f"m{i % 3}", "forward_backward", step(i), seq_id=i) for i in range(9)])

@@ -42,6 +42,52 @@ def test_an_unknown_base_model_is_refused_with_a_message(local_cluster):
             service.create_lora_training_client(base_model="no/such-model", rank=8).result(timeout=120)
 
 
+def test_steps_after_a_refused_request_still_run(local_cluster):
+    # The SDK spends a seq_id on every call, refused or not: the model's next steps must not wait for the refused one.
+    tokens = list(range(1, 25))
+    bad = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                      loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 7})
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
+        training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=8).result(timeout=120)
+        with pytest.raises(tinker.APIStatusError, match="has 7 entries"):
+            training.forward_backward([bad], "cross_entropy").result(timeout=60)
+        with pytest.raises(tinker.APIStatusError, match="is not allowed"):
+            training.save_state("../outside").result(timeout=60)
+        result = training.forward_backward([memorize_datum()], "cross_entropy").result(timeout=60)
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+        assert result.metrics["loss:sum"] > 0
+        assert training.save_state("after-refusals").result(timeout=60).path.endswith("/weights/after-refusals")
+
+
+def test_a_retried_request_that_was_recorded_but_never_handed_over_runs(local_cluster, ray_driver):
+    import httpx
+    import ray
+
+    from cluster.futures_actor import FUTURES_ACTOR_NAME
+    from cluster.local import NAMESPACE
+    from helpers import AUTH, retrieve_finished
+    from lilo.futures.store import Submission
+
+    # The fault: an ingress that recorded the request and died (or lost its client) before handing it to the
+    # trainer. It cannot be caused on cue, so the request is recorded here the way the ingress records it, and no
+    # more.
+    adam = {"learning_rate": 1e-3}
+    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service, \
+            httpx.Client(headers=AUTH, timeout=60) as http:
+        model_id = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120).model_id
+        ray.get(futures.submit_once.remote(Submission(model_id, "optim_step", adam, seq_id=1, tenant="local",
+                                                      routed=True)))
+        # The client's retry of it, then its next step: both run.
+        for seq_id in (1, 2):
+            response = http.post(f"{local_cluster.api_url}/api/v1/optim_step",
+                                 json={"model_id": model_id, "seq_id": seq_id, "adam_params": adam})
+            assert response.status_code == 200, response.text
+            result = retrieve_finished(http, f"{local_cluster.api_url}/api/v1/retrieve_future",
+                                       response.json()["request_id"], polls=2)
+            assert "grad_norm:mean" in result.json()["metrics"], result.text
+
+
 def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ray_driver):
     import uuid
 

@@ -12,6 +12,10 @@ SAMPLE = "sample"
 SAVE_WEIGHTS = "save_weights"
 SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
 LOAD_WEIGHTS = "load_weights"
+# A request the API refused for bad input after the client had spent its seq_id on it (the tinker SDK spends one on
+# every call): it holds that seq's place in the model's order, so the model's next request does not wait for it
+# forever. Its payload is the refusal's message, and running it fails its future with that message.
+REFUSED = "refused"
 # Lifecycle requests: futures like the others, but never queued as commands.
 CREATE_MODEL = "create_model"
 UNLOAD_MODEL = "unload_model"

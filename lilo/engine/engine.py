@@ -23,11 +23,11 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 from lilo.engine.commands import (
-    FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, SAMPLE, SAVING_KINDS, Backend, Command,
+    FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, SAMPLE, SAVING_KINDS, Backend, Command,
 )
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
-from lilo.errors import ConflictError, GoneError, NotFoundError
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
 from lilo.telemetry.critical_path import CriticalPath, Observer, Observers, Operation
 
 logger = logging.getLogger(__name__)
@@ -283,6 +283,8 @@ class Engine:
             return self._backend.sample(commands)
         if kind == LOAD_WEIGHTS:
             return [self._backend.load_weights(commands[0])]
+        if kind == REFUSED:
+            return [InvalidRequestError(commands[0].payload)]
         raise ValueError(f"Unknown command kind {kind!r}.")
 
     def _capture_then_persist(self, taken: tuple[Command, Future]) -> None:

@@ -74,12 +74,15 @@ class Submission:
 @dataclasses.dataclass(frozen=True)
 class SubmitOutcome:
     """The request id, new or (for an identical retry) existing, and the trainer a new one goes to; or the error
-    that refused it (a conflict; for a routed submission, a model it cannot go to)."""
+    that refused it (a conflict; for a routed submission, a model it cannot go to). A retry of a request still
+    pending is ``pending``, with the trainer it went to: whoever recorded it may have failed before handing it over
+    (an ingress killed, a client gone), so the retry hands it over again, and the trainer runs it once either way."""
 
     request_id: int | None
     duplicate: bool = False
     error: LiloError | None = None
     trainer: str | None = None
+    pending: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +239,8 @@ class FuturesStore:
                 if sub.seq_id is None:
                     inserting.append(i)
                 elif key in taken:
-                    outcomes[i] = _same_or_conflict(sub, *taken[key], prints[i])
+                    request_id, known_print, pending_on = taken[key]
+                    outcomes[i] = _same_or_conflict(sub, request_id, known_print, prints[i], pending_on)
                 elif key not in first_copy:
                     first_copy[key] = i
                     inserting.append(i)
@@ -307,14 +311,16 @@ class FuturesStore:
                 outcomes[i] = SubmitOutcome(None, error=error(sub.model_id))
 
     @staticmethod
-    def _existing_keys(connection, submissions: Sequence[Submission]) -> dict[tuple, tuple[int, str]]:
+    def _existing_keys(connection, submissions: Sequence[Submission]) -> dict[tuple, tuple[int, str, str | None]]:
+        """(request id, payload fingerprint, its trainer while it is pending) of each (model, seq) already taken."""
         keys = list({(sub.model_id, sub.seq_id) for sub in submissions if sub.seq_id is not None})
-        taken: dict[tuple, tuple[int, str]] = {}
+        taken: dict[tuple, tuple[int, str, str | None]] = {}
         for chunk in chunks(keys, MAX_BOUND_PARAMS // 2):
-            query = select(futures.c.model_id, futures.c.seq_id, futures.c.request_id, futures.c.payload_sha256).where(
+            query = select(futures.c.model_id, futures.c.seq_id, futures.c.request_id, futures.c.payload_sha256,
+                           futures.c.status, futures.c.trainer).where(
                 tuple_(futures.c.model_id, futures.c.seq_id).in_(chunk))
-            for model_id, seq_id, request_id, known_print in connection.execute(query):
-                taken[(model_id, seq_id)] = (request_id, known_print)
+            for model_id, seq_id, request_id, known_print, status, trainer in connection.execute(query):
+                taken[(model_id, seq_id)] = (request_id, known_print, trainer if status == PENDING else None)
         return taken
 
     # --- scheduling ----------------------------------------------------------------------------------------
@@ -724,9 +730,10 @@ def _scan_order(meta: PendingMeta) -> tuple:
     return (meta.model_id, -1 if meta.seq_id is None else meta.seq_id, meta.request_id)
 
 
-def _same_or_conflict(sub: Submission, request_id: int, known_print: str, new_print: str) -> SubmitOutcome:
+def _same_or_conflict(sub: Submission, request_id: int, known_print: str, new_print: str,
+                      pending_on: str | None = None) -> SubmitOutcome:
     if known_print == new_print:
-        return SubmitOutcome(request_id, duplicate=True)
+        return SubmitOutcome(request_id, duplicate=True, trainer=pending_on, pending=pending_on is not None)
     return SubmitOutcome(None, error=ConflictError(
         f"seq_id {sub.seq_id} of model {sub.model_id!r} was already submitted (request {request_id}) with a "
         "different payload; send each new step with the next seq_id."))
