@@ -157,15 +157,19 @@ class TrainerActor:
     async def restore_model(self, model_id: str, spec: LoraSpec, next_seq: int | None) -> str | None:
         """Take over a model whose trainer failed: its adapter (and optimizer state) from its latest training
         checkpoint, or a fresh adapter if it has none, taking its client's steps from ``next_seq`` on (None: this
-        engine's default). Returns the checkpoint's tinker path, or None."""
+        engine's default). Returns the checkpoint's tinker path, or None (a fresh adapter, or the model was here
+        already: an earlier call got this far, and the recovery actor failed to record the placement). A model that
+        cannot be created here (no free slot any more) raises, for the recovery actor to try again."""
         engine, backend, _ = await asyncio.wrap_future(self._ready)
+        if model_id in engine.model_ids():
+            return None
         saved = await asyncio.to_thread(list_checkpoints, backend.checkpoint_dir, model_id)
         latest = max((entry for entry in saved if entry.kind == WEIGHTS), key=lambda entry: entry.time_s, default=None)
         if latest is None or next_seq is None:
             await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq))
             return None
         # The load runs in the model's order just before the client's next step, under the seq before it.
-        engine.create_model(model_id, spec, first_seq=next_seq - 1)
+        await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq - 1))
         try:
             await self.run(Command(model_id, next_seq - 1, LOAD_WEIGHTS, f"restore-{model_id}",
                                    payload=LoadRequest(path=latest.tinker_path, optimizer=True)))

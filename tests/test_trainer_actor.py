@@ -4,6 +4,7 @@ HTTP by the trainer that owns the model."""
 import os
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -16,9 +17,9 @@ from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.trainer_actor import lower_thread_priority, start_trainer, trainer_name
 from helpers import AUTH
-from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
-from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
-from lilo.errors import UnavailableError
+from lilo.backend.types import AdamParams, Datum, LoraSpec, SaveRequest, TrainInput
+from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, SAVE_WEIGHTS, Command
+from lilo.errors import SaturatedError, UnavailableError
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,29 @@ def test_a_command_for_a_model_the_trainer_does_not_hold_is_retryable(trainer):
     command = Command("m-never-here", 1, FORWARD_BACKWARD, "1", payload=train_input(3))
     with pytest.raises(UnavailableError, match="is not on trainer .* any more"):
         ray.get(actor.submit.remote(command), timeout=60)
+
+
+def test_restoring_a_model_is_refused_without_a_free_slot_and_changes_nothing_when_repeated(trainer):
+    actor, _ = trainer
+    spec = LoraSpec(rank=4, seed=0)
+    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    ray.get(actor.create_model.remote(model_id, spec))
+    saved = ray.get(actor.run.remote(Command(model_id, 1, SAVE_WEIGHTS, f"{model_id}:1", payload=SaveRequest("kept"))))
+    # The recovery actor asking again for a model this trainer restored already (it failed to record the
+    # placement): nothing happens, and the model goes on in its own order.
+    assert ray.get(actor.restore_model.remote(model_id, spec, 7), timeout=60) is None
+    ray.get(actor.run.remote(Command(model_id, 2, FORWARD_BACKWARD, f"{model_id}:2", payload=train_input(2), tokens=32)))
+    # Taken off, its slot filled by others: a restore from its checkpoint has nowhere to go, and says so, instead
+    # of recording the model as placed here while the trainer does not hold it.
+    ray.get(actor.unload_future.remote(model_id, str(2**40)))
+    deadline = time.monotonic() + 60
+    while ray.get(actor.has_model.remote(model_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    fillers = [f"f-{uuid.uuid4().hex[:8]}" for _ in range(ray.get(actor.ready.remote())["free_slots"])]
+    for filler in fillers:
+        ray.get(actor.create_model.remote(filler, spec))
+    with pytest.raises(SaturatedError):
+        ray.get(actor.restore_model.remote(model_id, spec, 3), timeout=60)
+    assert not ray.get(actor.has_model.remote(model_id)) and saved["path"].endswith("/weights/kept")
+    for filler in fillers:
+        ray.get(actor.unload_future.remote(filler, str(2**40)))
