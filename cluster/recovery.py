@@ -133,13 +133,17 @@ class RecoveryActor:
         while True:
             try:
                 await named_actor(trainer).watch.remote()
+                continue
             except ray.exceptions.RayActorError as death:
                 logger.warning("trainer %s died (%s); recovering its requests and models", trainer,
                                str(death).splitlines()[0])
-                await self._recover(trainer)
             except Exception:
                 logger.exception("watching trainer %s failed; watching again", trainer)
                 await asyncio.sleep(RETRY_PLACEMENT_S)
+                continue
+            # Back to watching at once, the restore going on meanwhile: the models it puts back onto this trainer
+            # land on the incarnation this next watch reaches, so a death of that one is seen too.
+            await self._recover(trainer)
 
     async def _catch_up(self, trainer: str) -> None:
         """On this actor's (re)start: a trainer that died while nobody watched (this actor was on the node that
@@ -158,7 +162,18 @@ class RecoveryActor:
             await self._recover(trainer)
 
     async def _recover(self, trainer: str) -> None:
-        await self._restore(trainer, await self._futures.evacuate.remote(trainer, lost_message(trainer)))
+        """Fail the dead trainer's in-flight futures and take its models off it (retried while the futures DB
+        restarts), then restore them in the background: restoring waits for free slots, and the trainer's next
+        incarnation must be watched meanwhile."""
+        while True:
+            try:
+                displaced = await self._futures.evacuate.remote(trainer, lost_message(trainer))
+                break
+            except ray.exceptions.RayActorError:
+                await asyncio.sleep(RETRY_PLACEMENT_S)
+        if displaced:
+            self._tasks = [task for task in self._tasks if not task.done()]
+            self._tasks.append(asyncio.get_running_loop().create_task(self._restore(trainer, displaced)))
 
     async def _restore(self, trainer: str, displaced: Sequence[DisplacedModel]) -> None:
         """Restore every displaced model of ``trainer``, round after round until each is placed (or unloaded,
@@ -168,8 +183,11 @@ class RecoveryActor:
         # In the history at once, filled in as models come back: one model short of a slot hides no other.
         self.recoveries.append({"trainer": trainer, "models": restored, "unloaded": unloaded})
         while True:
-            await self._restore_round([m for m in displaced if m.model_id not in restored | unloaded], restored,
-                                      unloaded)
+            try:
+                await self._restore_round([m for m in displaced if m.model_id not in restored | unloaded], restored,
+                                          unloaded)
+            except Exception:  # the futures DB restarting, say: the models not back yet get the next round
+                logger.exception("a round of restoring %s's models failed; trying again", trainer)
             if len(restored) + len(unloaded) == len(displaced):
                 break
             await asyncio.sleep(RETRY_PLACEMENT_S)  # a trainer may restart or free a slot meanwhile
