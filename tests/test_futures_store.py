@@ -462,6 +462,23 @@ def test_evacuating_a_trainer_fails_its_unfinished_requests_and_unplaces_its_mod
     assert store.route("a") == "trainer-2"
 
 
+def test_a_model_whose_futures_were_pruned_is_displaced_with_the_seq_after_them(store, clock):
+    # A client idle past the retention time (its heartbeats keep its session) sends its next step with the seq
+    # after its last one; a restore that forgot it would wait for seq 1 forever, and skip the checkpoint.
+    for model_id in ("old", "mixed"):
+        store.add_model(model_id, "base", {"rank": 4}, trainer="trainer-1")
+    done = store.submit_many([Submission("old", "forward_backward", step(seq), seq_id=seq, routed=True)
+                              for seq in range(4)] +
+                             [Submission("mixed", "forward_backward", step(seq), seq_id=seq, routed=True)
+                              for seq in range(2)])
+    store.complete_many([Completion.success(outcome.request_id, b"ok") for outcome in done])
+    clock.now += store.retention_s + 1
+    store.submit(Submission("mixed", "forward_backward", step(9), seq_id=2, routed=True))
+    assert store.prune() == 6
+    displaced, _ = store.evacuate("trainer-1", "trainer-1 died")
+    assert sorted((m.model_id, m.next_seq) for m in displaced) == [("mixed", 3), ("old", 4)]
+
+
 def test_strays_are_the_models_on_none_of_the_trainers_now_and_are_evacuated_alike(store):
     store.add_model("kept", "base", {"rank": 4}, trainer="trainer-0")
     store.add_model("left-behind", "base", {"rank": 4}, trainer="trainer-1")  # a previous run had trainer-1

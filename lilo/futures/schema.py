@@ -59,6 +59,9 @@ models = Table(
     Column("unloaded_at", Float, nullable=True),
     # Why lilo unloaded it itself (its base model is no longer served); None after the client's unload_model.
     Column("unloaded_reason", Text, nullable=True),
+    # The highest seq id among its futures pruned so far: a model restored after all its futures are gone still
+    # takes its client's next step, which comes with the seq after it.
+    Column("pruned_seq", Integer, nullable=True),
 )
 
 sessions = Table(

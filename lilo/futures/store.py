@@ -454,9 +454,16 @@ class FuturesStore:
     def prune(self) -> int:
         """Delete finished futures older than the retention time; returns how many."""
         cutoff = self._clock() - self.retention_s
+        old = futures.c.finished_at.is_not(None) & (futures.c.finished_at < cutoff)
         with self.engine.begin() as connection:
-            deleted = connection.execute(
-                futures.delete().where(futures.c.finished_at.is_not(None), futures.c.finished_at < cutoff)).rowcount
+            highest = connection.execute(select(futures.c.model_id, func.max(futures.c.seq_id))
+                                         .where(old, futures.c.seq_id >= 0).group_by(futures.c.model_id)).all()
+            if highest:
+                connection.execute(
+                    update(models).where(models.c.model_id == bindparam("pruned_model"))
+                    .values(pruned_seq=func.max(func.coalesce(models.c.pruned_seq, -1), bindparam("seq"))),
+                    [{"pruned_model": model_id, "seq": seq} for model_id, seq in highest])
+            deleted = connection.execute(futures.delete().where(old)).rowcount
         if deleted:
             with self.engine.connect() as connection:
                 connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -540,8 +547,8 @@ class FuturesStore:
         displaced_rows = model_rows & models.c.unloaded_at.is_(None)
         lost = future_rows & (futures.c.status == PENDING)
         with self.engine.begin() as connection:
-            rows = connection.execute(select(models.c.model_id, models.c.base_model, models.c.lora_config)
-                                      .where(displaced_rows)).all()
+            rows = connection.execute(select(models.c.model_id, models.c.base_model, models.c.lora_config,
+                                             models.c.pruned_seq).where(displaced_rows)).all()
             last: dict[str, tuple[int, float]] = {}  # model -> (its highest seq, its latest request's time)
             for chunk in chunks([row.model_id for row in rows]):
                 last.update((model_id, (seq, at)) for model_id, seq, at in connection.execute(
@@ -555,7 +562,7 @@ class FuturesStore:
         # The most recently used first: when slots run short, those are the models most likely still wanted.
         rows = sorted(rows, key=lambda row: last.get(row.model_id, (0, 0.0))[1], reverse=True)
         displaced = [DisplacedModel(row.model_id, row.base_model, orjson.loads(row.lora_config),
-                                    None if row.model_id not in last else last[row.model_id][0] + 1)
+                                    _next_seq(last.get(row.model_id, (None, 0.0))[0], row.pruned_seq))
                      for row in rows]
         return displaced, [FutureState(rid, FAILED, None, error, "server", kind, tenant) for rid, kind, tenant in failed]
 
@@ -728,6 +735,12 @@ def _model_dict(row: Any) -> dict[str, Any]:
 
 def _scan_order(meta: PendingMeta) -> tuple:
     return (meta.model_id, -1 if meta.seq_id is None else meta.seq_id, meta.request_id)
+
+
+def _next_seq(highest: int | None, pruned: int | None) -> int | None:
+    """The seq after a model's highest, among its futures and those pruned; None for a model with neither."""
+    known = [seq for seq in (highest, pruned) if seq is not None]
+    return max(known) + 1 if known else None
 
 
 def _same_or_conflict(sub: Submission, request_id: int, known_print: str, new_print: str,
