@@ -22,6 +22,8 @@ class RecordingBackend:
         self.fail_request_ids: set[str] = set()
         self.persist_gate = threading.Event()
         self.persist_gate.set()
+        self.capture_started, self.capture_gate = threading.Event(), threading.Event()
+        self.capture_gate.set()
 
     def add_adapter(self, model_id, spec):
         self.calls.append(("add", [model_id]))
@@ -49,6 +51,8 @@ class RecordingBackend:
         return self._batch("load_weights", [command])[0]
 
     def capture(self, command):
+        self.capture_started.set()
+        self.capture_gate.wait(10)
         self.calls.append(("capture", [command.request_id]))
         return {"copy": command.request_id}
 
@@ -222,6 +226,20 @@ def test_a_slow_disk_write_never_stalls_compute(backend):
     backend.persist_gate.set()
     assert saved.result(timeout=10) == {"path": "tinker://a/a:1"}
     engine.stop()
+
+
+def test_a_save_captured_while_the_engine_stops_is_still_written(backend):
+    engine = ready_engine(backend, ["a"])
+    backend.capture_gate.clear()
+    saved = engine.submit(command("a", 1, kind=SAVE_WEIGHTS, key=()))
+    assert backend.capture_started.wait(10)
+    stopping = threading.Thread(target=engine.stop)
+    stopping.start()  # it waits for the compute lane, which is in the middle of the capture
+    while not engine._stopped:
+        threading.Event().wait(0.01)
+    backend.capture_gate.set()
+    assert saved.result(timeout=10) == {"path": "tinker://a/a:1"}
+    stopping.join(10)
 
 
 def test_the_engine_reports_through_the_observer_and_keeps_its_own_timings(backend):

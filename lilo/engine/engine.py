@@ -302,7 +302,14 @@ class Engine:
                            request_ids=[command.request_id], n=1, ok=True)
         # The state is copied out: the model's next command may run while the disk write goes on.
         self._finish_heads([command])
-        self._persist_jobs.put(lambda: self._persist(command, captured, future))
+        job = lambda: self._persist(command, captured, future)
+        with self._cv:
+            # Once stop() has begun, the persist lane may be past its last job: write it here, or it is never written.
+            writing_here = self._stopped
+            if not writing_here:
+                self._persist_jobs.put(job)
+        if writing_here:
+            job()
 
     def _finish_heads(self, commands: Sequence[Command]) -> None:
         with self._cv:
