@@ -105,17 +105,21 @@ class FuturesActor:
         if tenants is None:
             return False
         for completion in completions:
+            if completion.request_id not in tenants:
+                continue  # it had failed already (its trainer evacuated): the write kept that, and so do its waiters
             self._waiter.notify(FutureState(
                 completion.request_id, "completed" if completion.ok else "failed", completion.result,
                 completion.error, completion.category, completion.request_type, tenants.get(completion.request_id)))
         return True
 
     def _complete_many(self, completions: list[Completion]) -> dict[int, str | None] | None:
-        """On the database thread: write the results, then read whose they are (one query per batch, so a waiter
-        gets a result at once only when it is its own); None when they went to the outbox."""
+        """On the database thread: read whose the requests still pending are (one query per batch, so a waiter gets
+        a result at once only when it is its own), then write the results, which change only those; None when they
+        went to the outbox."""
+        pending = self._store.tenants_of([completion.request_id for completion in completions], pending=True)
         if not self._store.complete_many(completions):
             return None
-        return self._store.tenants_of([completion.request_id for completion in completions])
+        return pending
 
     async def retrieve(self, request_id: int | str, timeout_s: float = RETRIEVE_TIMEOUT_S,
                        tenant: str | None = None) -> FutureState:

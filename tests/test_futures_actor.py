@@ -40,6 +40,18 @@ def test_a_parked_retrieve_wakes_when_its_result_arrives(futures):
     assert time.monotonic() - started < 10
 
 
+def test_a_result_that_comes_after_its_future_failed_changes_nothing(futures):
+    # A trainer taken for dead (its requests failed, its models restored elsewhere) may still report a result.
+    ray.get(futures.add_model.remote("m-late", "lilo/tiny-llama", {"rank": 4}, trainer="lilo-trainer-late"))
+    outcome = ray.get(futures.submit_once.remote(Submission("m-late", "optim_step", {"lr": 1}, seq_id=1, routed=True)))
+    ray.get(futures.evacuate.remote("lilo-trainer-late", "trainer lost"))
+    assert ray.get(futures.complete.remote([Completion.success(outcome.request_id, b"late")]))
+    # A long-poll (answered from memory) and a lookup (from the file) both say what the file says.
+    for timeout_s in (5, 0):
+        state = ray.get(futures.retrieve.remote(outcome.request_id, timeout_s=timeout_s))
+        assert (state.status, state.error) == ("failed", "trainer lost")
+
+
 def test_a_long_poll_answers_pending_at_its_timeout(futures):
     request_id = ray.get(futures.submit.remote(Submission("m", "forward_backward", {}, seq_id=0)))
     assert ray.get(futures.retrieve.remote(request_id, timeout_s=0.3)).status == "pending"

@@ -425,11 +425,13 @@ class FuturesStore:
             raise self.missing_error(request_id)
         return state
 
-    def tenants_of(self, request_ids: Sequence[int]) -> dict[int, str | None]:
-        """The tenant of each of these requests (ids without a row are absent)."""
+    def tenants_of(self, request_ids: Sequence[int], pending: bool = False) -> dict[int, str | None]:
+        """The tenant of each of these requests (ids without a row are absent; with ``pending``, so are those
+        that have finished)."""
+        query = _PENDING_TENANTS if pending else _TENANTS
         found: dict[int, str | None] = {}
         for chunk in chunks(list(request_ids)):
-            found.update(self._read(_TENANTS.format(marks=",".join("?" * len(chunk))), tuple(chunk)))
+            found.update(self._read(query.format(marks=",".join("?" * len(chunk))), tuple(chunk)))
         return found
 
     def missing_error(self, request_id: int) -> NotFoundError | GoneError:
@@ -688,6 +690,7 @@ _LOAD_PAYLOADS = "SELECT request_id, payload FROM futures WHERE request_id IN ({
 _STATES = ("SELECT request_id, status, result, error, error_category, request_type, tenant FROM futures "
            "WHERE request_id IN ({marks})")
 _TENANTS = "SELECT request_id, tenant FROM futures WHERE request_id IN ({marks})"
+_PENDING_TENANTS = _TENANTS + f" AND status = '{PENDING}'"
 
 
 # What an unknown record answers, and (so its existence is not revealed) another tenant's.
