@@ -235,13 +235,17 @@ class TrainerActor:
             if not pending:
                 continue
             try:
-                await futures_db.complete.remote(pending)
-                pending = []
+                # False: the file stayed locked, and the futures DB keeps them in memory for its next write. They
+                # stay here too until written: that memory goes if the futures DB actor dies.
+                if await futures_db.complete.remote(pending):
+                    pending = []
+                    continue
+                logger.warning("%d result(s) not written yet (the futures DB is locked); retrying", len(pending))
             except Exception:
                 logger.exception("writing %d result(s) to the futures DB failed; retrying", len(pending))
                 futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-                await asyncio.sleep(RETRY_WRITE_S)
-                self._wake.set()
+            await asyncio.sleep(RETRY_WRITE_S)
+            self._wake.set()
 
     async def run(self, command: Command) -> Any:
         """Queue a command in its model's order and return its result (or raise its own error)."""
