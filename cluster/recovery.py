@@ -48,6 +48,9 @@ RECOVERY_ACTOR_NAME = "lilo-recovery"
 ANSWER_WITHIN_S = 5.0
 # How long to wait before trying again to place models no live trainer could take.
 RETRY_PLACEMENT_S = 2.0
+# How long an unreachable trainer may take to answer again, as the same process, before it counts as dead (its
+# requests then fail, within the 30 s the faults issue allows).
+UNREACHABLE_S = 15.0
 
 
 def lost_message(trainer: str) -> str:
@@ -130,20 +133,41 @@ class RecoveryActor:
     async def _watch(self, trainer: str) -> None:
         await self._strays_taken.wait()
         await self._catch_up(trainer)
+        watched: str | None = None  # the incarnation (process) of the trainer being watched; None: learn it
         while True:
             try:
-                await named_actor(trainer).watch.remote()
-                continue
+                # Returns at once with the incarnation reached when it is not ``watched``, else only by failing.
+                reached = await named_actor(trainer).watch.remote(watched)
+                if watched is None or reached == watched:
+                    watched = reached
+                    continue
+                cause = f"a new process, {reached}, answers for it"
+            except ray.exceptions.ActorUnavailableError as unreachable:
+                # Unreachable is not dead (a network blip between nodes): only another process, or none within
+                # the bound, makes it a death. Evacuating a live trainer would fail its work for nothing.
+                if await self._incarnation(trainer) == watched:
+                    logger.warning("trainer %s was unreachable (%s) and is back; watching again", trainer,
+                                   str(unreachable).splitlines()[0])
+                    continue
+                cause = str(unreachable).splitlines()[0]
             except ray.exceptions.RayActorError as death:
-                logger.warning("trainer %s died (%s); recovering its requests and models", trainer,
-                               str(death).splitlines()[0])
+                cause = str(death).splitlines()[0]
             except Exception:
                 logger.exception("watching trainer %s failed; watching again", trainer)
                 await asyncio.sleep(RETRY_PLACEMENT_S)
                 continue
+            logger.warning("trainer %s died (%s); recovering its requests and models", trainer, cause)
             # Back to watching at once, the restore going on meanwhile: the models it puts back onto this trainer
             # land on the incarnation this next watch reaches, so a death of that one is seen too.
             await self._recover(trainer)
+            watched = None
+
+    async def _incarnation(self, trainer: str) -> str | None:
+        """The incarnation answering for ``trainer`` within UNREACHABLE_S, or None."""
+        try:
+            return await asyncio.wait_for(named_actor(trainer).watch.remote(""), UNREACHABLE_S)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+            return None
 
     async def _catch_up(self, trainer: str) -> None:
         """On this actor's (re)start: a trainer that died while nobody watched (this actor was on the node that

@@ -14,6 +14,7 @@ import os
 import queue
 import sys
 import threading
+import uuid
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
@@ -60,6 +61,7 @@ class TrainerActor:
                  compute_nice: int = 0) -> None:
         self.name = name
         self.base_model = base_model
+        self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
         self._ready: Future = Future()
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._flusher: asyncio.Task | None = None
@@ -179,10 +181,13 @@ class TrainerActor:
             return None
         return latest.tinker_path
 
-    async def watch(self) -> None:
-        """Never returns: the recovery actor keeps one call open per trainer, which fails the moment this
-        trainer's process dies (no polling)."""
+    async def watch(self, known: str | None = None) -> str:
+        """This process's incarnation id, at once, when ``known`` is not it; else never returns: the recovery actor
+        keeps one such call open per trainer, which fails the moment this process dies (no polling)."""
+        if known != self._incarnation:
+            return self._incarnation
         await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     async def unload_future(self, model_id: str, request_id: str) -> None:
         """Free the model's adapter slot once what it queued has run; the unload_model future ``request_id``

@@ -141,3 +141,12 @@ def test_restoring_a_model_is_refused_without_a_free_slot_and_changes_nothing_wh
     assert not ray.get(actor.has_model.remote(model_id)) and saved["path"].endswith("/weights/kept")
     for filler in fillers:
         ray.get(actor.unload_future.remote(filler, str(2**40)))
+
+
+def test_a_watch_names_the_process_it_reached_and_then_blocks_on_it(trainer):
+    # How the recovery actor tells a trainer that was unreachable for a while from one Ray restarted.
+    actor, _ = trainer
+    incarnation = ray.get(actor.watch.remote(None), timeout=30)
+    assert ray.get(actor.watch.remote(""), timeout=30) == incarnation
+    ready, _ = ray.wait([actor.watch.remote(incarnation)], timeout=1.0)
+    assert ready == []  # watching the process it is: the call stays open until that process dies
