@@ -142,6 +142,17 @@ def test_a_refused_request_holds_its_seq_and_fails_in_turn_without_reaching_the_
     engine.stop()
 
 
+def test_a_sample_handed_over_twice_generates_once(backend):
+    engine = paused_engine(backend, ["a"])
+    first = engine.submit(command("a", 0, kind=SAMPLE, key=()))
+    assert engine.submit(command("a", 0, kind=SAMPLE, key=())) is first
+    engine.start()
+    assert first.result(timeout=10) == {"ran": "a:0"}
+    assert engine.submit(command("a", 0, kind=SAMPLE, key=())) is first  # still recognised after it ran
+    assert [ids for name, ids in backend.calls if name == "sample"] == [["a:0"]]
+    engine.stop()
+
+
 def test_a_retry_runs_once_and_a_different_payload_is_a_conflict(backend):
     engine = paused_engine(backend, ["a"])
     first = engine.submit(command("a", 1, fingerprint="x"))

@@ -37,6 +37,8 @@ PERSIST_LANE = "persist"
 # The place of sample commands in the rotation: they take turns with the models like one more model.
 SAMPLING_TURN = "\x00sampling"
 REMEMBERED_UNLOADS = 100_000
+# Sample request ids remembered, so a retry handed over again does not generate twice.
+REMEMBERED_SAMPLES = 4096
 
 
 class EngineStopped(RuntimeError):
@@ -59,6 +61,7 @@ class Engine:
         # samples may arrive in any order, and one refused at the door leaves no gap to wait for. Retries are
         # deduplicated before they get here (by the futures DB).
         self._samples: deque[tuple[Command, Future]] = deque()
+        self._sample_futures: OrderedDict[str, Future] = OrderedDict()  # request id -> future, the latest ones
         self._rotation: list[str] = [SAMPLING_TURN]
         self._lifecycle: deque[Callable[[], None]] = deque()
         self._unloading: dict[str, Future] = {}  # model -> its unload, waiting for the model's queue to run dry
@@ -191,8 +194,13 @@ class Engine:
                 raise GoneError(f"Model {command.model_id!r} was unloaded; create a new model (or one from a "
                                 "checkpoint) to train again.")
             if command.kind == SAMPLE:
-                self._samples.append((command, future))
-                accepted = future
+                # Samples have no seq order to dedupe them: a retry handed over again (its request id known)
+                # gets the first future, not a second generation.
+                accepted = self._sample_futures.setdefault(command.request_id, future)
+                if accepted is future:
+                    self._samples.append((command, future))
+                    while len(self._sample_futures) > REMEMBERED_SAMPLES:
+                        self._sample_futures.popitem(last=False)
             else:
                 accepted = self._model_queue(command.model_id).offer(command, future)
             if accepted is future:
