@@ -304,6 +304,19 @@ def test_greedy_sampling_matches_the_adapters_own_argmax(base):
     assert result["prompt_logprobs"][0] is None and len(result["prompt_logprobs"]) == 10
 
 
+def test_the_prefill_computes_every_positions_logits_only_for_prompt_logprobs(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    positions: list[int] = []
+    hook = backend.model.lm_head.register_forward_hook(lambda module, args, out: positions.append(out.shape[1]))
+    try:
+        for wanted in (False, True):
+            positions.clear()
+            backend.sample([sample_command("a", 1, temperature=0.0, max_tokens=2, prompt_logprobs=wanted)])
+            assert positions[0] == (10 if wanted else 1)  # the prefill; each decoding step sees one position
+    finally:
+        hook.remove()
+
+
 def test_a_stop_sequence_ends_a_sample(base):
     backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
     free = backend.sample([sample_command("a", 1, temperature=0.0, max_tokens=5)])[0]["sequences"][0]["tokens"]

@@ -89,7 +89,11 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
     try:
         with torch.no_grad():
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            # The prefill's logits at every position (rows x width x vocabulary: gigabytes for a long prompt and
+            # many samples) only when some row asked for its prompt's logprobs; else the last position's alone.
+            keep = 0 if any(row.settings.prompt_logprobs for row in rows) else 1
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=keep)
             for r, row in enumerate(rows):
                 if row.settings.prompt_logprobs and row.request not in prompt_logprobs:
                     prompt_logprobs[row.request] = _prompt_logprobs(out.logits[r].cpu(), ids[r].cpu(),
