@@ -332,6 +332,21 @@ def test_stop_strings_need_a_tokenizer(base):
     assert isinstance(result, InvalidRequestError) and "send stop token ids" in str(result)
 
 
+def test_a_batch_sampling_more_checkpoints_than_free_slots_runs_in_several_generations(base, tmp_path):
+    # Three slots: the training model holds one, so three checkpoints cannot all be in place at once.
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    backend.checkpoint_dir = tmp_path
+    backend.add_adapter("m", LoraSpec(rank=8, seed=0))
+    paths = []
+    for seq in (1, 3, 5):
+        train_steps(backend, "m", [seq])
+        paths.append(save(backend, "m", seq + 2, f"c{seq}", kind=SAVE_WEIGHTS_FOR_SAMPLER))
+    batch = backend.sample([sample_command(path, n, temperature=0.0, max_tokens=3) for n, path in enumerate(paths)])
+    alone = [backend.sample([sample_command(path, n, temperature=0.0, max_tokens=3)])[0]
+             for n, path in enumerate(paths)]
+    assert [r["sequences"][0]["tokens"] for r in batch] == [r["sequences"][0]["tokens"] for r in alone]
+
+
 def test_base_only_rows_sample_the_bare_model_beside_adapter_rows(base):
     backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
     train_steps(backend, "a", [1, 3])

@@ -187,25 +187,34 @@ class TorchBackend:
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
 
     def sample(self, commands: Sequence[Command]) -> list[Any]:
-        """Every command's samples in one batched generation, each row through its own adapter (``model_id``: a
-        training model, or a sampler checkpoint's tinker path) or none (``base_only``)."""
+        """Every command's samples, each row through its own adapter (``model_id``: a training model, or a sampler
+        checkpoint's tinker path) or none (``base_only``): in one batched generation, or in several when the batch
+        samples more checkpoints than there are slots to hold them at once."""
         results: list[Any] = [None] * len(commands)
-        valid, slots = [], []
-        pinned: set[str] = set()
-        for i, command in enumerate(commands):
-            try:
-                request: SamplingRequest = command.payload
-                slot = BASE_SLOT if request.base_only else self._sampling_slot(command.model_id, pinned)
-                sampling.validate(request, self.vocab_size, self.decode)
-                valid.append(i)
-                slots.append(slot)
-            except Exception as error:
-                results[i] = error
-        if valid:
-            generated = sampling.generate(self.model, self._route, [commands[i].payload for i in valid], slots,
-                                          self.decode)
-            for i, result in zip(valid, generated):
-                results[i] = result
+        waiting = list(range(len(commands)))
+        while waiting:
+            valid, slots, deferred = [], [], []
+            pinned: set[str] = set()  # the checkpoints this generation samples: none of them may be evicted
+            for i in waiting:
+                try:
+                    request: SamplingRequest = commands[i].payload
+                    slot = BASE_SLOT if request.base_only else self._sampling_slot(commands[i].model_id, pinned)
+                    sampling.validate(request, self.vocab_size, self.decode)
+                    valid.append(i)
+                    slots.append(slot)
+                except SaturatedError as error:
+                    if pinned:  # every slot it could take holds a checkpoint this generation samples
+                        deferred.append(i)
+                    else:
+                        results[i] = error
+                except Exception as error:
+                    results[i] = error
+            if valid:
+                generated = sampling.generate(self.model, self._route, [commands[i].payload for i in valid], slots,
+                                              self.decode)
+                for i, result in zip(valid, generated):
+                    results[i] = result
+            waiting = deferred
         return results
 
     # --- checkpoints ---------------------------------------------------------------------------------------
