@@ -4,7 +4,7 @@ How a sample finds its weights, kept simple:
 - A sampling session samples either a sampler checkpoint (``model_path``, a PEFT adapter that
   ``save_weights_for_sampler`` wrote) or the bare base model. Sessions are rows in the futures DB; an
   ephemeral sampler save (``save_weights_and_get_sampling_client``) is a sampler checkpoint with a generated name
-  (``ephemeral-<sampling_session_seq_id>``) whose session is recorded before the save runs.
+  (``ephemeral-<seq_id>``) whose session is recorded before the save runs.
 - Each session samples on one trainer (``cluster.placement.choose_sampling_trainer``): for a checkpoint, the
   trainer of the training run that wrote it, else one serving the session's base model.
 - The trainer loads a checkpoint into a free adapter slot on first use and keeps it there while slots allow (the
@@ -142,8 +142,12 @@ async def sampler(futures: ActorHandle, sampling_session_id: str, tenant: str) -
 
 async def submit_ephemeral_save(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
     """``save_weights_for_sampler`` without a name: a sampler checkpoint whose future answers with the sampling
-    session that samples it. ``kind`` ``inflight`` is saved as a snapshot too."""
-    model_id, seq = body["model_id"], int(body["sampling_session_seq_id"])
+    session that samples it. ``kind`` ``inflight`` is saved as a snapshot too.
+
+    Both are named after the request's ``seq_id``, not its ``sampling_session_seq_id``: the SDK counts the latter up
+    on every attempt, so a retry of a request already recorded would otherwise differ from it, a 409 that the SDK
+    retries (counting up again) until it gives up."""
+    model_id, seq = body["model_id"], int(body["seq_id"])
     model = await futures.model.remote(model_id, tenant)
     name = f"ephemeral-{seq}"
     sampling_session_id = sampling_session_id_for(model_id, seq)

@@ -121,3 +121,22 @@ def test_a_retried_asample_gets_the_same_future_and_sequence_ids(local_cluster):
         assert first == again and len(first["sample_sequence_ids"]) == 3
         clash = http.post(f"{api}/asample", json={**body, "num_samples": 1})
         assert clash.status_code == 409 and "different payload" in clash.json()["detail"]
+
+
+def test_a_retried_ephemeral_save_gets_the_same_future_though_the_sdk_counted_up(local_cluster):
+    # The SDK counts sampling_session_seq_id up on every attempt of save_weights_and_get_sampling_client, so its
+    # retry of a request already recorded differs there, and only there.
+    import httpx
+
+    from helpers import AUTH, retrieve_finished
+
+    api = f"{local_cluster.api_url}/api/v1"
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service, \
+            httpx.Client(timeout=60, headers=AUTH) as http:
+        model_id = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S).model_id
+        first, retry = (http.post(f"{api}/save_weights_for_sampler", json={
+            "model_id": model_id, "seq_id": 1, "sampling_session_seq_id": attempt}) for attempt in (0, 1))
+        assert retry.status_code == 200, retry.text
+        assert retry.json()["request_id"] == first.json()["request_id"]
+        result = retrieve_finished(http, f"{api}/retrieve_future", first.json()["request_id"], polls=2).json()
+        assert http.get(f"{api}/samplers/{result['sampling_session_id']}").json()["model_path"] == result["path"]
