@@ -132,6 +132,15 @@ def test_unknown_loss_or_config_key_is_refused(base):
     assert "Unknown loss_fn_config key(s) temperature" in str(unknown_key)
 
 
+@pytest.mark.parametrize("value, words", [("high", "must be numbers"), (None, "must be numbers"),
+                                          (float("nan"), "must be finite")])
+def test_a_config_value_that_is_no_finite_number_is_refused(value, words):
+    from lilo.backend.loss_inputs import loss_config
+
+    with pytest.raises(InvalidRequestError, match=words):
+        loss_config("dro", {"beta": value})
+
+
 def test_every_loss_the_checks_accept_has_an_implementation_and_no_other():
     from lilo.backend import loss_inputs, losses
 

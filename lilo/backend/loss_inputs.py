@@ -3,6 +3,7 @@ front refuses a malformed request (4xx) before recording it. The losses themselv
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -35,7 +36,13 @@ def loss_config(loss_fn: str, config: Mapping[str, float]) -> dict[str, float]:
     if unknown:
         known = ", ".join(defaults) or "none"
         raise InvalidRequestError(f"Unknown loss_fn_config key(s) {', '.join(unknown)} for {loss_fn}; known: {known}.")
-    return {**defaults, **{key: float(value) for key, value in config.items()}}
+    try:
+        values = {key: float(value) for key, value in config.items()}
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"loss_fn_config values must be numbers; got {dict(config)!r}.") from None
+    if not all(math.isfinite(value) for value in values.values()):
+        raise InvalidRequestError(f"loss_fn_config values must be finite numbers; got {dict(config)!r}.")
+    return {**defaults, **values}
 
 
 def check_train_input(train: TrainInput, vocab_size: int | None = None) -> dict[str, float]:
