@@ -143,9 +143,13 @@ class TrainerActor:
             future.add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
 
     async def create_model_future(self, model_id: str, spec: LoraSpec, request_id: str) -> None:
-        """Create a model; the create_model future ``request_id`` completes with ``{"model_id"}`` when it is ready."""
+        """Create a model; the create_model future ``request_id`` completes with ``{"model_id"}`` when it is ready.
+        A model this trainer has already is left alone: it was this same creation, retried, whose first call
+        reports it."""
         engine = await self._engine()
         self._start_flusher()
+        if model_id in engine.model_ids():
+            return
         engine.create_model(model_id, spec).add_done_callback(
             lambda done: self._finished(CREATE_MODEL, request_id, done))
 
@@ -153,7 +157,8 @@ class TrainerActor:
         """Create a model whose first command, its seq 0, is ``load`` (a load_weights of a checkpoint with
         ``spec``): the client's steps (seq 1 on) run after it. ``load``'s future completes when it has run."""
         engine = await self._engine()
-        engine.create_model(model_id, spec, first_seq=0)
+        if model_id not in engine.model_ids():  # else this same creation, retried: the load is deduplicated
+            engine.create_model(model_id, spec, first_seq=0)
         await self.submit(load)
 
     async def restore_model(self, model_id: str, spec: LoraSpec, next_seq: int | None) -> str | None:

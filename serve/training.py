@@ -119,19 +119,23 @@ async def _record_new_model(futures: ActorHandle, submission: Submission, body: 
                             start: Callable[[ActorHandle, str], Awaitable[None]]) -> dict[str, str]:
     """Record a model's creation as its seq 0 (a retry finds the first future instead of a second model) and, when
     it is new, add the model on the submission's trainer and ``start`` it there; a failure on the way fails the
-    future. (No trainer: the model exists already.)"""
+    future. (No trainer: the model exists already.) A retry of a creation still pending finishes it on the trainer
+    its first attempt recorded, in case that attempt stopped half-way (its ingress died): the model's record is
+    added if it is missing, and starting it again is a no-op on a trainer that has it."""
     trainer = submission.trainer
     submission = submission.prepared()
     outcome = await futures.submit_once.remote(submission)
-    if not outcome.duplicate:
+    if not outcome.duplicate or outcome.pending:
         async with failing_future(futures, outcome.request_id, submission.request_type):
-            if trainer is None:  # it exists, but its seq 0 was pruned long ago
+            if not outcome.duplicate and trainer is None:  # it exists, but its seq 0 was pruned long ago
                 raise ConflictError(f"Model {submission.model_id!r} already exists; create each model with the "
                                     "session's next model_seq_id.")
-            await futures.add_model.remote(submission.model_id, body["base_model"], lora_config,
-                                           tenant=submission.tenant, session_id=body["session_id"], trainer=trainer,
-                                           user_metadata=user_metadata(body.get("user_metadata")))
-            await start(named_actor(trainer), str(outcome.request_id))
+            if trainer is not None:  # no record of the model yet
+                trainer = outcome.trainer or trainer
+                await futures.add_model.remote(submission.model_id, body["base_model"], lora_config,
+                                               tenant=submission.tenant, session_id=body["session_id"],
+                                               trainer=trainer, user_metadata=user_metadata(body.get("user_metadata")))
+            await start(named_actor(trainer or outcome.trainer), str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": submission.model_id}
 
 

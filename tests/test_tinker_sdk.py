@@ -88,6 +88,39 @@ def test_a_retried_request_that_was_recorded_but_never_handed_over_runs(local_cl
             assert "grad_norm:mean" in result.json()["metrics"], result.text
 
 
+@pytest.mark.parametrize("recorded_model", [False, True], ids=["before-its-record", "before-its-start"])
+def test_a_retried_creation_that_stopped_half_way_is_finished(local_cluster, ray_driver, recorded_model):
+    import httpx
+    import ray
+
+    from cluster.futures_actor import FUTURES_ACTOR_NAME
+    from cluster.local import NAMESPACE
+    from helpers import AUTH, retrieve_finished, unload_models
+    from lilo.futures.store import Submission
+
+    api = f"{local_cluster.api_url}/api/v1"
+    body = {"model_seq_id": 0, "base_model": "lilo/tiny-llama", "lora_config": {"rank": 4}}
+    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    with httpx.Client(headers=AUTH, timeout=60) as http:
+        session_id = http.post(f"{api}/create_session", json={}).json()["session_id"]
+        model_id = f"{session_id}:train:0"
+        # The fault: an ingress that died after recording the creation (and, in the second case, the model's
+        # record too) but before starting the model on its trainer. It cannot be caused on cue, so the records are
+        # made here the way the ingress makes them, and no more.
+        ray.get(futures.submit_once.remote(Submission(
+            model_id, "create_model", {"base_model": body["base_model"], "lora": body["lora_config"]}, seq_id=0,
+            tenant="local", trainer="lilo-trainer-1")))
+        if recorded_model:
+            ray.get(futures.add_model.remote(model_id, body["base_model"], body["lora_config"], tenant="local",
+                                             session_id=session_id, trainer="lilo-trainer-1"))
+        retried = http.post(f"{api}/create_model", json={**body, "session_id": session_id})
+        assert retried.status_code == 200, retried.text
+        created = retrieve_finished(http, f"{api}/retrieve_future", retried.json()["request_id"], polls=2)
+        assert created.json()["model_id"] == model_id, created.text
+        assert ray.get(ray.get_actor("lilo-trainer-1", namespace=NAMESPACE).has_model.remote(model_id))
+    unload_models(local_cluster.api_url, [model_id])
+
+
 def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ray_driver):
     import uuid
 
