@@ -356,6 +356,28 @@ def test_a_batch_sampling_more_checkpoints_than_free_slots_runs_in_several_gener
     assert [r["sequences"][0]["tokens"] for r in batch] == [r["sequences"][0]["tokens"] for r in alone]
 
 
+def test_a_sampler_checkpoint_being_saved_again_samples_its_last_whole_version(base, tmp_path):
+    from lilo.backend.checkpoint_paths import PEFT_CONFIG, PEFT_WEIGHTS, local_directory
+
+    backend = fresh_backend(base, {"m": LoraSpec(rank=8, seed=0)})
+    backend.checkpoint_dir = tmp_path
+
+    def greedy(model_id):
+        return backend.sample([sample_command(model_id, 0, temperature=0.0, max_tokens=4)])[0]["sequences"][0]["tokens"]
+
+    train_steps(backend, "m", [1])
+    path = save(backend, "m", 3, "latest", kind=SAVE_WEIGHTS_FOR_SAMPLER)
+    first = greedy(path)
+    train_steps(backend, "m", [5, 7, 9])
+    # A save under the same name, caught half-way: its marker is gone and its weights half-written.
+    directory = local_directory(tmp_path, path)
+    (directory / PEFT_CONFIG).unlink()
+    (directory / PEFT_WEIGHTS).write_bytes(b"half")
+    assert greedy(path) == first
+    save(backend, "m", 11, "latest", kind=SAVE_WEIGHTS_FOR_SAMPLER)
+    assert greedy(path) == greedy("m") != first  # the new version, once it is whole
+
+
 def test_base_only_rows_sample_the_bare_model_beside_adapter_rows(base):
     backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
     train_steps(backend, "a", [1, 3])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lilo.backend import losses, sampling
-from lilo.backend.checkpoint_paths import PEFT_WEIGHTS, TINKER_SCHEME, checked_name, local_directory, tinker_path
+from lilo.backend.checkpoint_paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
 from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_peft, write_state
 from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
@@ -295,9 +295,10 @@ class TorchBackend:
 
     # --- sampler checkpoints -------------------------------------------------------------------------------
     def sampler_version(self, path: str) -> int:
-        """When the sampler checkpoint ``path`` was written (a save under the same name again replaces it)."""
+        """When the sampler checkpoint ``path`` was last written whole (its marker file, written last: a save under
+        the same name again replaces it)."""
         try:
-            return (local_directory(self.checkpoint_dir, path) / PEFT_WEIGHTS).stat().st_mtime_ns
+            return (local_directory(self.checkpoint_dir, path) / PEFT_CONFIG).stat().st_mtime_ns
         except FileNotFoundError:
             raise NotFoundError(
                 f"No sampler checkpoint {path!r} here; pass a path save_weights_for_sampler returned.") from None
@@ -306,13 +307,19 @@ class TorchBackend:
         """The slot of ``key``'s adapter: a training model's, or a sampler checkpoint's (a tinker path), which goes
         into a slot on first use, evicting the least recently used other checkpoint not in ``pinned`` (those this
         batch samples) when every slot is taken, and stays there while slots allow."""
-        if key.startswith(TINKER_SCHEME):
+        if key.startswith(TINKER_SCHEME) and key not in pinned:  # each checkpoint's version read once per batch
             self._load_sampler(key, pinned)
             pinned.add(key)
         return self._adapter(key).slot
 
     def _load_sampler(self, path: str, pinned: Container[str]) -> None:
-        version = self.sampler_version(path)
+        try:
+            version = self.sampler_version(path)
+        except NotFoundError:
+            if path not in self._samplers or not local_directory(self.checkpoint_dir, path).is_dir():
+                raise
+            # Being saved again under its name: the copy in place is its latest whole version.
+            version = self._samplers[path]
         if self._samplers.get(path) != version:
             if path in self.adapters:
                 self.remove_adapter(path)
