@@ -130,12 +130,12 @@ async def _record_new_model(futures: ActorHandle, submission: Submission, body: 
             if not outcome.duplicate and trainer is None:  # it exists, but its seq 0 was pruned long ago
                 raise ConflictError(f"Model {submission.model_id!r} already exists; create each model with the "
                                     "session's next model_seq_id.")
+            owner = outcome.trainer or trainer  # for a retry, the trainer its first attempt recorded
             if trainer is not None:  # no record of the model yet
-                trainer = outcome.trainer or trainer
                 await futures.add_model.remote(submission.model_id, body["base_model"], lora_config,
                                                tenant=submission.tenant, session_id=body["session_id"],
-                                               trainer=trainer, user_metadata=user_metadata(body.get("user_metadata")))
-            await start(named_actor(trainer or outcome.trainer), str(outcome.request_id))
+                                               trainer=owner, user_metadata=user_metadata(body.get("user_metadata")))
+            await start(named_actor(owner), str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": submission.model_id}
 
 

@@ -58,8 +58,8 @@ class Engine:
         self.observer = Observers(*([observer] if observer is not None else []), self.timings)
         self._queues: dict[str, ModelQueue] = {}
         # Samples are independent of each other and of training, so no model queue orders them: a client's
-        # samples may arrive in any order, and one refused at the door leaves no gap to wait for. Retries are
-        # deduplicated before they get here (by the futures DB).
+        # samples may arrive in any order, and one refused at the door leaves no gap to wait for. A retry gets
+        # here only while its first is pending (the futures DB dedupes the rest); ``_sample_futures`` catches it.
         self._samples: deque[tuple[Command, Future]] = deque()
         self._sample_futures: OrderedDict[str, Future] = OrderedDict()  # request id -> future, the latest ones
         self._rotation: list[str] = [SAMPLING_TURN]

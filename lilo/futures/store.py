@@ -81,8 +81,11 @@ class SubmitOutcome:
     request_id: int | None
     duplicate: bool = False
     error: LiloError | None = None
-    trainer: str | None = None
-    pending: bool = False
+    trainer: str | None = None  # for a retry, set only while the first is pending
+
+    @property
+    def pending(self) -> bool:
+        return self.duplicate and self.trainer is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -749,7 +752,7 @@ def _next_seq(highest: int | None, pruned: int | None) -> int | None:
 def _same_or_conflict(sub: Submission, request_id: int, known_print: str, new_print: str,
                       pending_on: str | None = None) -> SubmitOutcome:
     if known_print == new_print:
-        return SubmitOutcome(request_id, duplicate=True, trainer=pending_on, pending=pending_on is not None)
+        return SubmitOutcome(request_id, duplicate=True, trainer=pending_on)
     return SubmitOutcome(None, error=ConflictError(
         f"seq_id {sub.seq_id} of model {sub.model_id!r} was already submitted (request {request_id}) with a "
         "different payload; send each new step with the next seq_id."))
