@@ -4,7 +4,8 @@ How a sample finds its weights, kept simple:
 - A sampling session samples either a sampler checkpoint (``model_path``, a PEFT adapter that
   ``save_weights_for_sampler`` wrote) or the bare base model. Sessions are rows in the futures DB; an
   ephemeral sampler save (``save_weights_and_get_sampling_client``) is a sampler checkpoint with a generated name
-  (``ephemeral-<seq_id>``) whose session is recorded before the save runs.
+  (``ephemeral-<seq_id>``, a prefix no client may name a sampler checkpoint with) whose session is recorded before
+  the save runs.
 - Each session samples on one trainer (``cluster.placement.choose_sampling_trainer``): for a checkpoint, the
   trainer of the training run that wrote it, else one serving the session's base model.
 - The trainer loads a checkpoint into a free adapter slot on first use and keeps it there while slots allow (the
@@ -25,7 +26,7 @@ from typing import Any, Sequence
 from ray.actor import ActorHandle
 
 from cluster.placement import choose_sampling_trainer, named_actor
-from lilo.backend.checkpoint_paths import sampler_run, tinker_path
+from lilo.backend.checkpoint_paths import ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command
@@ -149,7 +150,7 @@ async def submit_ephemeral_save(futures: ActorHandle, body: dict[str, Any], tena
     retries (counting up again) until it gives up."""
     model_id, seq = body["model_id"], int(body["seq_id"])
     model = await futures.model.remote(model_id, tenant)
-    name = f"ephemeral-{seq}"
+    name = ephemeral_name(seq)
     sampling_session_id = sampling_session_id_for(model_id, seq)
     await futures.add_sampling_session.remote(sampling_session_id, model["session_id"] or "", model["base_model"],
                                               tinker_path(model_id, SAVE_WEIGHTS_FOR_SAMPLER, name), tenant)

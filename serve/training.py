@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError
 from cluster.placement import named_actor, place
 from cluster.unloading import failing_future, unload_models
 from lilo.backend.checkpoint_index import WEIGHTS
-from lilo.backend.checkpoint_paths import checked_name, parse_tinker_path
+from lilo.backend.checkpoint_paths import checked_client_name, parse_tinker_path
 from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
@@ -214,7 +214,7 @@ async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, ten
     async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
         if not name:
             raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
-        checked_name(name)  # refused now: no name that could escape the checkpoint directory reaches a trainer
+        checked_client_name(name, kind)  # refused now: no name that could escape the checkpoint directory reaches a trainer
     return await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
                         {"path": name}, tenant=tenant)
 

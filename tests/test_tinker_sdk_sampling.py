@@ -140,3 +140,13 @@ def test_a_retried_ephemeral_save_gets_the_same_future_though_the_sdk_counted_up
         assert retry.json()["request_id"] == first.json()["request_id"]
         result = retrieve_finished(http, f"{api}/retrieve_future", first.json()["request_id"], polls=2).json()
         assert http.get(f"{api}/samplers/{result['sampling_session_id']}").json()["model_path"] == result["path"]
+
+
+def test_a_sampler_checkpoint_cannot_take_a_name_the_server_gives_ephemeral_ones(service):
+    training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+    sampler = training.save_weights_and_get_sampling_client()
+    with pytest.raises(tinker.APIStatusError, match="reserved for the checkpoints of save_weights_and_get"):
+        training.save_weights_for_sampler("ephemeral-1").result(timeout=TIMEOUT_S)
+    # The same name is fine for a training-state checkpoint, and the ephemeral one still samples.
+    assert training.save_state("ephemeral-1").result(timeout=TIMEOUT_S).path.endswith("/weights/ephemeral-1")
+    assert len(sample(sampler).sequences) == 2

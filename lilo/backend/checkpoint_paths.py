@@ -17,6 +17,8 @@ TINKER_SCHEME = "tinker://"
 KIND_DIRECTORIES = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights"}
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Sampler checkpoints that save_weights_and_get_sampling_client makes are named by the server with this prefix.
+EPHEMERAL_PREFIX = "ephemeral-"
 
 
 def checked_name(name: str) -> str:
@@ -24,6 +26,22 @@ def checked_name(name: str) -> str:
         raise InvalidRequestError(
             f"Checkpoint name {name!r} is not allowed; use letters, digits, '.', '_' and '-' (at most 128), "
             "starting with a letter or digit.")
+    return name
+
+
+def ephemeral_name(seq_id: int) -> str:
+    """The name of the sampler checkpoint an unnamed ``save_weights_for_sampler`` at ``seq_id`` writes."""
+    return f"{EPHEMERAL_PREFIX}{seq_id}"
+
+
+def checked_client_name(name: str, kind: str) -> str:
+    """A checkpoint name a client chose: allowed as a file name, and not one the server names its own sampler
+    checkpoints with (saving under it would overwrite one that a sampling session may be reading)."""
+    checked_name(name)
+    if kind == "save_weights_for_sampler" and name.startswith(EPHEMERAL_PREFIX):
+        raise InvalidRequestError(
+            f"Sampler checkpoint names starting with {EPHEMERAL_PREFIX!r} are reserved for the checkpoints of "
+            f"save_weights_and_get_sampling_client; choose another name than {name!r}.")
     return name
 
 
