@@ -34,6 +34,7 @@ from lilo.protocol.proto import decode_forward_backward, inflate
 from serve import runs, sampling, training
 from serve.auth import ApiKeyGate, caller
 from serve.errors import ERROR_RESPONSES, install_error_handlers
+from serve.direct_ingress import reuse_listening_address
 from serve.json_body import INT64_MAX, StrictJsonRoute
 from serve.limits import BodyLimit, JsonOnly
 
@@ -158,6 +159,7 @@ class LiloIngress:
 
     def __init__(self, base_models: list[str], trainers: list[str], max_body_bytes: int,
                  api_key_digests: dict[str, str]) -> None:
+        reuse_listening_address()  # before Serve binds lilo's port in this replica
         BodyLimit.limit_bytes = max_body_bytes
         ApiKeyGate.keys = ApiKeys(api_key_digests)
         self._timing = get_timing_actor()

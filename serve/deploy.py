@@ -12,10 +12,11 @@ from serve.app import APP_NAME, build_application
 
 
 def deploy(settings: Settings, trainers: list[str]) -> None:
-    """Start Serve's HTTP proxy on the configured address and (re)deploy the lilo application."""
+    """Start Serve on the configured host and (re)deploy the lilo application, whose replica serves the configured
+    port itself (``cluster.local.serve_env``); Serve's own proxy takes any free port."""
     from ray import serve
 
-    serve.start(http_options={"host": settings.http_host, "port": settings.http_port})
+    serve.start(http_options={"host": settings.http_host, "port": 0})
     serve.run(build_application(settings, trainers), name=APP_NAME, route_prefix="/", blocking=False)
 
 
