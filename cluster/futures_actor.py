@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
@@ -26,7 +25,7 @@ from lilo.futures.scheduling import PendingMeta
 from lilo.futures.schema import PENDING
 from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
-    parse_request_id, unknown_session_error,
+    parse_request_id,
 )
 from lilo.futures.waiter import FutureWaiter
 
@@ -38,7 +37,6 @@ RETRIEVE_TIMEOUT_S = 40.0
 # Outbox retries, heartbeat writes and (every PRUNE_EVERY_S) pruning run this often.
 MAINTAIN_EVERY_S = 5.0
 PRUNE_EVERY_S = 600.0
-MAX_KNOWN_SESSIONS = 100_000
 ORPHAN_MESSAGE = ("The service stopped before this request finished, so it did not take effect; send it again to the "
                   "running service.")
 
@@ -52,7 +50,6 @@ class FuturesActor:
                                     missing=lambda request_id: self._run(self._store.missing_error, request_id))
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
-        self._session_tenants: dict[str, str] = {}  # sessions known to exist -> their tenant
         self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
         freeze_startup()
 
@@ -196,19 +193,11 @@ class FuturesActor:
     async def add_session(self, session_id: str, **owner: Any) -> None:
         await self._run(lambda: self._store.add_session(session_id, **owner))
 
-    async def heartbeat(self, session_id: str, tenant: str | None = None) -> None:
-        """Note a session's heartbeat. Answered from memory once the session is known to be the caller's, so a
-        heartbeat never queues behind database work; the times are written every few seconds."""
-        known = self._session_tenants.get(session_id)
-        if known is None:
-            await self._run(self._store.check_session, session_id, tenant)  # 404 for a missing or foreign one
-            if tenant is not None:
-                if len(self._session_tenants) >= MAX_KNOWN_SESSIONS:
-                    self._session_tenants.clear()
-                self._session_tenants[session_id] = tenant
-        elif tenant is not None and known != tenant:
-            raise unknown_session_error(session_id)
-        self._heartbeats[session_id] = time.time()
+    async def note_heartbeats(self, beats: dict[str, float]) -> None:
+        """Sessions' latest heartbeat times, as an API replica noted them (``serve.heartbeats``); written with the
+        next maintenance round."""
+        for session_id, at in beats.items():
+            self._heartbeats[session_id] = max(at, self._heartbeats.get(session_id, at))
 
     async def session_models(self, session_id: str, tenant: str | None) -> list[str]:
         return await self._run(self._store.session_models, session_id, tenant)

@@ -35,6 +35,7 @@ from serve import runs, sampling, training
 from serve.auth import ApiKeyGate, caller
 from serve.errors import ERROR_RESPONSES, install_error_handlers
 from serve.direct_ingress import reuse_listening_address
+from serve.heartbeats import SessionBeats
 from serve.json_body import INT64_MAX, StrictJsonRoute
 from serve.limits import BodyLimit, JsonOnly
 
@@ -167,6 +168,7 @@ class LiloIngress:
         self._base_models = list(base_models)
         self._trainers = list(trainers)
         self._sampling = sampling.SamplingRouter(self._futures, trainers)
+        self._sessions = SessionBeats(self._futures)
         self._capabilities = {
             "supported_models": [
                 {
@@ -205,7 +207,7 @@ class LiloIngress:
 
     @api.post("/api/v1/session_heartbeat")
     async def session_heartbeat(self, body: SessionRequest, tenant: str = Depends(caller)) -> dict[str, str]:
-        await self._futures.heartbeat.remote(body.session_id, tenant)
+        await self._sessions.beat(body.session_id, tenant)
         return {"type": "session_heartbeat"}
 
     @api.post("/api/v1/sessions/{session_id}/finish")

@@ -15,7 +15,9 @@ def test_every_listener_of_the_cluster_is_on_loopback(local_cluster):
     ports = {port for _ip, port, _name in listeners}
     # The check sees the whole cluster: the API and dashboard ports are among the listeners it inspected.
     assert {local_cluster.http_port, local_cluster.dashboard_port} <= ports
-    assert any(name.startswith("ray::ServeReplica") for _ip, _port, name in listeners)
+    # The API port is the replica's own (direct ingress): no proxy process stands between clients and the API.
+    api = [name for _ip, port, name in listeners if port == local_cluster.http_port]
+    assert api and all(name.startswith("ray::ServeReplica") for name in api), listeners
     exposed = [(ip, port, name) for ip, port, name in listeners if ip not in LOOPBACK_IPS]
     assert exposed == []
     assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip, _port, _name in listeners)

@@ -4,6 +4,8 @@ the very answer a thing that does not exist gets. Also: the 401s, and checkpoint
 the checkpoint directory."""
 
 import dataclasses
+import sqlite3
+import time
 
 import httpx
 import numpy as np
@@ -83,6 +85,27 @@ def as_unknown(foreign: httpx.Response, unknown: httpx.Response, foreign_id: str
     return (foreign.status_code == unknown.status_code == 404
             and foreign.headers["content-type"] == unknown.headers["content-type"]
             and foreign.content == unknown.content.replace(unknown_id.encode(), foreign_id.encode()))
+
+
+def test_a_heartbeat_is_answered_by_the_api_yet_checked_and_written_like_the_session(work, alpha, beta, local_cluster):
+    heartbeat = {"session_id": work.session_id}
+    before = time.time()
+    assert alpha.post("/session_heartbeat", json=heartbeat).status_code == 200  # the replica now knows the session
+    assert alpha.post("/session_heartbeat", json=heartbeat).status_code == 200
+    # Known to the replica as alpha's, it still answers beta exactly as a session that does not exist.
+    assert as_unknown(beta.post("/session_heartbeat", json=heartbeat),
+                      beta.post("/session_heartbeat", json={"session_id": NO_SESSION}), work.session_id, NO_SESSION)
+    # The time reaches the futures DB's file: handed over within a second, written within its maintenance round.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with sqlite3.connect(local_cluster.home / "futures.db") as reader:
+            (beaten_at,) = reader.execute("SELECT last_heartbeat_at FROM sessions WHERE session_id = ?",
+                                          (work.session_id,)).fetchone()
+        written = beaten_at is not None and beaten_at >= before
+        if written:
+            break
+        time.sleep(0.5)
+    assert written
 
 
 def test_another_tenants_session_and_model_answer_as_unknown_ones(work, beta):
