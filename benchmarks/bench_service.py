@@ -11,8 +11,9 @@ optim_step, and stops the cluster. Per K:
 - ``fairness``: most steps any client completed over fewest;
 - ``mean_batch``: how many clients' forward_backward shared one execution (median over the clients);
 - ``cpu_cores``: CPU seconds per second in the window, per part: the trainers, the ingress replica (which serves
-  the HTTP port itself), Serve's proxy (idle: no request goes through it), the futures DB actor, the rest of Ray, and the clients (this process). On a small machine the clients and
-  the service share the cores the trainer computes on; this says how.
+  the HTTP port itself), Serve's proxy (idle: no request goes through it), the futures DB actor, the rest of Ray,
+  and the clients (this process). On a small machine the clients and the service share the cores the trainer
+  computes on; this says how.
 Prints one JSON line:
 {"bench": "service", "model": .., "results": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
  "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "cpu_cores": {"trainer": .., ...}}, ...]}

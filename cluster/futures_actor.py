@@ -25,7 +25,7 @@ from lilo.futures.scheduling import PendingMeta
 from lilo.futures.schema import PENDING
 from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
-    parse_request_id,
+    merge_heartbeats, parse_request_id,
 )
 from lilo.futures.waiter import FutureWaiter
 
@@ -196,8 +196,7 @@ class FuturesActor:
     async def note_heartbeats(self, beats: dict[str, float]) -> None:
         """Sessions' latest heartbeat times, as an API replica noted them (``serve.heartbeats``); written with the
         next maintenance round."""
-        for session_id, at in beats.items():
-            self._heartbeats[session_id] = max(at, self._heartbeats.get(session_id, at))
+        merge_heartbeats(self._heartbeats, beats)
 
     async def session_models(self, session_id: str, tenant: str | None) -> list[str]:
         return await self._run(self._store.session_models, session_id, tenant)

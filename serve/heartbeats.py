@@ -16,7 +16,7 @@ import time
 
 from ray.actor import ActorHandle
 
-from lilo.futures.store import unknown_session_error
+from lilo.futures.store import merge_heartbeats, unknown_session_error
 
 logger = logging.getLogger(__name__)
 
@@ -55,5 +55,4 @@ class SessionBeats:
                 await self._futures.note_heartbeats.remote(beats)
             except Exception:  # the futures DB actor restarting: the next round takes these along
                 logger.warning("handing %d session heartbeat(s) to the futures DB failed; trying again", len(beats))
-                for session_id, at in beats.items():
-                    self._beats[session_id] = max(at, self._beats.get(session_id, at))
+                merge_heartbeats(self._beats, beats)

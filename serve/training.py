@@ -214,7 +214,8 @@ async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, ten
     async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
         if not name:
             raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
-        checked_client_name(name, kind)  # refused now: no name that could escape the checkpoint directory reaches a trainer
+        # Refused now: no name that could escape the checkpoint directory reaches a trainer.
+        checked_client_name(name, kind)
     return await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
                         {"path": name}, tenant=tenant)
 

@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -71,6 +72,20 @@ def record_counts(db_path: Path) -> dict[str, int]:
     with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as connection:
         return {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
                 for table in ("futures", "models", "sessions", "sampling_sessions")}
+
+
+def heartbeat_written(db_path: str | Path, session_id: str, since: float, timeout_s: float = 30.0) -> bool:
+    """Whether, within ``timeout_s``, the futures DB file records a heartbeat of ``session_id`` at ``since`` or later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with sqlite3.connect(db_path) as reader:
+            (beaten_at,) = reader.execute("SELECT last_heartbeat_at FROM sessions WHERE session_id = ?",
+                                          (session_id,)).fetchone()
+        if beaten_at >= since:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def unload_models(api_url: str, model_ids: list[str], api_key: str = "tml-local-test") -> None:

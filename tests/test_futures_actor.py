@@ -1,6 +1,5 @@
 """The futures DB actor on the real local cluster: the one writer, long-polls, and nothing lost to a crash."""
 
-import sqlite3
 import time
 import uuid
 
@@ -8,6 +7,7 @@ import pytest
 import ray
 
 from cluster.futures_actor import get_futures_actor
+from helpers import heartbeat_written
 from lilo.errors import ConflictError, InvalidRequestError, NotFoundError
 from lilo.futures.store import Completion, Submission
 
@@ -78,21 +78,13 @@ def test_placement_map_lives_with_the_actor(futures):
 def test_heartbeats_noted_by_the_api_are_written_in_the_background(futures):
     ray.get(futures.add_session.remote("s-alpha", tenant="alpha"))
     statements = ray.get(futures.stats.remote())["statements"]
+    before = time.time()
     for _ in range(20):
         ray.get(futures.note_heartbeats.remote({"s-alpha": time.time()}))
     # None of them touched SQLite: beyond stats' own count query, at most one background write of the times.
     assert ray.get(futures.stats.remote())["statements"] - statements <= 2
     # Written within one maintenance interval (5 s).
-    path = ray.get(futures.stats.remote())["db_path"]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with sqlite3.connect(path) as reader:
-            (written,) = reader.execute("SELECT last_heartbeat_at > created_at FROM sessions WHERE session_id = ?",
-                                        ("s-alpha",)).fetchone()
-        if written:
-            break
-        time.sleep(0.5)
-    assert written
+    assert heartbeat_written(ray.get(futures.stats.remote())["db_path"], "s-alpha", since=before)
 
 
 def test_a_killed_actor_restarts_and_loses_nothing_it_acknowledged(futures):

@@ -4,7 +4,6 @@ the very answer a thing that does not exist gets. Also: the 401s, and checkpoint
 the checkpoint directory."""
 
 import dataclasses
-import sqlite3
 import time
 
 import httpx
@@ -15,7 +14,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from conftest import TENANT_KEYS
-from helpers import retrieve_finished
+from helpers import heartbeat_written, retrieve_finished
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
@@ -96,16 +95,7 @@ def test_a_heartbeat_is_answered_by_the_api_yet_checked_and_written_like_the_ses
     assert as_unknown(beta.post("/session_heartbeat", json=heartbeat),
                       beta.post("/session_heartbeat", json={"session_id": NO_SESSION}), work.session_id, NO_SESSION)
     # The time reaches the futures DB's file: handed over within a second, written within its maintenance round.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with sqlite3.connect(local_cluster.home / "futures.db") as reader:
-            (beaten_at,) = reader.execute("SELECT last_heartbeat_at FROM sessions WHERE session_id = ?",
-                                          (work.session_id,)).fetchone()
-        written = beaten_at is not None and beaten_at >= before
-        if written:
-            break
-        time.sleep(0.5)
-    assert written
+    assert heartbeat_written(local_cluster.home / "futures.db", work.session_id, since=before)
 
 
 def test_another_tenants_session_and_model_answer_as_unknown_ones(work, beta):
