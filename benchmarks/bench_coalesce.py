@@ -228,7 +228,7 @@ def main() -> None:
             "optim_ms": round(optim_ms, 2),
         })
     # Resident per adapter: its row of the bank's weights and gradients and of Adam's two moments.
-    backend = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=RANK)
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=RANK, sampler_slots=0)
     per_adapter = sum(t.nbytes for t in (backend.bank.weights, backend.bank.grads, backend.optimizer.exp_avg,
                                          backend.optimizer.exp_avg_sq)) / 2**20
     print(json.dumps({"bench": "coalesce", "model": args.model, "rows": args.rows, "seq": args.seq,

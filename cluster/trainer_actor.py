@@ -57,8 +57,8 @@ def trainer_name(index: int) -> str:
 @ray.remote(max_restarts=-1, max_concurrency=1000)
 class TrainerActor:
     def __init__(self, name: str, base_model: str, *, max_adapters: int = 16, max_rank: int = 32,
-                 checkpoint_dir: str | None = None, model_cache_dir: str | None = None, device: str = "auto",
-                 compute_nice: int = 0) -> None:
+                 sampler_slots: int = 2, checkpoint_dir: str | None = None, model_cache_dir: str | None = None,
+                 device: str = "auto", compute_nice: int = 0) -> None:
         self.name = name
         self.base_model = base_model
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
@@ -69,13 +69,14 @@ class TrainerActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         # The futures of submitted commands whose completion is already on its way to the futures DB.
         self._reported: weakref.WeakSet[Future] = weakref.WeakSet()
-        settings = dict(max_adapters=max_adapters, max_rank=max_rank, checkpoint_dir=checkpoint_dir,
-                        model_cache_dir=model_cache_dir, device=device, compute_nice=compute_nice)
+        settings = dict(max_adapters=max_adapters, max_rank=max_rank, sampler_slots=sampler_slots,
+                        checkpoint_dir=checkpoint_dir, model_cache_dir=model_cache_dir, device=device,
+                        compute_nice=compute_nice)
         self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
                                               daemon=True)
         self._torch_thread.start()
 
-    def _run_torch(self, max_adapters: int, max_rank: int, checkpoint_dir: str | None,
+    def _run_torch(self, max_adapters: int, max_rank: int, sampler_slots: int, checkpoint_dir: str | None,
                    model_cache_dir: str | None, device: str, compute_nice: int) -> None:
         lower_thread_priority(compute_nice)
         try:
@@ -86,7 +87,8 @@ class TrainerActor:
 
             directory = model_directory(self.base_model, Path(model_cache_dir) if model_cache_dir else None)
             backend = TorchBackend(load_base_model(directory, resolve_device(device)), max_adapters=max_adapters,
-                                   max_rank=max_rank, checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                                   max_rank=max_rank, sampler_slots=sampler_slots,
+                                   checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
                                    base_model_name=self.base_model, decode=load_decoder(directory))
             engine = Engine(backend, start=False)
             engine.timings.mark(BACKEND_READY)
@@ -349,7 +351,8 @@ def start_trainers(settings: Settings) -> list[str]:
         served = [model for model in models for _ in range(settings.trainers or 1)]
     handles = [start_trainer(index, model, num_gpus=1 if gpus else 0, num_cpus=1,
                              checkpoint_dir=str(settings.home / "checkpoints"), device=settings.device,
-                             max_adapters=settings.max_adapters, compute_nice=settings.compute_nice)
+                             max_adapters=settings.max_adapters, sampler_slots=settings.sampler_slots,
+                             compute_nice=settings.compute_nice)
                for index, model in enumerate(served)]
     try:
         infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)

@@ -39,8 +39,11 @@ class Settings:
     base_models: tuple[str, ...] = (DEFAULT_BASE_MODEL,)
     # Trainer actors: None means one per GPU, or one on a machine without GPUs.
     trainers: int | None = None
-    # Adapter slots per trainer: how many models (and cached sampler checkpoints) one trainer holds at once.
+    # Adapter slots per trainer: how many training models one trainer holds at once.
     max_adapters: int = 16
+    # Further slots per trainer that only sampler checkpoints use (they also use free training slots): sampling
+    # a saved checkpoint works while training models fill every training slot.
+    sampler_slots: int = 2
     # Address of an existing Ray cluster to deploy onto ("auto" on a `ray up` head); None starts a private head.
     ray_address: str | None = None
     startup_timeout_s: float = 120.0
@@ -121,6 +124,8 @@ class Settings:
                 "configure keys (LILO_API_KEYS or --api-keys-file) to listen there.")
         if self.max_adapters < 1:
             raise SettingsError(f"--max-adapters must be at least 1, got {self.max_adapters}.")
+        if self.sampler_slots < 0:
+            raise SettingsError(f"--sampler-slots must be 0 or more, got {self.sampler_slots}.")
         if self.trainers is not None and self.trainers < 1:
             raise SettingsError(f"--trainers must be at least 1, got {self.trainers}.")
         if self.num_cpus is not None and self.num_cpus < 1:
@@ -156,6 +161,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_NUM_CPUS": ("num_cpus", int),
     "LILO_TRAINERS": ("trainers", int),
     "LILO_MAX_ADAPTERS": ("max_adapters", int),
+    "LILO_SAMPLER_SLOTS": ("sampler_slots", int),
     "LILO_RAY_ADDRESS": ("ray_address", str),
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
     "LILO_DEVICE": ("device", str),

@@ -100,7 +100,9 @@ def test_the_bare_base_model_samples_without_any_adapter(backend, base):
     assert greedy(backend, "m") != expected
 
 
-def test_sampler_checkpoints_give_their_slots_up_least_recently_used_first(backend):
+def test_sampler_checkpoints_give_their_slots_up_least_recently_used_first(base, tmp_path):
+    # No reserved sampler slots: checkpoints live in the training slots while those are free.
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=3, max_rank=8, sampler_slots=0, checkpoint_dir=tmp_path)
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))
     train(backend, "m", seed=1)
     first, second = save_for_sampler(backend, "m", "one"), save_for_sampler(backend, "m", "two")
@@ -112,8 +114,31 @@ def test_sampler_checkpoints_give_their_slots_up_least_recently_used_first(backe
     assert first in backend.adapters and second not in backend.adapters
     backend.add_adapter("o", LoraSpec(rank=4, seed=2))
     assert first not in backend.adapters
-    with pytest.raises(SaturatedError, match="slots of this trainer are in use"):
+    with pytest.raises(SaturatedError, match="slots of this trainer hold training models"):
         greedy(backend, second)
+
+
+def test_checkpoints_sample_while_training_models_fill_every_training_slot(base, tmp_path):
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, sampler_slots=2, checkpoint_dir=tmp_path)
+    for seed, model_id in enumerate(["m", "n"], start=1):
+        backend.add_adapter(model_id, LoraSpec(rank=8, seed=seed))
+        train(backend, model_id, seed=seed)
+    paths = []
+    for step, name in enumerate(["one", "two", "three"]):
+        train(backend, "m", seed=10 + step)
+        paths.append(save_for_sampler(backend, "m", name))
+    alone = [greedy(backend, path) for path in paths]
+    assert len({tuple(tokens) for tokens in alone}) == 3  # three different adapters
+    # Three checkpoints in one batch, two sampler slots: one waits for a second generation, none fails.
+    request = SamplingRequest(prompt=PROMPT, max_tokens=8, temperature=0.0)
+    together = backend.sample([Command(path, 0, SAMPLE, f"s{k}", payload=request) for k, path in enumerate(paths)])
+    assert [result["sequences"][0]["tokens"] for result in together] == alone
+    # The checkpoints took no training slot: the trainer is still full for training models, and both still train.
+    assert backend.free_slots == 0
+    with pytest.raises(SaturatedError, match="All 2 adapter slots"):
+        backend.add_adapter("o", LoraSpec(rank=4, seed=3))
+    assert {"m", "n"} <= backend.adapters.keys()
+    train(backend, "n", seed=5)
 
 
 def test_a_checkpoint_saved_again_under_its_name_is_reloaded(backend):

@@ -100,3 +100,10 @@ def test_adapter_slots_per_trainer_come_from_the_environment_or_a_flag_and_must_
     assert load_settings(env={"LILO_MAX_ADAPTERS": "32"}).max_adapters == 32
     with pytest.raises(SettingsError, match="--max-adapters must be at least 1"):
         load_settings(env={}, max_adapters=0)
+
+
+def test_sampler_slots_per_trainer_come_from_the_environment_or_a_flag_and_may_be_zero():
+    assert load_settings(env={}).sampler_slots == 2
+    assert load_settings(env={"LILO_SAMPLER_SLOTS": "0"}).sampler_slots == 0
+    with pytest.raises(SettingsError, match="--sampler-slots must be 0 or more"):
+        load_settings(env={}, sampler_slots=-1)

@@ -30,6 +30,9 @@ from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
 DEFAULT_MAX_ADAPTERS = 16
 DEFAULT_MAX_RANK = 32
+# Slots beyond max_adapters that only sampler checkpoints use: sampling a saved checkpoint works while training
+# models hold every training slot.
+DEFAULT_SAMPLER_SLOTS = 2
 # Padded tokens per forward/backward pass; a larger request is split into micro-batches.
 DEFAULT_MAX_BATCH_TOKENS = 8192
 
@@ -42,7 +45,8 @@ class Adapter:
 
 class TorchBackend:
     def __init__(self, model: nn.Module, *, max_adapters: int = DEFAULT_MAX_ADAPTERS,
-                 max_rank: int = DEFAULT_MAX_RANK, checkpoint_dir: Path | None = None,
+                 max_rank: int = DEFAULT_MAX_RANK, sampler_slots: int = DEFAULT_SAMPLER_SLOTS,
+                 checkpoint_dir: Path | None = None,
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  decode: sampling.Decode | None = None) -> None:
         self.model = model.eval()
@@ -54,7 +58,8 @@ class TorchBackend:
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
         self.max_rank = max_rank
-        self.bank = LoraBank(self.model, max_adapters, max_rank)
+        self.max_adapters = max_adapters
+        self.bank = LoraBank(self.model, max_adapters + sampler_slots, max_rank)
         self.layers = self.bank.layers
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
         # CUDA runs the LoRA deltas as torch's grouped GEMM; on CPU batched GEMMs over gathered rows are faster.
@@ -62,13 +67,17 @@ class TorchBackend:
         self.adapters: dict[str, Adapter] = {}
         # Sampler checkpoints held in slots (tinker path -> version loaded), least recently used first.
         self._samplers: OrderedDict[str, int] = OrderedDict()
-        self._free_slots = list(range(max_adapters))
+        self._free_slots = list(range(max_adapters + sampler_slots))
         self.vocab_size = self.model.get_output_embeddings().base.out_features
 
     # --- adapters ------------------------------------------------------------------------------------------
     def add_adapter(self, model_id: str, spec: LoraSpec) -> None:
+        """A slot for ``model_id``: a training model (at most ``max_adapters`` of them), or a sampler checkpoint
+        (a tinker path), which may also take the slots reserved for those."""
         if not 1 <= spec.rank <= self.max_rank:
             raise InvalidRequestError(f"LoRA rank {spec.rank} is out of range; use 1 to {self.max_rank}.")
+        if not model_id.startswith(TINKER_SCHEME) and self.free_slots == 0:
+            raise SaturatedError(f"All {self.max_adapters} adapter slots of this trainer are in use.")
         self._make_room()
         slot = self._free_slots.pop(0)
         generator = torch.Generator().manual_seed(spec.seed) if spec.seed is not None else None
@@ -92,8 +101,9 @@ class TorchBackend:
 
     @property
     def free_slots(self) -> int:
-        # A cached sampler checkpoint gives its slot up to whoever needs one.
-        return len(self._free_slots) + len(self._samplers)
+        """Training models this trainer can still take (a cached sampler checkpoint gives its slot up to whoever
+        needs one)."""
+        return self.max_adapters - (len(self.adapters) - len(self._samplers))
 
     def _make_room(self, pinned: Container[str] = ()) -> None:
         """Free a slot if none is: evict the least recently used sampler checkpoint not in ``pinned``."""
@@ -101,7 +111,8 @@ class TorchBackend:
             return
         evictable = next((key for key in self._samplers if key not in pinned), None)
         if evictable is None:
-            raise SaturatedError(f"All {len(self.adapters)} adapter slots of this trainer are in use.")
+            raise SaturatedError(f"All {len(self.adapters)} adapter slots of this trainer hold training models or "
+                                 "checkpoints this batch samples; start lilo with more --sampler-slots.")
         self.remove_adapter(evictable)
 
     def _adapter(self, model_id: str) -> Adapter:
