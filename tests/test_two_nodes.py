@@ -74,11 +74,16 @@ def remove_a_node_mid_step(cluster, node, leaving: list, staying: list, futures_
 
 
 @pytest.fixture
-def two_node_cluster():
+def two_node_cluster(monkeypatch):
     from ray.cluster_utils import Cluster
 
     temp_dir = short_home()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": str(temp_dir)})
+    # Ray's test cluster notes its address in <RAY_TMPDIR>/ray/ray_current_cluster, which must exist (/tmp/ray on a
+    # machine that never ran Ray does not): ours, not the machine's.
+    (temp_dir / "ray").mkdir(parents=True)
+    with monkeypatch.context() as env:
+        env.setenv("RAY_TMPDIR", str(temp_dir))
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": str(temp_dir)})
     worker = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     try:
