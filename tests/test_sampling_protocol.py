@@ -47,6 +47,22 @@ def test_without_max_tokens_a_sample_may_fill_the_context():
     assert decode_sample_request(sdk_body(max_tokens=None), **LIMITS).max_tokens == 32 - 3
 
 
+def test_a_prompt_that_fills_the_context_is_scored_without_sampling():
+    full = list(range(1, 33))  # the context holds 32
+    request = decode_sample_request({**sdk_body(prompt=full, max_tokens=1), "prompt_logprobs": True}, **LIMITS)
+    assert request.max_tokens == 0 and request.prompt_logprobs
+    with pytest.raises(InvalidRequestError, match="no token fits after it; send a shorter prompt, or score it"):
+        decode_sample_request(sdk_body(prompt=full, max_tokens=1), **LIMITS)
+    with pytest.raises(InvalidRequestError, match="33 tokens and the context holds 32"):
+        decode_sample_request({**sdk_body(prompt=full + [1]), "prompt_logprobs": True}, **LIMITS)
+
+
+def test_prompt_logprobs_last_n_scores_a_suffix_of_the_prompt():
+    body = {**sdk_body(prompt=[1, 2, 3, 4]), "prompt_logprobs": True, "prompt_logprobs_last_n": 3}
+    assert decode_sample_request(body, **LIMITS).prompt_logprobs_last_n == 3
+    assert decode_sample_request({**body, "prompt_logprobs_last_n": None}, **LIMITS).prompt_logprobs_last_n is None
+
+
 @pytest.mark.parametrize("body, message", [
     (sdk_body(prompt=[1, 1000]), "outside the vocabulary"),
     (sdk_body(prompt=[]), "prompt is empty"),
@@ -55,6 +71,10 @@ def test_without_max_tokens_a_sample_may_fill_the_context():
     (sdk_body(temperature=-1.0), "temperature must be >= 0"),
     (sdk_body(stop=[5, 5000]), "list of token ids"),
     ({**sdk_body(), "topk_sample_logprobs": 3}, "topk_sample_logprobs is not supported"),
+    ({**sdk_body(), "prompt_logprobs_last_n": 1}, "applies to prompt logprobs; set prompt_logprobs too"),
+    ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": 3}, "ask for 1 to 2"),
+    ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "ask for 1 to 2"),
+    ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": "2"}, "out of range"),
     ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "image chunks"),
     # Each of these was a 500 (found by probing asample with a real sampling session).
     ({**sdk_body(), "prompt": {"chunks": "abc"}}, "list of chunk objects"),

@@ -81,6 +81,17 @@ def test_the_bare_base_model_samples_and_scores_unlike_a_trained_adapter(service
     assert trained_score > base_score  # training on the sequence made it likelier; the base model knows nothing of it
 
 
+def test_compute_logprobs_scores_a_suffix_and_a_prompt_that_fills_the_context(service):
+    base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    tokens = np.random.default_rng(5).integers(3, 1000, 512).tolist()  # the tiny model's whole context
+    whole = base.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=TIMEOUT_S)
+    assert len(whole) == 512 and whole[0] is None and all(value <= 0 for value in whole[1:])
+    # The SDK's own way to score a completion after a context: only the last N are scored (and checked so by it).
+    suffix = base.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=5).result(
+        timeout=TIMEOUT_S)
+    assert suffix[:-5] == [None] * 507 and suffix[-5:] == pytest.approx(whole[-5:], abs=1e-4)
+
+
 def test_a_bad_sampling_request_is_a_4xx_that_says_what_to_change(service):
     base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
     with pytest.raises(tinker.APIStatusError, match="outside the vocabulary"):

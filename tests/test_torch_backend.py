@@ -326,6 +326,38 @@ def test_the_prefill_computes_every_positions_logits_only_for_prompt_logprobs(ba
         hook.remove()
 
 
+def test_prompt_logprobs_of_a_suffix_are_those_of_the_whole_prompt_and_need_only_its_logits(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    train_steps(backend, "a", [1])
+    positions: list[int] = []
+    hook = backend.model.lm_head.register_forward_hook(lambda module, args, out: positions.append(out.shape[1]))
+    try:
+        whole, suffix = backend.sample([sample_command("a", 1, temperature=0.0, prompt_logprobs=True),
+                                        sample_command("a", 2, temperature=0.0, prompt_logprobs=True,
+                                                       prompt_logprobs_last_n=3)])
+        positions.clear()
+        (alone,) = backend.sample([sample_command("a", 2, temperature=0.0, prompt_logprobs=True,
+                                                  prompt_logprobs_last_n=3)])
+        assert positions[0] == 4  # the prefill keeps the logits that score the last 3 tokens, and the last
+    finally:
+        hook.remove()
+    for result in (suffix, alone):
+        assert result["prompt_logprobs"][:7] == [None] * 7
+        assert result["prompt_logprobs"][7:] == pytest.approx(whole["prompt_logprobs"][7:], abs=1e-5)
+        assert result["sequences"][0]["tokens"] == whole["sequences"][0]["tokens"]
+
+
+def test_zero_max_tokens_scores_the_prompt_and_samples_nothing(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    scored, sampled = backend.sample([sample_command("a", 1, max_tokens=0, prompt_logprobs=True),
+                                      sample_command("a", 2, temperature=0.0, max_tokens=3, prompt_logprobs=True)])
+    assert scored["sequences"] == [{"tokens": [], "logprobs": [], "stop_reason": "length"}]
+    assert scored["prompt_logprobs"] == pytest.approx(sampled["prompt_logprobs"], abs=1e-5)
+    assert len(sampled["sequences"][0]["tokens"]) == 3
+    (refused,) = backend.sample([sample_command("a", 3, max_tokens=0)])  # nothing asked for
+    assert isinstance(refused, InvalidRequestError) and "max_tokens may be 0" in str(refused)
+
+
 def test_a_stop_sequence_ends_a_sample(base):
     backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
     free = backend.sample([sample_command("a", 1, temperature=0.0, max_tokens=5)])[0]["sequences"][0]["tokens"]
@@ -342,8 +374,9 @@ def test_stop_strings_need_a_tokenizer(base):
 
 
 def test_a_batch_sampling_more_checkpoints_than_free_slots_runs_in_several_generations(base, tmp_path):
-    # Three slots: the training model holds one, so three checkpoints cannot all be in place at once.
-    backend = TorchBackend(copy.deepcopy(base), max_adapters=3, max_rank=8)
+    # Three slots, none reserved for checkpoints: the training model holds one, so three checkpoints cannot all be
+    # in place at once.
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=3, max_rank=8, sampler_slots=0)
     backend.checkpoint_dir = tmp_path
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))
     paths = []

@@ -5,7 +5,8 @@ Rows are left-padded prompts; each step runs one token per row through the model
 ``BASE_SLOT``), then samples per row: ``temperature`` (0: greedy), ``top_k``, ``top_p``, seeded by ``seed`` and the sample's index, so
 the same request gives the same tokens whatever else shares the batch. Reported logprobs are those of the sampled
 tokens under the temperature-scaled distribution; ``prompt_logprobs`` those of each prompt token given the ones
-before it (None for the first). A sample ends at ``max_tokens`` (stop reason ``length``) or once its tokens end
+before it (None for the first, and for those before the last ``prompt_logprobs_last_n`` when that is set). A sample
+ends at ``max_tokens`` (stop reason ``length``; 0 tokens: the prompt is only scored) or once its tokens end
 with a stop token sequence or their text contains a stop string (``stop``, the stop included).
 """
 
@@ -42,8 +43,9 @@ def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -
         raise InvalidRequestError("The prompt is empty; send at least one token.")
     if min(request.prompt) < 0 or max(request.prompt) >= vocab_size:
         raise InvalidRequestError(f"The prompt holds ids outside the vocabulary [0, {vocab_size}).")
-    if request.max_tokens < 1 or request.num_samples < 1:
-        raise InvalidRequestError("max_tokens and num_samples must be at least 1.")
+    if request.max_tokens < (0 if request.prompt_logprobs else 1) or request.num_samples < 1:
+        raise InvalidRequestError("max_tokens and num_samples must be at least 1 (max_tokens may be 0 when the "
+                                  "prompt's logprobs are asked for).")
     if request.temperature < 0 or not 0 < request.top_p <= 1:
         raise InvalidRequestError("temperature must be >= 0 and top_p in (0, 1].")
     if request.stop_strings and decode is None:
@@ -74,7 +76,7 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
              requests: Sequence[SamplingRequest], slots: Sequence[int], decode: Decode | None = None) -> list[dict]:
     """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation."""
     device = next(model.parameters()).device
-    rows = [Row(i, slots[i], request, _generator(request.seed, k))
+    rows = [Row(i, slots[i], request, _generator(request.seed, k), stop_reason=None if request.max_tokens else LENGTH)
             for i, request in enumerate(requests) for k in range(request.num_samples)]
     width = max(len(request.prompt) for request in requests)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -90,14 +92,14 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
         with torch.no_grad():
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             # The prefill's logits at every position (rows x width x vocabulary: gigabytes for a long prompt and
-            # many samples) only when some row asked for its prompt's logprobs; else the last position's alone.
-            keep = 0 if any(row.settings.prompt_logprobs for row in rows) else 1
+            # many samples) only as far back as some row's prompt logprobs need them; else the last position's.
+            keep = logits_to_keep(requests)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                         logits_to_keep=keep)
             for r, row in enumerate(rows):
                 if row.settings.prompt_logprobs and row.request not in prompt_logprobs:
                     prompt_logprobs[row.request] = _prompt_logprobs(out.logits[r].cpu(), ids[r].cpu(),
-                                                                    len(row.settings.prompt))
+                                                                    row.settings)
             logits, cache = out.logits[:, -1].float().cpu(), out.cache
             for _ in range(max(request.max_tokens for request in requests)):
                 next_ids = torch.zeros(len(rows), 1, dtype=torch.long)
@@ -143,8 +145,24 @@ def _stopped(row: Row, decode: Decode | None) -> str | None:
     return LENGTH if len(row.tokens) >= row.settings.max_tokens else None
 
 
-def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, length: int) -> list[float | None]:
-    """Logprob of each prompt token given those before it (the row is left-padded to ``ids``' width)."""
-    start = ids.numel() - length
-    logprobs = torch.log_softmax(logits[start:-1].float(), -1).gather(-1, ids[start + 1:].unsqueeze(-1)).squeeze(-1)
-    return [None, *logprobs.tolist()]
+def logits_to_keep(requests: Sequence[SamplingRequest]) -> int:
+    """How many of the prefill's last positions need logits (0: all): 1 to sample from, N + 1 to score a prompt's
+    last N tokens (a token is scored by the logits of the position before it)."""
+    keep = 1
+    for request in requests:
+        if request.prompt_logprobs:
+            if request.prompt_logprobs_last_n is None:
+                return 0
+            keep = max(keep, request.prompt_logprobs_last_n + 1)
+    return keep
+
+
+def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, request: SamplingRequest) -> list[float | None]:
+    """Logprob of each scored prompt token given those before it, None for the others (the first, and those before
+    ``prompt_logprobs_last_n``). ``logits`` are the row's last positions', the row left-padded to ``ids``' width."""
+    length = len(request.prompt)
+    scored = length - 1 if request.prompt_logprobs_last_n is None else request.prompt_logprobs_last_n
+    kept = logits.shape[0]
+    window = logits[kept - 1 - scored:kept - 1].float()
+    logprobs = torch.log_softmax(window, -1).gather(-1, ids[ids.numel() - scored:].unsqueeze(-1)).squeeze(-1)
+    return [None] * (length - scored) + logprobs.tolist()

@@ -106,4 +106,5 @@ class SamplingRequest:
     stop: Sequence[Sequence[int]] = ()  # token-id sequences that end a sample
     stop_strings: Sequence[str] = ()  # text that ends a sample (needs the base model's tokenizer)
     prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (None: every one after the first)
     base_only: bool = False  # the bare base model, no adapter (the request named only a base model)

@@ -14,7 +14,7 @@ from lilo.errors import InvalidRequestError
 MAX_NUM_SAMPLES = 128
 # Request fields of SDK 0.38 this server does not compute; asking for them is refused rather than ignored.
 UNSUPPORTED = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0,
-               "target_prompt_logprobs": None, "prompt_logprobs_last_n": None}
+               "target_prompt_logprobs": None}
 
 
 def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_context_length: int,
@@ -33,21 +33,43 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
     if not 1 <= num_samples <= MAX_NUM_SAMPLES:
         raise InvalidRequestError(f"num_samples {num_samples} is out of range; ask for 1 to {MAX_NUM_SAMPLES}.")
     params = body.get("sampling_params") or {}
+    prompt_logprobs = bool(body.get("prompt_logprobs"))
+    last_n = scored_suffix(body.get("prompt_logprobs_last_n"), prompt_logprobs, len(prompt))
     room = max_context_length - len(prompt)
     max_tokens = params.get("max_tokens")
-    max_tokens = room if max_tokens is None else max_tokens  # none given: up to the end of the context
-    if max_tokens < 1 or max_tokens > room:
+    if room == 0 and prompt_logprobs:
+        # A prompt that fills the context is scored and nothing sampled (compute_logprobs asks for one token).
+        max_tokens = 0
+    elif room < 1:
         raise InvalidRequestError(
-            f"max_tokens {max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context holds "
-            f"{max_context_length}; ask for 1 to {room} tokens, or send a shorter prompt.")
+            f"The prompt has {len(prompt)} tokens and the context holds {max_context_length}, so no token fits "
+            f"after it; send a shorter prompt{', or score it with compute_logprobs' if room == 0 else ''}.")
+    else:
+        max_tokens = room if max_tokens is None else max_tokens  # none given: up to the end of the context
+        if not 1 <= max_tokens <= room:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} does not fit: the prompt has {len(prompt)} tokens and the context holds "
+                f"{max_context_length}; ask for 1 to {room} tokens, or send a shorter prompt.")
     temperature, top_k, top_p = params.get("temperature", 1.0), params.get("top_k", -1), params.get("top_p", 1.0)
     if temperature < 0 or not 0 < top_p <= 1 or top_k < -1:
         raise InvalidRequestError("temperature must be >= 0, top_p in (0, 1] and top_k -1 (all tokens) or more.")
     stop_tokens, stop_strings = stops(params.get("stop"), eos_token_ids, vocab_size)
     return SamplingRequest(prompt=prompt, max_tokens=max_tokens, num_samples=num_samples, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=params.get("seed"), stop=stop_tokens,
-                           stop_strings=stop_strings, prompt_logprobs=bool(body.get("prompt_logprobs")),
-                           base_only=base_only)
+                           stop_strings=stop_strings, prompt_logprobs=prompt_logprobs,
+                           prompt_logprobs_last_n=last_n, base_only=base_only)
+
+
+def scored_suffix(last_n: Any, prompt_logprobs: bool, prompt_length: int) -> int | None:
+    """``prompt_logprobs_last_n``, checked: how many of the prompt's last tokens to score (None: all)."""
+    if last_n is None:
+        return None
+    if not prompt_logprobs:
+        raise InvalidRequestError("prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs too.")
+    if not is_int(last_n) or not 1 <= last_n <= prompt_length - 1:
+        raise InvalidRequestError(f"prompt_logprobs_last_n {last_n!r} is out of range: the prompt has {prompt_length} "
+                                  f"tokens and the first has no logprob; ask for 1 to {prompt_length - 1}.")
+    return int(last_n)
 
 
 def prompt_tokens(model_input: Mapping[str, Any]) -> list[int]:
