@@ -70,7 +70,10 @@ def test_prompt_logprobs_last_n_scores_a_suffix_of_the_prompt():
     (sdk_body(num_samples=500), "num_samples 500 is out of range"),
     (sdk_body(temperature=-1.0), "temperature must be >= 0"),
     (sdk_body(stop=[5, 5000]), "list of token ids"),
-    ({**sdk_body(), "topk_sample_logprobs": 3}, "topk_sample_logprobs is not supported"),
+    ({**sdk_body(), "prompt_alt_tokens_k": 3}, "prompt_alt_tokens_k is not supported"),
+    ({**sdk_body(), "topk_sample_logprobs": 21}, "topk_sample_logprobs 21 is out of range; ask for 0"),
+    ({**sdk_body(), "topk_prompt_logprobs": -1}, "topk_prompt_logprobs -1 is out of range"),
+    ({**sdk_body(), "topk_prompt_logprobs": 2.5}, "topk_prompt_logprobs 2.5 is out of range"),
     ({**sdk_body(), "prompt_logprobs_last_n": 1}, "applies to prompt logprobs; set prompt_logprobs too"),
     ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": 3}, "ask for 1 to 2"),
     ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "ask for 1 to 2"),
@@ -115,3 +118,20 @@ def test_a_sample_response_we_encode_is_what_the_sdk_reads():
     assert [s.stop_reason for s in decoded.sequences] == ["stop", "length"]
     first, *rest = decoded.prompt_logprobs
     assert (first is None or math.isnan(first)) and rest == [-3.5, -0.75]
+    assert decoded.topk_prompt_logprobs is None and decoded.sequences[0].topk_logprobs is None  # not asked for
+
+
+def test_top_k_logprobs_we_encode_are_what_the_sdk_reads():
+    result = {"sequences": [{"tokens": [5, 6], "logprobs": [-0.5, -1.0], "stop_reason": "length",
+                             "topk_logprobs": [[(5, -0.5), (9, -1.5)], [(8, -0.25), (6, -1.0)]]}],
+              "topk_prompt_logprobs": [None, [(3, -0.125), (4, -2.5)], [(0, -0.75), (2, -1.25)]]}
+    decoded = deserialize_sample_response(encode_sample_response(result))
+    assert decoded.sequences[0].topk_logprobs == [[(5, -0.5), (9, -1.5)], [(8, -0.25), (6, -1.0)]]
+    assert decoded.topk_prompt_logprobs == [None, [(3, -0.125), (4, -2.5)], [(0, -0.75), (2, -1.25)]]
+
+
+def test_top_k_counts_are_decoded():
+    request = decode_sample_request({**sdk_body(), "topk_prompt_logprobs": 4, "topk_sample_logprobs": 2}, **LIMITS)
+    assert (request.topk_prompt_logprobs, request.topk_sample_logprobs, request.prompt_logprobs) == (4, 2, False)
+    full = decode_sample_request({**sdk_body(prompt=list(range(1, 33))), "topk_prompt_logprobs": 1}, **LIMITS)
+    assert full.max_tokens == 0  # a prompt filling the context is scored: top-k alone asks for that too

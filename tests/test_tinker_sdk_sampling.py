@@ -92,6 +92,20 @@ def test_compute_logprobs_scores_a_suffix_and_a_prompt_that_fills_the_context(se
     assert suffix[:-5] == [None] * 507 and suffix[-5:] == pytest.approx(whole[-5:], abs=1e-4)
 
 
+def test_top_k_logprobs_of_the_prompt_and_of_each_sampled_token(service):
+    base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    response = base.sample(prompt=types.ModelInput.from_ints([5, 6, 7, 8]), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=3, temperature=0.0, stop=[]),
+                           include_prompt_logprobs=True, topk_prompt_logprobs=4,
+                           topk_sample_logprobs=2).result(timeout=TIMEOUT_S)
+    sequence = response.sequences[0]
+    assert [top[0][0] for top in sequence.topk_logprobs] == list(sequence.tokens)  # greedy takes the likeliest
+    assert all(len(top) == 2 for top in sequence.topk_logprobs)
+    assert response.topk_prompt_logprobs[0] is None and all(len(top) == 4 for top in response.topk_prompt_logprobs[1:])
+    assert all(logprob <= top[0][1] + 1e-5 for logprob, top in zip(response.prompt_logprobs[1:],
+                                                                    response.topk_prompt_logprobs[1:]))
+
+
 def test_a_bad_sampling_request_is_a_4xx_that_says_what_to_change(service):
     base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
     with pytest.raises(tinker.APIStatusError, match="outside the vocabulary"):

@@ -347,6 +347,30 @@ def test_prompt_logprobs_of_a_suffix_are_those_of_the_whole_prompt_and_need_only
         assert result["sequences"][0]["tokens"] == whole["sequences"][0]["tokens"]
 
 
+def test_top_k_logprobs_rank_the_distributions_the_reported_logprobs_come_from(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    train_steps(backend, "a", [1])
+    prompt = list(datum(7, length=10).tokens)
+    scored, ranked = backend.sample([
+        sample_command("a", 1, temperature=0.0, max_tokens=4, prompt_logprobs=True),
+        sample_command("a", 2, temperature=0.0, max_tokens=4, topk_prompt_logprobs=5, topk_sample_logprobs=3)])
+    assert "prompt_logprobs" not in ranked and "topk_logprobs" not in scored["sequences"][0]
+    sequence = ranked["sequences"][0]
+    assert sequence["tokens"] == scored["sequences"][0]["tokens"]
+    # Greedy: each sampled token is the likeliest of its position, with the logprob reported for it.
+    assert [top[0][0] for top in sequence["topk_logprobs"]] == sequence["tokens"]
+    assert [top[0][1] for top in sequence["topk_logprobs"]] == pytest.approx(sequence["logprobs"], abs=1e-6)
+    topk = ranked["topk_prompt_logprobs"]
+    assert topk[0] is None and len(topk) == len(prompt)
+    for position in range(1, len(prompt)):
+        tokens, logprobs = zip(*topk[position])
+        assert len(tokens) == 5 and list(logprobs) == sorted(logprobs, reverse=True)
+        actual = scored["prompt_logprobs"][position]
+        assert actual <= logprobs[0] + 1e-6
+        if prompt[position] in tokens:
+            assert logprobs[tokens.index(prompt[position])] == pytest.approx(actual, abs=1e-5)
+
+
 def test_zero_max_tokens_scores_the_prompt_and_samples_nothing(base):
     backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
     scored, sampled = backend.sample([sample_command("a", 1, max_tokens=0, prompt_logprobs=True),

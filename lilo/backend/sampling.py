@@ -4,9 +4,10 @@ random generator, over one shared KV cache.
 Rows are left-padded prompts; each step runs one token per row through the model with per-row adapters (or none:
 ``BASE_SLOT``), then samples per row: ``temperature`` (0: greedy), ``top_k``, ``top_p``, seeded by ``seed`` and the sample's index, so
 the same request gives the same tokens whatever else shares the batch. Reported logprobs are those of the sampled
-tokens under the temperature-scaled distribution; ``prompt_logprobs`` those of each prompt token given the ones
-before it (None for the first, and for those before the last ``prompt_logprobs_last_n`` when that is set). A sample
-ends at ``max_tokens`` (stop reason ``length``; 0 tokens: the prompt is only scored) or once its tokens end
+tokens under the temperature-scaled distribution, and so are the k likeliest tokens of each sampled position
+(``topk_sample_logprobs``); ``prompt_logprobs`` those of each prompt token given the ones before it, and
+``topk_prompt_logprobs`` the k likeliest there (None for the first, and for those before the last
+``prompt_logprobs_last_n`` when that is set). A sample ends at ``max_tokens`` (stop reason ``length``; 0 tokens: the prompt is only scored) or once its tokens end
 with a stop token sequence or their text contains a stop string (``stop``, the stop included).
 """
 
@@ -32,10 +33,12 @@ class Row:
     generator: torch.Generator
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    topk: list[TopK] = dataclasses.field(default_factory=list)  # per sampled token, when asked for
     stop_reason: str | None = None
 
 
 Decode = Callable[[Sequence[int]], str]
+TopK = list[tuple[int, float]]  # (token id, logprob), likeliest first
 
 
 def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -> None:
@@ -43,7 +46,7 @@ def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -
         raise InvalidRequestError("The prompt is empty; send at least one token.")
     if min(request.prompt) < 0 or max(request.prompt) >= vocab_size:
         raise InvalidRequestError(f"The prompt holds ids outside the vocabulary [0, {vocab_size}).")
-    if request.max_tokens < (0 if request.prompt_logprobs else 1) or request.num_samples < 1:
+    if request.max_tokens < (0 if scores_prompt(request) else 1) or request.num_samples < 1:
         raise InvalidRequestError("max_tokens and num_samples must be at least 1 (max_tokens may be 0 when the "
                                   "prompt's logprobs are asked for).")
     if request.temperature < 0 or not 0 < request.top_p <= 1:
@@ -52,11 +55,15 @@ def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -
         raise InvalidRequestError("This base model has no tokenizer to match stop strings; send stop token ids.")
 
 
-def sample_next(logits: torch.Tensor, settings: SamplingRequest, generator: torch.Generator) -> tuple[int, float]:
-    """One token for one row from its last-position logits, and its logprob."""
+def scores_prompt(request: SamplingRequest) -> bool:
+    return request.prompt_logprobs or request.topk_prompt_logprobs > 0
+
+
+def sample_next(logits: torch.Tensor, settings: SamplingRequest,
+                generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """One token for one row from its last-position logits, and the logprobs of every token it was drawn by."""
     if settings.temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, -1)[token])
+        return int(torch.argmax(logits)), torch.log_softmax(logits, -1)
     scaled = logits / settings.temperature
     logprobs = torch.log_softmax(scaled, -1)
     filtered = scaled.clone()
@@ -69,7 +76,7 @@ def sample_next(logits: torch.Tensor, settings: SamplingRequest, generator: torc
         drop = cumulative - torch.softmax(ordered, -1) > settings.top_p  # keep the smallest prefix reaching top_p
         filtered[order[drop]] = float("-inf")
     token = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator))
-    return token, float(logprobs[token])
+    return token, logprobs
 
 
 def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], None],
@@ -85,7 +92,7 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
         prompt = torch.as_tensor(list(row.settings.prompt))
         ids[r, width - len(prompt):] = prompt
         mask[r, width - len(prompt):] = 1
-    prompt_logprobs: dict[int, list[float | None]] = {}
+    prompt_scores: dict[int, dict[str, list]] = {}
     ids, mask = ids.to(device), mask.to(device)
     route([row.slot for row in rows])
     try:
@@ -97,17 +104,18 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                         logits_to_keep=keep)
             for r, row in enumerate(rows):
-                if row.settings.prompt_logprobs and row.request not in prompt_logprobs:
-                    prompt_logprobs[row.request] = _prompt_logprobs(out.logits[r].cpu(), ids[r].cpu(),
-                                                                    row.settings)
+                if scores_prompt(row.settings) and row.request not in prompt_scores:
+                    prompt_scores[row.request] = _prompt_scores(out.logits[r].cpu(), ids[r].cpu(), row.settings)
             logits, cache = out.logits[:, -1].float().cpu(), out.cache
             for _ in range(max(request.max_tokens for request in requests)):
                 next_ids = torch.zeros(len(rows), 1, dtype=torch.long)
                 for r, row in enumerate(rows):
                     if row.stop_reason is None:
-                        token, logprob = sample_next(logits[r], row.settings, row.generator)
+                        token, logprobs = sample_next(logits[r], row.settings, row.generator)
                         row.tokens.append(token)
-                        row.logprobs.append(logprob)
+                        row.logprobs.append(float(logprobs[token]))
+                        if row.settings.topk_sample_logprobs:
+                            row.topk.extend(_topk(logprobs.unsqueeze(0), row.settings.topk_sample_logprobs))
                         row.stop_reason = _stopped(row, decode)
                         next_ids[r, 0] = token
                 if all(row.stop_reason is not None for row in rows):
@@ -121,10 +129,12 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
         route(None)
     results: list[dict] = [{"sequences": []} for _ in requests]
     for row in rows:
-        results[row.request]["sequences"].append(
-            {"tokens": row.tokens, "logprobs": row.logprobs, "stop_reason": row.stop_reason or LENGTH})
-    for index, values in prompt_logprobs.items():
-        results[index]["prompt_logprobs"] = values
+        sequence = {"tokens": row.tokens, "logprobs": row.logprobs, "stop_reason": row.stop_reason or LENGTH}
+        if row.settings.topk_sample_logprobs:
+            sequence["topk_logprobs"] = row.topk
+        results[row.request]["sequences"].append(sequence)
+    for index, scores in prompt_scores.items():
+        results[index].update(scores)
     return results
 
 
@@ -150,19 +160,32 @@ def logits_to_keep(requests: Sequence[SamplingRequest]) -> int:
     last N tokens (a token is scored by the logits of the position before it)."""
     keep = 1
     for request in requests:
-        if request.prompt_logprobs:
+        if scores_prompt(request):
             if request.prompt_logprobs_last_n is None:
                 return 0
             keep = max(keep, request.prompt_logprobs_last_n + 1)
     return keep
 
 
-def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, request: SamplingRequest) -> list[float | None]:
-    """Logprob of each scored prompt token given those before it, None for the others (the first, and those before
+def _prompt_scores(logits: torch.Tensor, ids: torch.Tensor, request: SamplingRequest) -> dict[str, list]:
+    """``prompt_logprobs`` (each scored prompt token's logprob given those before it) and ``topk_prompt_logprobs``
+    (the k likeliest tokens there), as asked; None for the positions not scored (the first, and those before
     ``prompt_logprobs_last_n``). ``logits`` are the row's last positions', the row left-padded to ``ids``' width."""
     length = len(request.prompt)
     scored = length - 1 if request.prompt_logprobs_last_n is None else request.prompt_logprobs_last_n
     kept = logits.shape[0]
-    window = logits[kept - 1 - scored:kept - 1].float()
-    logprobs = torch.log_softmax(window, -1).gather(-1, ids[ids.numel() - scored:].unsqueeze(-1)).squeeze(-1)
-    return [None] * (length - scored) + logprobs.tolist()
+    logprobs = torch.log_softmax(logits[kept - 1 - scored:kept - 1].float(), -1)
+    unscored: list = [None] * (length - scored)
+    scores: dict[str, list] = {}
+    if request.prompt_logprobs:
+        targets = ids[ids.numel() - scored:].unsqueeze(-1)
+        scores["prompt_logprobs"] = unscored + logprobs.gather(-1, targets).squeeze(-1).tolist()
+    if request.topk_prompt_logprobs:
+        scores["topk_prompt_logprobs"] = unscored + _topk(logprobs, request.topk_prompt_logprobs)
+    return scores
+
+
+def _topk(logprobs: torch.Tensor, k: int) -> list[TopK]:
+    """Per row of ``(positions, vocabulary)`` logprobs, its k likeliest tokens."""
+    values, indices = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    return [list(zip(tokens, values)) for tokens, values in zip(indices.tolist(), values.tolist())]

@@ -107,4 +107,6 @@ class SamplingRequest:
     stop_strings: Sequence[str] = ()  # text that ends a sample (needs the base model's tokenizer)
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (None: every one after the first)
+    topk_prompt_logprobs: int = 0  # the k likeliest tokens, with logprobs, at each scored prompt position (0: none)
+    topk_sample_logprobs: int = 0  # the same at each sampled position
     base_only: bool = False  # the bare base model, no adapter (the request named only a base model)

@@ -20,6 +20,8 @@ from lilo.protocol import tinker_schema
 pb = tinker_schema.load()
 
 INFLATE_CHUNK = 1 << 20  # inflated bytes read per step while counting against the limit
+# What the SDK reads as "no token here" in a TopkLogprobs matrix (tinker.types.topk_logprobs): id 0, this logprob.
+TOPK_MASK_LOGPROB = -99999.0
 _NUMPY_BY_DTYPE = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
 
 
@@ -133,16 +135,33 @@ def encode_forward_backward_output(outputs: Sequence[Mapping[str, Sequence[float
 
 
 def encode_sample_response(result: Mapping[str, Any]) -> bytes:
-    """A ``SampleResponse``: per sequence its int32 tokens, float32 logprobs and stop reason; the prompt's float32
-    logprobs with NaN where there is none (the first token), as ``tinker.proto.response_conv`` reads them."""
+    """A ``SampleResponse``: per sequence its int32 tokens, float32 logprobs, stop reason and top-k logprobs; the
+    prompt's float32 logprobs with NaN where there is none (the first token) and its top-k logprobs, as
+    ``tinker.proto.response_conv`` reads them."""
     message = pb.SampleResponse()
     for sequence in result["sequences"]:
-        message.sequences.add(
+        sampled = message.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if sequence["stop_reason"] == "stop" else pb.STOP_REASON_LENGTH,
             tokens=np.asarray(sequence["tokens"], dtype="<i4").tobytes(),
             logprobs=np.asarray(sequence["logprobs"], dtype="<f4").tobytes())
+        if "topk_logprobs" in sequence:
+            sampled.topk_sampled_logprobs.CopyFrom(_topk_logprobs(sequence["topk_logprobs"]))
     prompt_logprobs = result.get("prompt_logprobs")
     if prompt_logprobs is not None:
         message.prompt_logprobs = np.asarray([np.nan if value is None else value for value in prompt_logprobs],
                                              dtype="<f4").tobytes()
+    if "topk_prompt_logprobs" in result:
+        message.topk_prompt_logprobs.CopyFrom(_topk_logprobs(result["topk_prompt_logprobs"]))
     return message.SerializeToString()
+
+
+def _topk_logprobs(positions: Sequence[Sequence[tuple[int, float]] | None]) -> Any:
+    """A ``TopkLogprobs``: (positions, k) int32 ids and float32 logprobs, the SDK's mask where a position has
+    fewer tokens or none (None)."""
+    k = max((len(tokens) for tokens in positions if tokens), default=1)
+    ids = np.zeros((len(positions), k), dtype="<i4")
+    logprobs = np.full((len(positions), k), TOPK_MASK_LOGPROB, dtype="<f4")
+    for row, tokens in enumerate(positions):
+        for column, (token, logprob) in enumerate(tokens or ()):
+            ids[row, column], logprobs[row, column] = token, logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(positions))

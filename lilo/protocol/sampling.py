@@ -12,9 +12,10 @@ from lilo.backend.types import SamplingRequest, is_int
 from lilo.errors import InvalidRequestError
 
 MAX_NUM_SAMPLES = 128
+# Most tokens per position that topk_prompt_logprobs and topk_sample_logprobs may ask for (vLLM's default cap).
+MAX_TOPK = 20
 # Request fields of SDK 0.38 this server does not compute; asking for them is refused rather than ignored.
-UNSUPPORTED = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0,
-               "target_prompt_logprobs": None}
+UNSUPPORTED = {"prompt_alt_tokens_k": 0, "target_prompt_logprobs": None}
 
 
 def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_context_length: int,
@@ -34,10 +35,11 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
         raise InvalidRequestError(f"num_samples {num_samples} is out of range; ask for 1 to {MAX_NUM_SAMPLES}.")
     params = body.get("sampling_params") or {}
     prompt_logprobs = bool(body.get("prompt_logprobs"))
-    last_n = scored_suffix(body.get("prompt_logprobs_last_n"), prompt_logprobs, len(prompt))
+    topk_prompt, topk_sample = (topk_count(body, field) for field in ("topk_prompt_logprobs", "topk_sample_logprobs"))
+    last_n = scored_suffix(body.get("prompt_logprobs_last_n"), prompt_logprobs or topk_prompt > 0, len(prompt))
     room = max_context_length - len(prompt)
     max_tokens = params.get("max_tokens")
-    if room == 0 and prompt_logprobs:
+    if room == 0 and (prompt_logprobs or topk_prompt > 0):
         # A prompt that fills the context is scored and nothing sampled (compute_logprobs asks for one token).
         max_tokens = 0
     elif room < 1:
@@ -57,7 +59,15 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
     return SamplingRequest(prompt=prompt, max_tokens=max_tokens, num_samples=num_samples, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=params.get("seed"), stop=stop_tokens,
                            stop_strings=stop_strings, prompt_logprobs=prompt_logprobs,
-                           prompt_logprobs_last_n=last_n, base_only=base_only)
+                           prompt_logprobs_last_n=last_n, topk_prompt_logprobs=topk_prompt,
+                           topk_sample_logprobs=topk_sample, base_only=base_only)
+
+
+def topk_count(body: Mapping[str, Any], field: str) -> int:
+    value = body.get(field) or 0
+    if not is_int(value) or not 0 <= value <= MAX_TOPK:
+        raise InvalidRequestError(f"{field} {value!r} is out of range; ask for 0 (none) to {MAX_TOPK} tokens.")
+    return int(value)
 
 
 def scored_suffix(last_n: Any, prompt_logprobs: bool, prompt_length: int) -> int | None:
