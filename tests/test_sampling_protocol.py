@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
+from lilo.backend.types import PromptTargets
 from lilo.errors import InvalidRequestError
 from lilo.protocol.proto import encode_sample_response
 from lilo.protocol.sampling import decode_sample_request
@@ -70,7 +71,23 @@ def test_prompt_logprobs_last_n_scores_a_suffix_of_the_prompt():
     (sdk_body(num_samples=500), "num_samples 500 is out of range"),
     (sdk_body(temperature=-1.0), "temperature must be >= 0"),
     (sdk_body(stop=[5, 5000]), "list of token ids"),
-    ({**sdk_body(), "prompt_alt_tokens_k": 3}, "prompt_alt_tokens_k is not supported"),
+    ({**sdk_body(), "record_stability_info": True}, "record_stability_info is not supported"),
+    ({**sdk_body(), "prompt_alt_tokens_k": 21}, "prompt_alt_tokens_k 21 is out of range"),
+    ({**sdk_body(), "target_prompt_logprobs": [1, 2]}, "must be an int64 tensor of token ids"),
+    ({**sdk_body(), "target_prompt_logprobs": {"data": [1, 2], "dtype": "float32", "shape": [2, 1]}},
+     r"int64 tensor of token ids, \[len\(prompt\) - 1, K\] = \[2, K\]; got dtype 'float32'"),
+    ({**sdk_body(), "target_prompt_logprobs": {"data": [1, 2, 3], "dtype": "int64", "shape": [3, 1]}},
+     "shape 3, 1|shape \\[3, 1\\]"),
+    ({**sdk_body(), "target_prompt_logprobs": {"data": [1, 1000], "dtype": "int64", "shape": [2, 1]}},
+     "token ids in \\[0, 1000\\), or -1 for none"),
+    ({**sdk_body(), "target_prompt_logprobs": {"data": [1, 2, 3], "dtype": "int64", "shape": [2, 2]}},
+     "holds 3 ids; its shape \\[2, 2\\] needs 4"),
+    ({**sdk_body(), "target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [2, 2],
+                                               "sparse_crow_indices": [0, 1, 2], "sparse_col_indices": [0, 2]}},
+     "not a valid sparse CSR tensor"),
+    ({**sdk_body(), "target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [2, 2],
+                                               "sparse_crow_indices": [0, 2, 1], "sparse_col_indices": [0, 1]}},
+     "not a valid sparse CSR tensor"),
     ({**sdk_body(), "topk_sample_logprobs": 21}, "topk_sample_logprobs 21 is out of range; ask for 0"),
     ({**sdk_body(), "topk_prompt_logprobs": -1}, "topk_prompt_logprobs -1 is out of range"),
     ({**sdk_body(), "topk_prompt_logprobs": 2.5}, "topk_prompt_logprobs 2.5 is out of range"),
@@ -128,6 +145,40 @@ def test_top_k_logprobs_we_encode_are_what_the_sdk_reads():
     decoded = deserialize_sample_response(encode_sample_response(result))
     assert decoded.sequences[0].topk_logprobs == [[(5, -0.5), (9, -1.5)], [(8, -0.25), (6, -1.0)]]
     assert decoded.topk_prompt_logprobs == [None, [(3, -0.125), (4, -2.5)], [(0, -0.75), (2, -1.25)]]
+
+
+def test_target_prompt_logprobs_decode_dense_or_sparse():
+    dense = {"data": [4, -1, 7, 9], "dtype": "int64", "shape": [2, 2]}
+    assert decode_sample_request({**sdk_body(), "target_prompt_logprobs": dense}, **LIMITS).target_prompt_logprobs \
+        == PromptTargets((2, 2), [4, -1, 7, 9])
+    sparse = {"data": [4, 9], "dtype": "int64", "shape": [2, 3], "sparse_crow_indices": [0, 1, 2],
+              "sparse_col_indices": [2, 0]}
+    targets = decode_sample_request({**sdk_body(), "target_prompt_logprobs": sparse}, **LIMITS).target_prompt_logprobs
+    assert targets == PromptTargets((2, 3), [4, 9], [0, 1, 2], [2, 0])
+    assert targets.value_rows().tolist() == [0, 1] and PromptTargets((2, 2), [4, -1, 7, 9]).value_rows().tolist() \
+        == [0, 0, 1, 1]
+
+
+def test_target_logprobs_and_alternative_tokens_we_encode_are_what_the_sdk_reads():
+    sequences = [{"tokens": [5], "logprobs": [-0.5], "stop_reason": "length"}]
+    dense = {"shape": [2, 2], "values": [-0.5, 0.0, -1.5, -2.0], "crow_indices": None, "col_indices": None}
+    alternatives = {"k": 3, "tokens": [[1, 2, 2], [7, 7, 8]], "logprobs": [[-0.25, -1.0, -1.0], [-0.5, -0.5, -3.0]]}
+    decoded = deserialize_sample_response(encode_sample_response(
+        {"sequences": sequences, "target_prompt_logprobs": dense, "prompt_alt_tokens": alternatives}))
+    assert decoded.target_prompt_logprobs.shape == [2, 2] and decoded.target_prompt_logprobs.tolist() == [
+        [-0.5, 0.0], [-1.5, -2.0]]
+    assert decoded.prompt_alt_tokens.tokens.tolist() == [[1, 2, 2], [7, 7, 8]]
+    assert decoded.prompt_alt_tokens.logprobs.tolist() == [[-0.25, -1.0, -1.0], [-0.5, -0.5, -3.0]]
+    sparse = {"shape": [2, 3], "values": [-0.5, -2.0], "crow_indices": [0, 1, 2], "col_indices": [2, 0]}
+    decoded = deserialize_sample_response(encode_sample_response({"sequences": sequences,
+                                                                  "target_prompt_logprobs": sparse}))
+    tensor = decoded.target_prompt_logprobs
+    assert (tensor.sparse_crow_indices, tensor.sparse_col_indices) == ([0, 1, 2], [2, 0])
+    assert tensor.to_numpy().tolist() == [[0.0, 0.0, -0.5], [-2.0, 0.0, 0.0]]
+    one_token = {"k": 2, "tokens": [], "logprobs": []}  # a one-token prompt has no position to draw at
+    decoded = deserialize_sample_response(encode_sample_response({"sequences": sequences,
+                                                                  "prompt_alt_tokens": one_token}))
+    assert decoded.prompt_alt_tokens.tokens.shape == [0, 2]
 
 
 def test_top_k_counts_are_decoded():

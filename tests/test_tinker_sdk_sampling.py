@@ -106,6 +106,23 @@ def test_top_k_logprobs_of_the_prompt_and_of_each_sampled_token(service):
                                                                     response.topk_prompt_logprobs[1:]))
 
 
+def test_target_prompt_logprobs_and_alternative_prompt_tokens(service):
+    base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    prompt = [5, 6, 7, 8]
+    targets = np.array([[6, 9], [7, -1], [8, 3]], dtype=np.int64)  # each prompt token, and one other (or none)
+    response = base.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=1, temperature=0.0),
+                           include_prompt_logprobs=True, target_prompt_logprobs=types.TensorData.from_numpy(targets),
+                           prompt_alt_tokens_k=2).result(timeout=TIMEOUT_S)
+    scored = response.target_prompt_logprobs.to_numpy()
+    assert scored.shape == (3, 2) and scored[1, 1] == 0.0  # -1 asks for nothing
+    assert scored[:, 0].tolist() == pytest.approx(response.prompt_logprobs[1:], abs=1e-5)
+    alternatives = response.prompt_alt_tokens
+    assert alternatives.tokens.shape == [3, 2] and alternatives.logprobs.shape == [3, 2]
+    tokens = alternatives.tokens.to_numpy()
+    assert (tokens[:, 0] == tokens[:, 1]).all()  # temperature 0: the likeliest token, twice
+
+
 def test_a_bad_sampling_request_is_a_4xx_that_says_what_to_change(service):
     base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
     with pytest.raises(tinker.APIStatusError, match="outside the vocabulary"):

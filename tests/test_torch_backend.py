@@ -371,6 +371,48 @@ def test_top_k_logprobs_rank_the_distributions_the_reported_logprobs_come_from(b
             assert logprobs[tokens.index(prompt[position])] == pytest.approx(actual, abs=1e-5)
 
 
+def test_target_prompt_logprobs_are_the_logprobs_of_the_given_tokens_in_the_given_layout(base):
+    from lilo.backend.types import PromptTargets
+
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    train_steps(backend, "a", [1])
+    prompt = list(datum(7, length=10).tokens)
+    (scored,) = backend.sample([sample_command("a", 1, max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=2)])
+    # Column 0: the prompt's own next token; column 1: the second likeliest there; every third row asks nothing more.
+    ids = [[prompt[row + 1], scored["topk_prompt_logprobs"][row + 1][1][0] if row % 3 else -1] for row in range(9)]
+    dense = PromptTargets((9, 2), [token for row in ids for token in row])
+    (result,) = backend.sample([sample_command("a", 2, max_tokens=1, target_prompt_logprobs=dense)])
+    values = result["target_prompt_logprobs"]["values"]
+    assert values[0::2] == pytest.approx(scored["prompt_logprobs"][1:], abs=1e-5)
+    for row in range(9):
+        expected = scored["topk_prompt_logprobs"][row + 1][1][1] if row % 3 else 0.0
+        assert values[2 * row + 1] == pytest.approx(expected, abs=1e-5)
+    # The same asked as sparse CSR (the -1 cells left out): the listed cells' logprobs, in the request's order.
+    listed = [(row, column, token) for row in range(9) for column, token in enumerate(ids[row]) if token >= 0]
+    crow = [sum(1 for r, _, _ in listed if r < row) for row in range(10)]
+    sparse = PromptTargets((9, 2), [token for _, _, token in listed], crow, [column for _, column, _ in listed])
+    (result,) = backend.sample([sample_command("a", 3, max_tokens=1, target_prompt_logprobs=sparse)])
+    assert result["target_prompt_logprobs"]["crow_indices"] == crow
+    assert result["target_prompt_logprobs"]["values"] == pytest.approx(
+        [values[2 * row + column] for row, column, _ in listed], abs=1e-6)
+
+
+def test_prompt_alternative_tokens_are_drawn_at_the_requests_temperature(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    (greedy, ranked) = backend.sample([sample_command("a", 1, temperature=0.0, max_tokens=1, prompt_alt_tokens_k=3),
+                                       sample_command("a", 2, max_tokens=1, topk_prompt_logprobs=1)])
+    alternatives = greedy["prompt_alt_tokens"]
+    assert len(alternatives["tokens"]) == 9  # every position after the first
+    assert alternatives["tokens"] == [[top[0][0]] * 3 for top in ranked["topk_prompt_logprobs"][1:]]
+    assert [row[0] for row in alternatives["logprobs"]] == pytest.approx(
+        [top[0][1] for top in ranked["topk_prompt_logprobs"][1:]], abs=1e-5)
+    drawn = [backend.sample([sample_command("a", n, temperature=1.0, seed=11, max_tokens=1,
+                                            prompt_alt_tokens_k=8)])[0]["prompt_alt_tokens"] for n in (3, 4)]
+    assert drawn[0] == drawn[1]  # seeded: the same draws
+    assert len({token for row in drawn[0]["tokens"] for token in row}) > 9  # draws, not the argmax
+    assert all(logprob <= 0 for row in drawn[0]["logprobs"] for logprob in row)
+
+
 def test_zero_max_tokens_scores_the_prompt_and_samples_nothing(base):
     backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
     scored, sampled = backend.sample([sample_command("a", 1, max_tokens=0, prompt_logprobs=True),

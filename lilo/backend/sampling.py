@@ -7,7 +7,9 @@ the same request gives the same tokens whatever else shares the batch. Reported 
 tokens under the temperature-scaled distribution, and so are the k likeliest tokens of each sampled position
 (``topk_sample_logprobs``); ``prompt_logprobs`` those of each prompt token given the ones before it, and
 ``topk_prompt_logprobs`` the k likeliest there (None for the first, and for those before the last
-``prompt_logprobs_last_n`` when that is set). A sample ends at ``max_tokens`` (stop reason ``length``; 0 tokens: the prompt is only scored) or once its tokens end
+``prompt_logprobs_last_n`` when that is set); ``target_prompt_logprobs`` the logprobs of given tokens at each prompt
+position after the first, and ``prompt_alt_tokens`` k draws there at the request's temperature (seeded like the
+samples). A sample ends at ``max_tokens`` (stop reason ``length``; 0 tokens: the prompt is only scored) or once its tokens end
 with a stop token sequence or their text contains a stop string (``stop``, the stop included).
 """
 
@@ -15,14 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
-from lilo.backend.types import SamplingRequest
+from lilo.backend.types import PromptTargets, SamplingRequest
 from lilo.errors import InvalidRequestError
 
 STOP, LENGTH = "stop", "length"
+# The random stream of prompt_alt_tokens' draws: apart from every sample's (sample k draws from stream k).
+ALT_TOKENS_STREAM = -1
 
 
 @dataclasses.dataclass
@@ -56,7 +61,15 @@ def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -
 
 
 def scores_prompt(request: SamplingRequest) -> bool:
-    return request.prompt_logprobs or request.topk_prompt_logprobs > 0
+    return (request.prompt_logprobs or request.topk_prompt_logprobs > 0 or request.prompt_alt_tokens_k > 0
+            or request.target_prompt_logprobs is not None)
+
+
+def scores_whole_prompt(request: SamplingRequest) -> bool:
+    """Whether the request needs logits at every prompt position (``prompt_logprobs_last_n`` narrows only the
+    prompt's logprobs and top-k)."""
+    return (request.prompt_logprobs_last_n is None and scores_prompt(request)) or request.prompt_alt_tokens_k > 0 \
+        or request.target_prompt_logprobs is not None
 
 
 def sample_next(logits: torch.Tensor, settings: SamplingRequest,
@@ -92,7 +105,7 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
         prompt = torch.as_tensor(list(row.settings.prompt))
         ids[r, width - len(prompt):] = prompt
         mask[r, width - len(prompt):] = 1
-    prompt_scores: dict[int, dict[str, list]] = {}
+    prompt_scores: dict[int, dict[str, Any]] = {}
     ids, mask = ids.to(device), mask.to(device)
     route([row.slot for row in rows])
     try:
@@ -160,29 +173,63 @@ def logits_to_keep(requests: Sequence[SamplingRequest]) -> int:
     last N tokens (a token is scored by the logits of the position before it)."""
     keep = 1
     for request in requests:
+        if scores_whole_prompt(request):
+            return 0
         if scores_prompt(request):
-            if request.prompt_logprobs_last_n is None:
-                return 0
             keep = max(keep, request.prompt_logprobs_last_n + 1)
     return keep
 
 
-def _prompt_scores(logits: torch.Tensor, ids: torch.Tensor, request: SamplingRequest) -> dict[str, list]:
+def _prompt_scores(logits: torch.Tensor, ids: torch.Tensor, request: SamplingRequest) -> dict[str, Any]:
     """``prompt_logprobs`` (each scored prompt token's logprob given those before it) and ``topk_prompt_logprobs``
     (the k likeliest tokens there), as asked; None for the positions not scored (the first, and those before
     ``prompt_logprobs_last_n``). ``logits`` are the row's last positions', the row left-padded to ``ids``' width."""
     length = len(request.prompt)
     scored = length - 1 if request.prompt_logprobs_last_n is None else request.prompt_logprobs_last_n
     kept = logits.shape[0]
-    logprobs = torch.log_softmax(logits[kept - 1 - scored:kept - 1].float(), -1)
+
+    def last_positions(count: int) -> torch.Tensor:
+        """Logprobs of the next token at the ``count`` positions before the last (scoring the last ``count``
+        prompt tokens)."""
+        return torch.log_softmax(logits[kept - 1 - count:kept - 1].float(), -1)
+
+    logprobs = last_positions(scored)
     unscored: list = [None] * (length - scored)
-    scores: dict[str, list] = {}
+    scores: dict[str, Any] = {}
     if request.prompt_logprobs:
         targets = ids[ids.numel() - scored:].unsqueeze(-1)
         scores["prompt_logprobs"] = unscored + logprobs.gather(-1, targets).squeeze(-1).tolist()
     if request.topk_prompt_logprobs:
         scores["topk_prompt_logprobs"] = unscored + _topk(logprobs, request.topk_prompt_logprobs)
+    if request.target_prompt_logprobs is not None or request.prompt_alt_tokens_k:
+        everywhere = logprobs if scored == length - 1 else last_positions(length - 1)
+        if request.target_prompt_logprobs is not None:
+            scores["target_prompt_logprobs"] = _target_logprobs(everywhere, request.target_prompt_logprobs)
+        if request.prompt_alt_tokens_k:
+            scores["prompt_alt_tokens"] = _alt_tokens(everywhere, request)
     return scores
+
+
+def _target_logprobs(logprobs: torch.Tensor, targets: PromptTargets) -> dict[str, Any]:
+    """The logprobs of ``targets``' tokens (0.0 where -1), in its layout, from the prompt positions' logprobs."""
+    ids = torch.as_tensor(np.asarray(targets.values, dtype=np.int64))
+    values = logprobs[torch.as_tensor(targets.value_rows()), ids.clamp(min=0)].masked_fill(ids < 0, 0.0)
+    return {"shape": list(targets.shape), "values": values.tolist(), "crow_indices": targets.crow_indices,
+            "col_indices": targets.col_indices}
+
+
+def _alt_tokens(logprobs: torch.Tensor, request: SamplingRequest) -> dict[str, Any]:
+    """``prompt_alt_tokens_k`` draws with replacement from each prompt position's next-token distribution at the
+    request's temperature (0: the likeliest token, k times), with their logprobs under it."""
+    k = request.prompt_alt_tokens_k
+    if request.temperature == 0:
+        tokens = logprobs.argmax(-1, keepdim=True).expand(-1, k)
+        scaled = logprobs
+    else:
+        scaled = torch.log_softmax(logprobs / request.temperature, -1)
+        generator = _generator(request.seed, ALT_TOKENS_STREAM)
+        tokens = torch.multinomial(scaled.exp(), k, replacement=True, generator=generator)
+    return {"k": k, "tokens": tokens.tolist(), "logprobs": scaled.gather(-1, tokens).tolist()}
 
 
 def _topk(logprobs: torch.Tensor, k: int) -> list[TopK]:

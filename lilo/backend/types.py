@@ -95,6 +95,23 @@ class AdamParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptTargets:
+    """``target_prompt_logprobs``: token ids to score at each prompt position after the first, a (positions, K)
+    tensor with -1 where nothing is asked; dense (``values`` row-major) or sparse CSR (``values`` of the listed cells,
+    the others -1). The answer keeps this layout."""
+
+    shape: tuple[int, int]
+    values: Sequence[int]
+    crow_indices: Sequence[int] | None = None
+    col_indices: Sequence[int] | None = None
+
+    def value_rows(self) -> np.ndarray:
+        """The row (prompt position after the first) of each value, in their order."""
+        counts = np.diff(self.crow_indices) if self.crow_indices is not None else np.full(self.shape[0], self.shape[1])
+        return np.repeat(np.arange(self.shape[0]), counts)
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingRequest:
     prompt: Sequence[int]
     max_tokens: int = 16
@@ -109,4 +126,6 @@ class SamplingRequest:
     prompt_logprobs_last_n: int | None = None  # score only the prompt's last N tokens (None: every one after the first)
     topk_prompt_logprobs: int = 0  # the k likeliest tokens, with logprobs, at each scored prompt position (0: none)
     topk_sample_logprobs: int = 0  # the same at each sampled position
+    target_prompt_logprobs: PromptTargets | None = None  # given tokens' logprobs at each prompt position
+    prompt_alt_tokens_k: int = 0  # draws (at the temperature) from each prompt position's next-token distribution
     base_only: bool = False  # the bare base model, no adapter (the request named only a base model)

@@ -136,7 +136,8 @@ def encode_forward_backward_output(outputs: Sequence[Mapping[str, Sequence[float
 
 def encode_sample_response(result: Mapping[str, Any]) -> bytes:
     """A ``SampleResponse``: per sequence its int32 tokens, float32 logprobs, stop reason and top-k logprobs; the
-    prompt's float32 logprobs with NaN where there is none (the first token) and its top-k logprobs, as
+    prompt's float32 logprobs with NaN where there is none (the first token), its top-k logprobs, the logprobs of its
+    target tokens (in the request's dense or CSR layout) and its alternative tokens, as
     ``tinker.proto.response_conv`` reads them."""
     message = pb.SampleResponse()
     for sequence in result["sequences"]:
@@ -152,7 +153,31 @@ def encode_sample_response(result: Mapping[str, Any]) -> bytes:
                                              dtype="<f4").tobytes()
     if "topk_prompt_logprobs" in result:
         message.topk_prompt_logprobs.CopyFrom(_topk_logprobs(result["topk_prompt_logprobs"]))
+    if "target_prompt_logprobs" in result:
+        message.target_prompt_logprobs.CopyFrom(_target_tensor(result["target_prompt_logprobs"]))
+    if "prompt_alt_tokens" in result:
+        alternatives = result["prompt_alt_tokens"]
+        shape = (-1, alternatives["k"])  # (positions after the first, k), also for a one-token prompt
+        message.prompt_alt_tokens.tokens.CopyFrom(
+            _dense(np.asarray(alternatives["tokens"], dtype="<i8").reshape(shape), pb.DTYPE_INT64))
+        message.prompt_alt_tokens.logprobs.CopyFrom(
+            _dense(np.asarray(alternatives["logprobs"], dtype="<f4").reshape(shape), pb.DTYPE_FLOAT32))
     return message.SerializeToString()
+
+
+def _dense(array: np.ndarray, dtype: int) -> Any:
+    return pb.Tensor(dense=array.tobytes(), dtype=dtype, shape=list(array.shape))
+
+
+def _target_tensor(target: Mapping[str, Any]) -> Any:
+    """The float32 logprobs of ``target_prompt_logprobs``, in the layout the request had."""
+    values = np.asarray(target["values"], dtype="<f4")
+    if target["crow_indices"] is None:
+        return _dense(values.reshape(target["shape"]), pb.DTYPE_FLOAT32)
+    return pb.Tensor(sparse_csr=pb.SparseCsr(values=values.tobytes(),
+                                             crow_indices=np.asarray(target["crow_indices"], dtype="<i8").tobytes(),
+                                             col_indices=np.asarray(target["col_indices"], dtype="<i8").tobytes()),
+                     dtype=pb.DTYPE_FLOAT32, shape=list(target["shape"]))
 
 
 def _topk_logprobs(positions: Sequence[Sequence[tuple[int, float]] | None]) -> Any:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from lilo.backend.types import SamplingRequest, is_int
+from lilo.backend.types import PromptTargets, SamplingRequest, is_int
 from lilo.errors import InvalidRequestError
 
 MAX_NUM_SAMPLES = 128
-# Most tokens per position that topk_prompt_logprobs and topk_sample_logprobs may ask for (vLLM's default cap).
+# Most tokens per position that topk_prompt_logprobs, topk_sample_logprobs and prompt_alt_tokens_k may ask for
+# (vLLM's default cap on top-k logprobs).
 MAX_TOPK = 20
 # Request fields of SDK 0.38 this server does not compute; asking for them is refused rather than ignored.
-UNSUPPORTED = {"prompt_alt_tokens_k": 0, "target_prompt_logprobs": None}
+UNSUPPORTED = {"record_stability_info": False}
 
 
 def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_context_length: int,
@@ -35,11 +36,13 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
         raise InvalidRequestError(f"num_samples {num_samples} is out of range; ask for 1 to {MAX_NUM_SAMPLES}.")
     params = body.get("sampling_params") or {}
     prompt_logprobs = bool(body.get("prompt_logprobs"))
-    topk_prompt, topk_sample = (topk_count(body, field) for field in ("topk_prompt_logprobs", "topk_sample_logprobs"))
+    topk_prompt, topk_sample, alt_tokens = (
+        topk_count(body, field) for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"))
+    targets = prompt_targets(body.get("target_prompt_logprobs"), len(prompt), vocab_size)
     last_n = scored_suffix(body.get("prompt_logprobs_last_n"), prompt_logprobs or topk_prompt > 0, len(prompt))
     room = max_context_length - len(prompt)
     max_tokens = params.get("max_tokens")
-    if room == 0 and (prompt_logprobs or topk_prompt > 0):
+    if room == 0 and (prompt_logprobs or topk_prompt > 0 or alt_tokens > 0 or targets is not None):
         # A prompt that fills the context is scored and nothing sampled (compute_logprobs asks for one token).
         max_tokens = 0
     elif room < 1:
@@ -60,7 +63,8 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
                            top_k=top_k, top_p=top_p, seed=params.get("seed"), stop=stop_tokens,
                            stop_strings=stop_strings, prompt_logprobs=prompt_logprobs,
                            prompt_logprobs_last_n=last_n, topk_prompt_logprobs=topk_prompt,
-                           topk_sample_logprobs=topk_sample, base_only=base_only)
+                           topk_sample_logprobs=topk_sample, target_prompt_logprobs=targets,
+                           prompt_alt_tokens_k=alt_tokens, base_only=base_only)
 
 
 def topk_count(body: Mapping[str, Any], field: str) -> int:
@@ -68,6 +72,41 @@ def topk_count(body: Mapping[str, Any], field: str) -> int:
     if not is_int(value) or not 0 <= value <= MAX_TOPK:
         raise InvalidRequestError(f"{field} {value!r} is out of range; ask for 0 (none) to {MAX_TOPK} tokens.")
     return int(value)
+
+
+def prompt_targets(tensor: Any, prompt_length: int, vocab_size: int) -> PromptTargets | None:
+    """``target_prompt_logprobs`` (the SDK's TensorData as JSON: dense, or sparse CSR), checked."""
+    if tensor is None:
+        return None
+    expected = f"[len(prompt) - 1, K] = [{prompt_length - 1}, K]"
+    if not isinstance(tensor, Mapping):
+        raise InvalidRequestError(f"target_prompt_logprobs must be an int64 tensor of token ids, {expected}.")
+    shape, values = tensor.get("shape"), tensor.get("data")
+    crow, col = tensor.get("sparse_crow_indices"), tensor.get("sparse_col_indices")
+    if tensor.get("dtype") != "int64" or not (isinstance(shape, list) and len(shape) == 2
+                                              and all(is_int(n) for n in shape) and shape[0] == prompt_length - 1
+                                              and shape[1] >= 0):
+        raise InvalidRequestError(f"target_prompt_logprobs must be an int64 tensor of token ids, {expected}; got "
+                                  f"dtype {tensor.get('dtype')!r} and shape {shape!r}.")
+    if not _int_list(values) or any(not -1 <= value < vocab_size for value in values):
+        raise InvalidRequestError(f"target_prompt_logprobs must hold token ids in [0, {vocab_size}), or -1 for "
+                                  "none.")
+    rows, width = shape
+    if crow is None and col is None:
+        if len(values) != rows * width:
+            raise InvalidRequestError(f"target_prompt_logprobs holds {len(values)} ids; its shape {shape} needs "
+                                      f"{rows * width}.")
+    elif not (_int_list(crow) and _int_list(col) and len(crow) == rows + 1 and crow[0] == 0
+              and crow[-1] == len(values) == len(col) and all(a <= b for a, b in zip(crow, crow[1:]))
+              and all(0 <= column < width for column in col)):
+        raise InvalidRequestError("target_prompt_logprobs is not a valid sparse CSR tensor: send sparse_crow_indices "
+                                  "(rows + 1 pointers from 0 to the value count) and a column in [0, K) per value, "
+                                  "both, or neither for a dense tensor.")
+    return PromptTargets((rows, width), values, crow, col)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(is_int(item) for item in value)
 
 
 def scored_suffix(last_n: Any, prompt_logprobs: bool, prompt_length: int) -> int | None:
