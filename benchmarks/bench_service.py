@@ -6,9 +6,11 @@ optim_step, and stops the cluster. Per K:
 - ``tok_s``: training tokens per second, all clients together;
 - ``step_p50_ms`` / ``step_p99_ms``: a client's step (both futures resolved), as the client sees it;
 - ``overhead_p50_ms``: per operation, the service's own cost (HTTP, the futures DB, polling, scheduling): for each
-  client, its steps' total time minus what the trainer spent on them from the critical path (execute time, and the
-  wait behind other models' executions), per step, halved; the median over the clients. Sums over the same steps on
-  both sides: a mean of one subtracted from a median of the other reads 0 once the steps' times spread out;
+  client, its steps' total time minus what the trainer spent on them from the critical path, per step, halved; the
+  median over the clients. The trainer's part: both commands' execute time, and the forward_backward's wait behind
+  other models' executions (the optim_step, sent with it, waits behind the same ones at the same time; its wait
+  behind others after its own forward_backward ran is counted as overhead, so this errs high). Both sides sum the
+  same steps;
 - ``fairness``: most steps any client completed over fewest;
 - ``mean_batch``: how many clients' forward_backward shared one execution (median over the clients);
 - ``cpu_cores``: CPU seconds per second in the window, per part: the trainers, the ingress replica (which serves
@@ -65,13 +67,14 @@ def client_loop(service, base_model: str, rows: int, seq: int, vocab: int, ready
 
 
 def trainer_side(base_url: str, model_id: str) -> tuple[float, float]:
-    """Since this reader's last read: seconds the trainer spent executing this model's work or queued behind other
-    models', and how many commands shared its forward_backward executions on average."""
+    """Since this reader's last read: seconds the trainer spent on this model's steps (executing them, or running
+    other models' work while its forward_backward waited), and how many commands shared its forward_backward
+    executions on average."""
     from lilo.timing import critical_path_metrics
 
     metrics = critical_path_metrics(model_id, base_url=base_url, api_key=API_KEY, reset=True, reader=READER)
-    busy = sum(metrics.get(f"lilo/{kind}.{part}.total_s", 0.0)
-               for kind in ("forward_backward", "optim_step") for part in ("execute", "queue_wait_others"))
+    busy = sum(metrics.get(f"lilo/{phase}.total_s", 0.0) for phase in (
+        "forward_backward.execute", "forward_backward.queue_wait_others", "optim_step.execute"))
     return busy, metrics.get("lilo/forward_backward.execute.mean_batch", 0.0)
 
 

@@ -141,6 +141,25 @@ def test_checkpoints_sample_while_training_models_fill_every_training_slot(base,
     train(backend, "n", seed=5)
 
 
+def test_a_checkpoint_that_does_not_fit_fails_its_sample_and_keeps_no_slot(backend):
+    from lilo.backend.checkpoint_paths import local_directory
+
+    backend.add_adapter("m", LoraSpec(rank=8, seed=0))
+    path = save_for_sampler(backend, "m", "misfit")
+    directory = local_directory(backend.checkpoint_dir, path)
+    state = read_peft(directory)
+    key = next(key for key in state.tensors if key.endswith(".lora_B"))
+    state.tensors[key] = state.tensors[key][:-1]  # one row short, as from another base model
+    write_peft(state, directory, "another-model")
+    with pytest.raises(InvalidRequestError, match="does not fit the base model"):
+        greedy(backend, path)
+    assert path not in backend.adapters and backend.free_slots == 2
+    backend.add_adapter("n", LoraSpec(rank=4, seed=1))
+    backend.add_adapter("o", LoraSpec(rank=4, seed=2))
+    with pytest.raises(SaturatedError):  # still exactly three training models
+        backend.add_adapter("p", LoraSpec(rank=4, seed=3))
+
+
 def test_a_checkpoint_saved_again_under_its_name_is_reloaded(backend):
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))
     train(backend, "m", seed=1)

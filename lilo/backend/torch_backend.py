@@ -76,7 +76,7 @@ class TorchBackend:
         (a tinker path), which may also take the slots reserved for those."""
         if not 1 <= spec.rank <= self.max_rank:
             raise InvalidRequestError(f"LoRA rank {spec.rank} is out of range; use 1 to {self.max_rank}.")
-        if not model_id.startswith(TINKER_SCHEME) and self.free_slots == 0:
+        if not model_id.startswith(TINKER_SCHEME) and self.free_slots <= 0:
             raise SaturatedError(f"All {self.max_adapters} adapter slots of this trainer are in use.")
         self._make_room()
         slot = self._free_slots.pop(0)
@@ -338,8 +338,14 @@ class TorchBackend:
             state = read_peft(local_directory(self.checkpoint_dir, path))
             self.add_adapter(path, state.spec)
             weights = self.bank.weights
-            for key, index, where in self._slices(self.adapters[path]):
-                self.bank.view(weights, index)[where] = state.tensors[key].to(weights.device, weights.dtype)
+            try:
+                for key, index, where in self._slices(self.adapters[path]):
+                    self.bank.view(weights, index)[where] = state.tensors[key].to(weights.device, weights.dtype)
+            except (KeyError, RuntimeError) as error:  # tensors of another model: the slot is not kept (nor counted)
+                self.remove_adapter(path)
+                raise InvalidRequestError(
+                    f"The sampler checkpoint {path!r} does not fit the base model {self.base_model_name!r} ({error}); "
+                    "sample it on the base model it was trained on.") from error
             self._samplers[path] = version
         self._samplers.move_to_end(path)
 
