@@ -51,7 +51,7 @@ def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -
         raise InvalidRequestError("The prompt is empty; send at least one token.")
     if min(request.prompt) < 0 or max(request.prompt) >= vocab_size:
         raise InvalidRequestError(f"The prompt holds ids outside the vocabulary [0, {vocab_size}).")
-    if request.max_tokens < (0 if scores_prompt(request) else 1) or request.num_samples < 1:
+    if request.max_tokens < (0 if request.scores_prompt else 1) or request.num_samples < 1:
         raise InvalidRequestError("max_tokens and num_samples must be at least 1 (max_tokens may be 0 when the "
                                   "prompt's logprobs are asked for).")
     if request.temperature < 0 or not 0 < request.top_p <= 1:
@@ -60,15 +60,10 @@ def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -
         raise InvalidRequestError("This base model has no tokenizer to match stop strings; send stop token ids.")
 
 
-def scores_prompt(request: SamplingRequest) -> bool:
-    return (request.prompt_logprobs or request.topk_prompt_logprobs > 0 or request.prompt_alt_tokens_k > 0
-            or request.target_prompt_logprobs is not None)
-
-
 def scores_whole_prompt(request: SamplingRequest) -> bool:
     """Whether the request needs logits at every prompt position (``prompt_logprobs_last_n`` narrows only the
     prompt's logprobs and top-k)."""
-    return (request.prompt_logprobs_last_n is None and scores_prompt(request)) or request.prompt_alt_tokens_k > 0 \
+    return (request.prompt_logprobs_last_n is None and request.scores_prompt) or request.prompt_alt_tokens_k > 0 \
         or request.target_prompt_logprobs is not None
 
 
@@ -117,7 +112,7 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                         logits_to_keep=keep)
             for r, row in enumerate(rows):
-                if scores_prompt(row.settings) and row.request not in prompt_scores:
+                if row.settings.scores_prompt and row.request not in prompt_scores:
                     prompt_scores[row.request] = _prompt_scores(out.logits[r].cpu(), ids[r].cpu(), row.settings)
             logits, cache = out.logits[:, -1].float().cpu(), out.cache
             for _ in range(max(request.max_tokens for request in requests)):
@@ -175,7 +170,7 @@ def logits_to_keep(requests: Sequence[SamplingRequest]) -> int:
     for request in requests:
         if scores_whole_prompt(request):
             return 0
-        if scores_prompt(request):
+        if request.scores_prompt:
             keep = max(keep, request.prompt_logprobs_last_n + 1)
     return keep
 

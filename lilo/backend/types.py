@@ -129,3 +129,10 @@ class SamplingRequest:
     target_prompt_logprobs: PromptTargets | None = None  # given tokens' logprobs at each prompt position
     prompt_alt_tokens_k: int = 0  # draws (at the temperature) from each prompt position's next-token distribution
     base_only: bool = False  # the bare base model, no adapter (the request named only a base model)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prefill's logits answer something about the prompt itself (such a request may sample no
+        token: a prompt that fills the context is still scored)."""
+        return (self.prompt_logprobs or self.topk_prompt_logprobs > 0 or self.prompt_alt_tokens_k > 0
+                or self.target_prompt_logprobs is not None)

@@ -40,9 +40,11 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
         topk_count(body, field) for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"))
     targets = prompt_targets(body.get("target_prompt_logprobs"), len(prompt), vocab_size)
     last_n = scored_suffix(body.get("prompt_logprobs_last_n"), prompt_logprobs or topk_prompt > 0, len(prompt))
+    scored = SamplingRequest(prompt, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt,
+                             target_prompt_logprobs=targets, prompt_alt_tokens_k=alt_tokens).scores_prompt
     room = max_context_length - len(prompt)
     max_tokens = params.get("max_tokens")
-    if room == 0 and (prompt_logprobs or topk_prompt > 0 or alt_tokens > 0 or targets is not None):
+    if room == 0 and scored:
         # A prompt that fills the context is scored and nothing sampled (compute_logprobs asks for one token).
         max_tokens = 0
     elif room < 1:
