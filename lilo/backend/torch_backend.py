@@ -335,12 +335,8 @@ class TorchBackend:
             if path in self.adapters:
                 self.remove_adapter(path)
             self._make_room(pinned)
-            state = read_peft(local_directory(self.checkpoint_dir, path))
-            self.add_adapter(path, state.spec)
-            weights = self.bank.weights
             try:
-                for key, index, where in self._slices(self.adapters[path]):
-                    self.bank.view(weights, index)[where] = state.tensors[key].to(weights.device, weights.dtype)
+                self._install(path, read_peft(local_directory(self.checkpoint_dir, path)), optimizer=False)
             except (KeyError, RuntimeError) as error:  # tensors of another model: the slot is not kept (nor counted)
                 self.remove_adapter(path)
                 raise InvalidRequestError(
