@@ -696,13 +696,13 @@ _TENANTS = "SELECT request_id, tenant FROM futures WHERE request_id IN ({marks})
 _PENDING_TENANTS = _TENANTS + f" AND status = '{PENDING}'"
 
 
-# What an unknown record answers, and (so its existence is not revealed) another tenant's.
 def merge_heartbeats(into: dict[str, float], beats: dict[str, float]) -> None:
     """Add sessions' heartbeat times to those noted in ``into``, keeping each session's latest."""
     for session_id, at in beats.items():
         into[session_id] = max(at, into.get(session_id, at))
 
 
+# What an unknown record answers, and (so its existence is not revealed) another tenant's.
 def unknown_model_error(model_id: str) -> NotFoundError:
     return NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
 
