@@ -23,6 +23,7 @@ from cluster.worker_setup import freeze_startup
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.scheduling import PendingMeta
 from lilo.futures.schema import PENDING
+from lilo.backend.provenance import RecordedSequence
 from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
     merge_heartbeats, parse_request_id,
@@ -218,6 +219,12 @@ class FuturesActor:
         return await self._run(self._store.sampling_session, sampling_session_id, tenant)
 
     # --- health --------------------------------------------------------------------------------------------
+    async def recorded_sequences(self, model_id: str, sequence_ids: Sequence[str],
+                                 tenant: str | None = None) -> dict[str, RecordedSequence]:
+        """The recorded sequences a stable_reinforce request of ``model_id`` names, their day restarted; raises a
+        client error naming the first that is unknown, expired or from another session."""
+        return await self._run(self._store.recorded_sequences, model_id, list(sequence_ids), tenant)
+
     async def stats(self) -> dict[str, Any]:
         counts = await self._run(self._store.count_by_status)
         db_mb, wal_mb = self._store.file_sizes_mb()

@@ -18,7 +18,7 @@ import uuid
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import orjson
 import ray
@@ -36,6 +36,7 @@ from lilo.engine.commands import (
 )
 from lilo.engine.engine import Engine
 from lilo.errors import NotFoundError, UnavailableError, failure_category
+from lilo.futures.sequences import RecordedSample
 from lilo.futures.store import Completion
 from lilo.protocol.proto import encode_forward_backward_output, encode_sample_response
 from lilo.settings import Settings
@@ -142,7 +143,9 @@ class TrainerActor:
                 "checkpoint first.") from None
         if future not in self._reported:  # a retry handed over again gets the first future: report it once
             self._reported.add(future)
-            future.add_done_callback(lambda done: self._finished(command.kind, command.request_id, done))
+            recorded_prompt = recorded_prompt_of(command)
+            future.add_done_callback(
+                lambda done: self._finished(command.kind, command.request_id, done, recorded_prompt))
 
     async def create_model_future(self, model_id: str, spec: LoraSpec, request_id: str) -> None:
         """Create a model; the create_model future ``request_id`` completes with ``{"model_id"}`` when it is ready.
@@ -224,9 +227,10 @@ class TrainerActor:
         _, backend, _ = await asyncio.wrap_future(self._ready)
         return await asyncio.to_thread(weights_spec, backend.checkpoint_dir, path)
 
-    def _finished(self, kind: str, request_id: str, done: Future) -> None:
+    def _finished(self, kind: str, request_id: str, done: Future,
+                  recorded_prompt: Sequence[int] | None = None) -> None:
         # Runs on the thread that finished the command; the flusher on the event loop writes it, woken at once.
-        self._outbox.put(completion_for(kind, int(request_id), done))
+        self._outbox.put(completion_for(kind, int(request_id), done, recorded_prompt))
         self._loop.call_soon_threadsafe(self._wake.set)
 
     def _start_flusher(self) -> None:
@@ -311,9 +315,18 @@ def lower_thread_priority(nice: int) -> None:
         logger.warning("could not make the compute thread %d steps nicer: %s", nice, error)
 
 
-def completion_for(kind: str, request_id: int, done: Future) -> Completion:
+def recorded_prompt_of(command: Command) -> Sequence[int] | None:
+    """The prompt of a sample whose sequences are to be recorded (``record_stability_info``); else None."""
+    if command.kind == SAMPLE and command.payload.record_stability_info:
+        return command.payload.prompt
+    return None
+
+
+def completion_for(kind: str, request_id: int, done: Future,
+                   recorded_prompt: Sequence[int] | None = None) -> Completion:
     """The stored result of a finished command: protobuf for forward passes and samples (as the SDK demands), JSON
-    otherwise; a failure carries its message and whether the client (``user``) or the server caused it."""
+    otherwise; a failure carries its message and whether the client (``user``) or the server caused it. A sample
+    given ``recorded_prompt`` carries its sequences to be recorded with its result."""
     error = done.exception()
     if error is not None:
         return Completion.failure(request_id, str(error), failure_category(error), request_type=kind)
@@ -322,6 +335,9 @@ def completion_for(kind: str, request_id: int, done: Future) -> Completion:
         body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])
     elif kind == SAMPLE:
         body = encode_sample_response(result)
+        if recorded_prompt is not None:
+            return Completion.success(request_id, body, request_type=kind,
+                                      recorded=RecordedSample.of(recorded_prompt, result))
     elif kind in (CREATE_MODEL, UNLOAD_MODEL):
         body = orjson.dumps({"model_id": result, "type": kind})
     else:

@@ -15,12 +15,13 @@ from cluster.placement import named_actor, place
 from cluster.unloading import failing_future, unload_models
 from lilo.backend.checkpoint_index import WEIGHTS
 from lilo.backend.checkpoint_paths import checked_client_name, parse_tinker_path
-from lilo.backend.loss_inputs import check_train_input
+from lilo.backend.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
+from lilo.backend.provenance import named_sequences
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, Command,
 )
-from lilo.errors import ConflictError, InvalidRequestError, LiloError, NotFoundError
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError
 from lilo.futures.store import Submission
 from lilo.protocol.proto import ForwardBackwardCall
 
@@ -182,7 +183,7 @@ async def spending_seq(futures: ActorHandle, model_id: str, seq_id: int, tenant:
     this one forever. (Nothing is recorded when the model is unknown, another tenant's, or unloaded.)"""
     try:
         yield
-    except (InvalidRequestError, NotFoundError) as refusal:
+    except (InvalidRequestError, NotFoundError, GoneError) as refusal:
         with contextlib.suppress(LiloError, RayActorError):
             await submit_to(futures, Submission(model_id, REFUSED, {"refused": str(refusal)}, seq_id=seq_id,
                                                 tenant=tenant, routed=True),
@@ -193,10 +194,16 @@ async def spending_seq(futures: ActorHandle, model_id: str, seq_id: int, tenant:
 async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCall,
                                   tenant: str | None) -> dict[str, str]:
     train = call.train
+    # Stored (fingerprinted) as the client sent it: a retry is compared with what it sent, not with the records.
+    stored = {"loss_fn": train.loss_fn, "loss_config": dict(train.loss_config),
+              "data": [{"tokens": d.tokens, "inputs": dict(d.loss_inputs), "provenance": d.provenance and dataclasses.asdict(d.provenance)}
+                       for d in train.data]}
     async with spending_seq(futures, call.model_id, call.seq_id, tenant):
         check_train_input(train)
-    stored = {"loss_fn": train.loss_fn, "loss_config": dict(train.loss_config),
-              "data": [{"tokens": d.tokens, "inputs": dict(d.loss_inputs)} for d in train.data]}
+        if train.loss_fn in NEEDS_PROVENANCE:
+            records = await futures.recorded_sequences.remote(
+                call.model_id, named_sequences(d.provenance for d in train.data), tenant)
+            train = with_recorded_inputs(train, records)
     kind = FORWARD if call.forward_only else FORWARD_BACKWARD
     batch_key = (train.loss_fn, tuple(sorted(train.loss_config.items())))
     return await submit(futures, call.model_id, call.seq_id, kind, train, stored, batch_key, train.tokens, tenant)

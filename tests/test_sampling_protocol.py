@@ -58,6 +58,11 @@ def test_a_prompt_that_fills_the_context_is_scored_without_sampling():
         decode_sample_request({**sdk_body(prompt=full + [1]), "prompt_logprobs": True}, **LIMITS)
 
 
+def test_record_stability_info_is_carried_to_the_sampler():
+    assert decode_sample_request({**sdk_body(), "record_stability_info": True}, **LIMITS).record_stability_info
+    assert not decode_sample_request({**sdk_body(), "record_stability_info": None}, **LIMITS).record_stability_info
+
+
 def test_prompt_logprobs_last_n_scores_a_suffix_of_the_prompt():
     body = {**sdk_body(prompt=[1, 2, 3, 4]), "prompt_logprobs": True, "prompt_logprobs_last_n": 3}
     assert decode_sample_request(body, **LIMITS).prompt_logprobs_last_n == 3
@@ -71,7 +76,7 @@ def test_prompt_logprobs_last_n_scores_a_suffix_of_the_prompt():
     (sdk_body(num_samples=500), "num_samples 500 is out of range"),
     (sdk_body(temperature=-1.0), "temperature must be >= 0"),
     (sdk_body(stop=[5, 5000]), "list of token ids"),
-    ({**sdk_body(), "record_stability_info": True}, "record_stability_info is not supported"),
+    ({**sdk_body(), "record_stability_info": "yes"}, "record_stability_info must be true or false"),
     ({**sdk_body(), "prompt_alt_tokens_k": 21}, "prompt_alt_tokens_k 21 is out of range"),
     ({**sdk_body(), "target_prompt_logprobs": [1, 2]}, "must be an int64 tensor of token ids"),
     ({**sdk_body(), "target_prompt_logprobs": {"data": [1, 2], "dtype": "float32", "shape": [2, 1]}},

@@ -3,11 +3,13 @@ front refuses a malformed request (4xx) before recording it. The losses themselv
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from lilo.backend.provenance import RecordedSequence, recorded_inputs
 from lilo.backend.types import Datum, TrainInput
 from lilo.errors import InvalidRequestError
 
@@ -17,13 +19,20 @@ REQUIRED_INPUTS = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages"),
+    # The sampler's logprobs come from its records (the datum's provenance), not from the client.
+    "stable_reinforce": ("target_tokens", "advantages"),
 }
+# Losses computed against what the sampler recorded: their data must carry provenance, resolved before they run.
+NEEDS_PROVENANCE = frozenset({"stable_reinforce"})
 CONFIG_KEYS = {
     "cross_entropy": {},
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+    "stable_reinforce": {"max_importance_weight": 2.0},
 }
 
 
@@ -53,7 +62,21 @@ def check_train_input(train: TrainInput, vocab_size: int | None = None) -> dict[
     config = loss_config(train.loss_fn, train.loss_config)
     for index, datum in enumerate(train.data):
         _check_datum(index, datum, REQUIRED_INPUTS[train.loss_fn], vocab_size)
+        if train.loss_fn in NEEDS_PROVENANCE and datum.provenance is None:
+            raise InvalidRequestError(
+                f"Datum {index} has no provenance, which {train.loss_fn} needs: sample with "
+                "record_stability_info=True and attach each datum's sequence_ids with Datum.with_provenance.")
     return config
+
+
+def with_recorded_inputs(train: TrainInput, records: Mapping[str, RecordedSequence]) -> TrainInput:
+    """``train`` with each datum's loss inputs completed from the sampler's records its provenance names."""
+    data = [dataclasses.replace(datum, loss_inputs={
+        **datum.loss_inputs,
+        **recorded_inputs(index, np.asarray(datum.tokens), np.asarray(datum.loss_inputs["target_tokens"]),
+                          datum.provenance, records)})
+            for index, datum in enumerate(train.data)]
+    return dataclasses.replace(train, data=data)
 
 
 def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: int | None) -> None:

@@ -8,6 +8,17 @@ gradient) and the datum's loss inputs, and returns the per-token loss; a datum's
   (config ``clip_low_threshold`` default 0.8, ``clip_high_threshold`` default 1.2).
 - ``cispo``: ``-stopgrad(clip(r, low, high)) * logprobs * A`` (same clip config).
 - ``dro``: ``-(logprobs * A - beta / 2 * (logprobs - sampler_logprobs) ** 2)`` (config ``beta``, default 0.05).
+- ``gspo`` (GSPO-token, as Tinker's docs state it): the sequence ratio ``s = exp(mean over M of (logprobs -
+  sampler_logprobs))``, M the positions ``sequence_ratio_mask`` marks (without it, those with a nonzero advantage);
+  each token carries ``s``'s value with its own log-probability's gradient, ``s_t = sg(s) * exp(logprobs -
+  sg(logprobs))``, and the loss is PPO's on it: ``-min(s_t * A, clip(s_t, low, high) * A)`` (config
+  ``clip_low_threshold`` default 0.9997, ``clip_high_threshold`` default 1.0004: the GSPO paper's 3e-4 and 4e-4).
+- ``stable_reinforce``: REINFORCE with a truncated, stop-gradient importance weight against what the sampler
+  recorded: ``-m * sg(min(exp(logprobs - recorded_logprobs), max_importance_weight)) * A * logprobs``, where
+  ``recorded_logprobs`` are the sampler's own logprobs of the sampled tokens (``record_stability_info``) and ``m``
+  marks the targets that are sampled tokens (both resolved from the datum's provenance by the server; the client's
+  ``logprobs`` input is not used). Config ``max_importance_weight``, default 2.0. See docs/losses.md for why this
+  is lilo's definition.
 
 The inputs each needs and its config keys are ``loss_inputs``, which checks a request before it runs.
 """
@@ -17,6 +28,8 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import torch
+
+from lilo.backend.provenance import RECORDED_LOGPROBS, RECORDED_MASK
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
 
@@ -50,7 +63,23 @@ def dro(logprobs, inputs, config):
     return -(logprobs * inputs["advantages"] - config["beta"] / 2 * drift ** 2)
 
 
+def gspo(logprobs, inputs, config):
+    advantages = inputs["advantages"]
+    in_ratio = (inputs["sequence_ratio_mask"] if "sequence_ratio_mask" in inputs else advantages) != 0
+    drift = (logprobs.detach() - inputs["logprobs"])[in_ratio]
+    # No position in the ratio (a datum with no trained token): s = 1, the mean of nothing is not taken.
+    log_ratio = drift.mean() if drift.numel() else drift.new_zeros(())
+    ratio = torch.exp(log_ratio + logprobs - logprobs.detach())
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def stable_reinforce(logprobs, inputs, config):
+    weight = torch.exp(logprobs.detach() - inputs[RECORDED_LOGPROBS]).clamp(max=config["max_importance_weight"])
+    return -inputs[RECORDED_MASK] * weight * inputs["advantages"] * logprobs
+
+
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo, "cispo": cispo,
-    "dro": dro,
+    "dro": dro, "gspo": gspo, "stable_reinforce": stable_reinforce,
 }

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from lilo.backend.provenance import Provenance
 from lilo.errors import InvalidRequestError
 
 
@@ -49,6 +50,9 @@ class Datum:
 
     tokens: Sequence[int] | np.ndarray
     loss_inputs: Mapping[str, Sequence[float] | np.ndarray]
+    # Which sampled sequence each token came from (``Datum.with_provenance``); only losses that need what the
+    # sampler recorded read it.
+    provenance: Provenance | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,8 @@ class SamplingRequest:
     target_prompt_logprobs: PromptTargets | None = None  # given tokens' logprobs at each prompt position
     prompt_alt_tokens_k: int = 0  # draws (at the temperature) from each prompt position's next-token distribution
     base_only: bool = False  # the bare base model, no adapter (the request named only a base model)
+    # Record each returned sequence (prompt, tokens, logprobs) for training with stable_reinforce.
+    record_stability_info: bool = False
 
     @property
     def scores_prompt(self) -> bool:

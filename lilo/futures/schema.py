@@ -85,3 +85,18 @@ sampling_sessions = Table(
     # Added after the first release (nullable, so an older file gains it on open; NULL: the local tenant's).
     Column("tenant", String, nullable=True),
 )
+
+# Sequences sampled with record_stability_info, for stable_reinforce (lilo.futures.sequences).
+sampled_sequences = Table(
+    "sampled_sequences",
+    metadata,
+    Column("sequence_id", String, primary_key=True),  # <request_id>:<k>, as the sample returned it
+    Column("session_id", String, nullable=False),
+    Column("tenant", String, nullable=True),
+    Column("prompt", LargeBinary, nullable=False),  # int32 token ids of the request's prompt
+    Column("tokens", LargeBinary, nullable=False),  # int32 sampled token ids
+    Column("logprobs", LargeBinary, nullable=False),  # float32, the sampler's logprob of each sampled token
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+)
+SEQUENCES_EXPIRY_INDEX = Index("ix_sampled_sequences_expires_at", sampled_sequences.c.expires_at)

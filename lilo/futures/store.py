@@ -28,7 +28,9 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, UnavailableError
-from lilo.futures import codec
+from lilo.backend.provenance import RecordedSequence
+from lilo.futures import codec, sequences
+from lilo.futures.sequences import RecordedSample
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
     COMPLETED, FAILED, PENDING, futures, metadata, models, sampling_sessions, sessions,
@@ -107,10 +109,13 @@ class Completion:
     category: str | None = None
     # Known to whoever ran the request; lets a waiter in the writer's process answer without reading the row.
     request_type: str = ""
+    # A sample taken with record_stability_info: its sequences, recorded with its result.
+    recorded: RecordedSample | None = None
 
     @classmethod
-    def success(cls, request_id: int, result: bytes, request_type: str = "") -> "Completion":
-        return cls(request_id, True, result=result, request_type=request_type)
+    def success(cls, request_id: int, result: bytes, request_type: str = "",
+                recorded: RecordedSample | None = None) -> "Completion":
+        return cls(request_id, True, result=result, request_type=request_type, recorded=recorded)
 
     @classmethod
     def failure(cls, request_id: int, error: str, category: str = "server", request_type: str = "") -> "Completion":
@@ -398,8 +403,11 @@ class FuturesStore:
             error_category=bindparam("category"), finished_at=now, payload=None)
         params = [{"rid": c.request_id, "status": COMPLETED if c.ok else FAILED, "result": c.result,
                    "error": c.error, "category": c.category} for c in batch]
+        recorded = {c.request_id: c.recorded for c in batch if c.ok and c.recorded is not None}
         with self.engine.begin() as connection:
             connection.execute(statement, params)
+            if recorded:
+                sequences.insert_records(connection, recorded, now)
 
     def _to_outbox(self, batch: Sequence[Completion], error: Exception) -> None:
         self._outbox.extend(batch)
@@ -469,6 +477,7 @@ class FuturesStore:
                     .values(pruned_seq=func.max(func.coalesce(models.c.pruned_seq, -1), bindparam("seq"))),
                     [{"pruned_model": model_id, "seq": seq} for model_id, seq in highest])
             deleted = connection.execute(futures.delete().where(old)).rowcount
+            sequences.prune_expired(connection, self._clock())
         if deleted:
             with self.engine.connect() as connection:
                 connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -674,6 +683,12 @@ class FuturesStore:
         if row is None or not may_see(tenant, row["tenant"]):
             raise unknown_sampling_session_error(sampling_session_id)
         return dict(row)
+
+    def recorded_sequences(self, model_id: str, sequence_ids: Sequence[str],
+                           tenant: str | None = None) -> dict[str, RecordedSequence]:
+        """The recorded sequences a training request of ``model_id`` names (see ``sequences.take_for_training``)."""
+        with self.engine.begin() as connection:
+            return sequences.take_for_training(connection, model_id, sequence_ids, tenant, self._clock())
 
     def close(self) -> None:
         with self._reader_lock:

@@ -13,6 +13,7 @@ import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
 
+from lilo.backend.provenance import PROMPT, RECORDED_INPUTS, SAMPLED, Provenance, Span
 from lilo.backend.types import Datum, TrainInput
 from lilo.errors import InvalidRequestError, TooLargeError
 from lilo.protocol import tinker_schema
@@ -99,7 +100,36 @@ def _datum(index: int, message: pb.Datum) -> Datum:
                                       "bytes, not a whole number of int32 token ids.")
         tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
     inputs = {name: _tensor(index, name, tensor) for name, tensor in message.loss_fn_inputs.items()}
-    return Datum(tokens=np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32), loss_inputs=inputs)
+    reserved = sorted(set(inputs) & set(RECORDED_INPUTS))
+    if reserved:
+        raise InvalidRequestError(f"Datum {index}: {', '.join(reserved)} are filled in by the server from what the "
+                                  "sampler recorded; leave them out.")
+    return Datum(tokens=np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32), loss_inputs=inputs,
+                 provenance=_provenance(index, message))
+
+
+def _provenance(index: int, message: pb.Datum) -> Provenance | None:
+    if not message.model_input_spans and not message.loss_fn_input_spans:
+        return None
+    if not message.model_input_spans or not message.loss_fn_input_spans:
+        raise InvalidRequestError(f"Datum {index}: provenance comes as a pair; send both model_input_spans and "
+                                  "loss_fn_input_spans (Datum.with_provenance sets both), or neither.")
+    return Provenance(_spans(index, message.model_input_spans), _spans(index, message.loss_fn_input_spans))
+
+
+def _spans(index: int, messages: Sequence[Any]) -> tuple[Span, ...]:
+    spans = []
+    for message in messages:
+        kind = message.WhichOneof("span")
+        if kind is None:
+            raise InvalidRequestError(f"Datum {index} has an empty provenance span; send prompt_tokens or "
+                                      "sampled_tokens spans.")
+        run = getattr(message, kind)
+        if not run.sequence_id or run.offset < 0 or run.length < 0:
+            raise InvalidRequestError(f"Datum {index}: a provenance span needs a sequence_id, an offset >= 0 and a "
+                                      f"length >= 0; got {run.sequence_id!r}, {run.offset}, {run.length}.")
+        spans.append(Span(PROMPT if kind == "prompt_tokens" else SAMPLED, run.sequence_id, run.offset, run.length))
+    return tuple(spans)
 
 
 def _tensor(index: int, name: str, tensor: pb.Tensor) -> np.ndarray:

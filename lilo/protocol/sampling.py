@@ -15,16 +15,14 @@ MAX_NUM_SAMPLES = 128
 # Most tokens per position that topk_prompt_logprobs, topk_sample_logprobs and prompt_alt_tokens_k may ask for
 # (vLLM's default cap on top-k logprobs).
 MAX_TOPK = 20
-# Request fields of SDK 0.38 this server does not compute; asking for them is refused rather than ignored.
-UNSUPPORTED = {"record_stability_info": False}
 
 
 def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_context_length: int,
                           eos_token_ids: Sequence[int], base_only: bool) -> SamplingRequest:
     """``body`` is the SDK's SampleRequest as JSON; the ids and lengths are those of the base model it runs on."""
-    for field, default in UNSUPPORTED.items():
-        if body.get(field, default) not in (default, None):
-            raise InvalidRequestError(f"{field} is not supported by this server; leave it out.")
+    record = body.get("record_stability_info")
+    if record is not None and not isinstance(record, bool):
+        raise InvalidRequestError(f"record_stability_info must be true or false, not {record!r}.")
     prompt = prompt_tokens(body.get("prompt") or {})
     if not prompt:
         raise InvalidRequestError("The prompt is empty; send at least one token.")
@@ -66,7 +64,8 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
                            stop_strings=stop_strings, prompt_logprobs=prompt_logprobs,
                            prompt_logprobs_last_n=last_n, topk_prompt_logprobs=topk_prompt,
                            topk_sample_logprobs=topk_sample, target_prompt_logprobs=targets,
-                           prompt_alt_tokens_k=alt_tokens, base_only=base_only)
+                           prompt_alt_tokens_k=alt_tokens, base_only=base_only,
+                           record_stability_info=bool(record))
 
 
 def topk_count(body: Mapping[str, Any], field: str) -> int:
