@@ -129,6 +129,8 @@ class SampleRequest(Body):
     prompt: dict[str, Any]
     sampling_params: SamplingParams
     prompt_logprobs: bool = False
+    # Record each returned sequence for training with stable_reinforce (sequence ids: sample_sequence_ids).
+    record_stability_info: bool | None = None
 
 
 class OptimStepRequest(ModelRequest):

@@ -49,9 +49,18 @@ def datums(draw) -> pb.Datum:
             chunk.encoded_text.tokens = draw(small_bytes)  # any length, not only whole int32s
         elif draw(st.booleans()):
             chunk.image.SetInParent()
-    for name in draw(st.lists(st.sampled_from(["target_tokens", "weights", "advantages", "logprobs", ""]),
+    for name in draw(st.lists(st.sampled_from(["target_tokens", "weights", "advantages", "logprobs",
+                                               "sequence_ratio_mask", "recorded_logprobs", ""]),
                               max_size=3)):
         datum.loss_fn_inputs[name].CopyFrom(draw(tensors()))
+    for spans in (datum.model_input_spans, datum.loss_fn_input_spans):
+        for _ in range(draw(st.integers(0, 2))):
+            span = spans.add()
+            kind = draw(st.sampled_from(["prompt_tokens", "sampled_tokens", None]))
+            if kind is not None:  # None: a span with neither arm set
+                run = getattr(span, kind)
+                run.sequence_id = draw(st.sampled_from(["", "1:0", "999999:3", "x" * 300]))
+                run.offset, run.length = draw(st.integers(-2**63, 2**63 - 1)), draw(st.integers(-2**63, 2**63 - 1))
     return datum
 
 
@@ -62,7 +71,7 @@ def requests(draw) -> pb.ForwardBackwardRequest:
         # Mostly a plausible model id and seq id: a missing or negative one stops decoding before the data.
         model_id=draw(st.sampled_from(["fuzz:train:0", "fuzz:train:1", "", "x" * 300, "session-0:train:\x00"])),
         seq_id=draw(st.one_of(st.integers(1, 100), st.integers(-2**31, 2**31 - 1))),
-        loss_fn=draw(st.sampled_from(["", "cross_entropy", "ppo", "??"])),
+        loss_fn=draw(st.sampled_from(["", "cross_entropy", "ppo", "gspo", "stable_reinforce", "??"])),
         forward_only=draw(st.booleans()))
     request.data.extend(draw(st.lists(datums(), max_size=3)))
     for key, value in draw(st.dictionaries(st.text(max_size=8), st.floats(), max_size=2)).items():
