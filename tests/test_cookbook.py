@@ -117,8 +117,8 @@ RL_LOSSES = [pytest.param(None, id="default-stable_reinforce"), "gspo", "importa
 
 
 @pytest.mark.parametrize("loss_fn", RL_LOSSES)
-def test_the_math_rl_recipe_trains_on_arithmetic_from_the_sl_checkpoint(local_cluster, supervised_run, tmp_path,
-                                                                         loss_fn: str | None):
+def test_math_rl_trains_from_the_sl_checkpoint_and_its_sampler_agrees_with_its_trainer(
+        local_cluster, supervised_run, tmp_path, loss_fn: str | None):
     assert supervised_run.run.returncode == 0, "the supervised run this starts from failed"
     log_path = tmp_path / "log"
     arguments = dict(env="arithmetic", model_name=TINY_DIRECTORY, renderer_name=RENDERER,
