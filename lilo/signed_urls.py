@@ -32,7 +32,9 @@ class DownloadGrant:
 
     def message(self) -> bytes:
         # Newline-separated: none of the fields may hold one (names and tenants are checked patterns).
-        return "\n".join(("lilo-download-v1", self.tenant, self.tinker_path, self.file, str(self.expires_at))).encode()
+        # surrogatepass: a link's fields come from a URL, and an unpaired surrogate in one must not raise here.
+        fields = ("lilo-download-v1", self.tenant, self.tinker_path, self.file, str(self.expires_at))
+        return "\n".join(fields).encode("utf-8", "surrogatepass")
 
 
 def signature(secret: bytes, grant: DownloadGrant) -> str:
@@ -41,7 +43,8 @@ def signature(secret: bytes, grant: DownloadGrant) -> str:
 
 def refusal(secret: bytes, grant: DownloadGrant, offered: str, now: float) -> str | None:
     """Why a link with ``offered`` as its signature may not download ``grant`` now, as a sentence; None: it may."""
-    if not hmac.compare_digest(signature(secret, grant), offered):
+    # compare_digest takes only ASCII strings; a signature is hex, so anything else is no signature.
+    if not offered.isascii() or not hmac.compare_digest(signature(secret, grant), offered):
         return ("This download link is not one lilo signed (or it was altered); ask get_external_weights_urls for "
                 "new links.")
     if grant.expires_at <= now:

@@ -20,6 +20,8 @@ def test_a_forged_or_altered_link_is_refused():
     offered = signature(SECRET, GRANT)
     assert "not one lilo signed" in refusal(SECRET, GRANT, "0" * 64, now=0)
     assert "not one lilo signed" in refusal(bytes(32), GRANT, offered, now=0)  # another service's secret
+    assert "not one lilo signed" in refusal(SECRET, GRANT, "é" * 64, now=0)  # found by the fuzz test: not a 500
+    assert "not one lilo signed" in refusal(SECRET, dataclasses.replace(GRANT, tenant="\ud800"), offered, now=0)
     for change in ({"tenant": "beta"}, {"tinker_path": "tinker://run-b/external_weights/export"},
                    {"file": "../../futures.db"}, {"expires_at": 10**10}):
         altered = dataclasses.replace(GRANT, **change)
