@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import os
 import secrets
 from pathlib import Path
@@ -31,10 +32,10 @@ class DownloadGrant:
     expires_at: int
 
     def message(self) -> bytes:
-        # Newline-separated: none of the fields may hold one (names and tenants are checked patterns).
-        # surrogatepass: a link's fields come from a URL, and an unpaired surrogate in one must not raise here.
-        fields = ("lilo-download-v1", self.tenant, self.tinker_path, self.file, str(self.expires_at))
-        return "\n".join(fields).encode("utf-8", "surrogatepass")
+        # A JSON array: no two different grants share a message, whatever their fields (they come from a URL) hold;
+        # ensure_ascii also writes an unpaired surrogate as an escape instead of failing.
+        return json.dumps(["lilo-download-v1", self.tenant, self.tinker_path, self.file, self.expires_at],
+                          ensure_ascii=True).encode()
 
 
 def signature(secret: bytes, grant: DownloadGrant) -> str:
