@@ -218,6 +218,49 @@ class FuturesActor:
     async def sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> dict[str, Any]:
         return await self._run(self._store.sampling_session, sampling_session_id, tenant)
 
+    # --- sessions as the RestClient reads them (lilo.futures.session_queries) --------------------------------
+    async def record_session_finish(self, session_id: str, tenant: str | None, finished: dict) -> None:
+        await self._run(self._store.sessions.record_finish, session_id, tenant, finished)
+
+    async def session_page(self, tenant: str, limit: int, offset: int) -> list[str]:
+        return await self._run(self._store.sessions.page, tenant, limit, offset)
+
+    async def session_detail(self, session_id: str, tenant: str) -> tuple[Any, list[str], list[str]]:
+        return await self._run(self._store.sessions.detail, session_id, tenant)
+
+    async def search_sessions(self, tenant: str, query: dict, limit: int,
+                              after: tuple[float, str] | None) -> tuple[list[Any], bool]:
+        return await self._run(self._store.sessions.search, tenant, query, limit, after)
+
+    async def session_runs(self, session_ids: Sequence[str]) -> dict[str, list[dict]]:
+        return await self._run(self._store.sessions.runs_of, list(session_ids))
+
+    # --- checkpoints: expiry and publication (lilo.futures.checkpoint_records) -----------------------------
+    async def readable_checkpoint(self, path: str, tenant: str | None, write: bool = False) -> tuple[dict, Any]:
+        """(run, record) when ``tenant`` may use the checkpoint ``path``; else its run's 404, or 410 once expired."""
+        return await self._run(self._store.checkpoints.readable, path, tenant, write)
+
+    async def record_checkpoint_save(self, path: str, tenant: str | None, expires_at: float | None) -> None:
+        await self._run(self._store.checkpoints.record_save, path, tenant, expires_at)
+
+    async def set_checkpoint_expiry(self, path: str, tenant: str | None, expires_at: float | None) -> None:
+        await self._run(self._store.checkpoints.set_expiry, path, tenant, expires_at)
+
+    async def set_checkpoint_public(self, path: str, tenant: str | None, public: bool) -> None:
+        await self._run(self._store.checkpoints.set_public, path, tenant, public)
+
+    async def forget_checkpoint(self, path: str) -> None:
+        await self._run(self._store.checkpoints.forget, path)
+
+    async def checkpoint_records(self, model_ids: Sequence[str]) -> dict[str, Any]:
+        return await self._run(self._store.checkpoints.of_runs, list(model_ids))
+
+    async def expired_checkpoints(self) -> list[tuple[Any, str | None]]:
+        return await self._run(self._store.checkpoints.due)
+
+    async def mark_checkpoints_deleted(self, paths: Sequence[str]) -> None:
+        await self._run(self._store.checkpoints.mark_deleted, list(paths))
+
     # --- health --------------------------------------------------------------------------------------------
     async def recorded_sequences(self, model_id: str, sequence_ids: Sequence[str],
                                  tenant: str | None = None) -> dict[str, RecordedSequence]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import zlib
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 from ray.actor import ActorHandle
@@ -20,6 +20,18 @@ def named_actor(name: str) -> ActorHandle:
     """A handle to one of lilo's named actors, looked up once per process: each lookup is a blocking GCS round
     trip, which would stall an event loop on every request. (A restarted actor keeps its handle.)"""
     return ray.get_actor(name, namespace=NAMESPACE)
+
+
+async def ask_file_keeper(owner: str | None, trainers: Sequence[str], method: str, *args: Any) -> Any:
+    """Call ``method`` on the trainer that owns a run (and wrote its checkpoint files) or, when that one is gone (it
+    died, or the cluster restarted with fewer trainers), on the first trainer there is, which sees the same files on
+    one machine or on shared storage."""
+    if owner is not None and owner != trainers[0]:
+        try:
+            return await getattr(named_actor(owner), method).remote(*args)
+        except (ValueError, ray.exceptions.RayActorError):  # no actor by that name, or it died
+            pass
+    return await getattr(named_actor(trainers[0]), method).remote(*args)
 
 
 async def trainer_facts(trainers: Sequence[str], answer_within_s: float | None = None) -> dict[str, dict]:

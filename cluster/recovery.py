@@ -18,7 +18,8 @@ restarted service takes back every model, from the ``lilo-shutdown`` checkpoint 
 base model no trainer serves any more is unloaded instead, with a reason its client's next request gets (410).
 
 It also unloads the models of sessions that sent no heartbeat for the session timeout (their client died without
-closing), so that their adapter slots are not taken forever; closing a client unloads its models at once.
+closing), so that their adapter slots are not taken forever; closing a client unloads its models at once. And it
+deletes checkpoints past their TTL (``cluster.checkpoint_expiry``).
 
 In-flight requests fail rather than replay: a replay would apply them to the last checkpoint, silently skipping the
 steps that had completed since, so only the client can decide how to go on.
@@ -33,6 +34,7 @@ from typing import Iterable, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.checkpoint_expiry import SWEEP_EVERY_S, sweep_expired_checkpoints
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
@@ -89,6 +91,19 @@ class RecoveryActor:
         loop = asyncio.get_event_loop()
         self._tasks = [loop.create_task(self._start())]
         self._tasks += [loop.create_task(self._watch(name)) for name in self._trainers]
+        self._tasks.append(loop.create_task(self._sweep_forever()))
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            try:
+                await self.sweep_expired_checkpoints()
+            except Exception:
+                logger.exception("the checkpoint expiry sweep failed; trying again later")
+
+    async def sweep_expired_checkpoints(self) -> list[str]:
+        """Delete the checkpoints past their TTL now (also called every SWEEP_EVERY_S); returns their paths."""
+        return await sweep_expired_checkpoints(self._futures, self._trainers)
 
     async def _start(self) -> None:
         """First the models of sessions idle past the timeout (a previous run's abandoned clients) are unloaded,

@@ -28,7 +28,8 @@ from cluster.local import NAMESPACE, ClusterError
 from cluster.timing import TimingPublisher, get_timing_actor
 from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoint_index import (
-    WEIGHTS, CheckpointEntry, delete_checkpoint, list_checkpoints, weights_spec,
+    WEIGHTS, CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, list_checkpoints,
+    read_checkpoint_file, weights_spec,
 )
 from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import (
@@ -221,6 +222,21 @@ class TrainerActor:
     async def delete_checkpoint(self, run: str, checkpoint_id: str) -> None:
         _, backend, _ = await asyncio.wrap_future(self._ready)
         await asyncio.to_thread(delete_checkpoint, backend.checkpoint_dir, run, checkpoint_id)
+
+    async def checkpoint_files(self, path: str) -> dict[str, int]:
+        """``file -> size`` of the checkpoint ``path``'s files (what its download links serve)."""
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        return await asyncio.to_thread(checkpoint_files, backend.checkpoint_dir, path)
+
+    async def read_checkpoint_file(self, path: str, file: str, offset: int, length: int) -> bytes:
+        """One chunk of one of its files: the API replica streams a download a chunk at a time from here, so the
+        files need not be on the replica's node."""
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        return await asyncio.to_thread(read_checkpoint_file, backend.checkpoint_dir, path, file, offset, length)
+
+    async def copy_checkpoint(self, source: str, destination: str) -> None:
+        _, backend, _ = await asyncio.wrap_future(self._ready)
+        await asyncio.to_thread(copy_checkpoint, backend.checkpoint_dir, source, destination)
 
     async def weights_spec(self, path: str) -> LoraSpec:
         """The LoRA spec of the weights checkpoint ``path``; raises, with a message for the client, if there is none."""

@@ -16,6 +16,11 @@ class NotFoundError(LiloError):
     """No such thing, or not yours (HTTP 404)."""
 
 
+class ForbiddenError(LiloError):
+    """A credential that is not good for this request, such as a download link lilo did not sign or that expired
+    (HTTP 403)."""
+
+
 class GoneError(LiloError):
     """It existed but was pruned under the retention policy (HTTP 410)."""
 

@@ -6,10 +6,12 @@ Serve's ingress wrapper string annotations of body models do not resolve.)
 
 import contextlib
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import ray
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError
@@ -25,14 +27,15 @@ from lilo import __version__
 from lilo.api_keys import ApiKeys
 from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
-from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER
-from lilo.errors import InvalidRequestError
+from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_EXTERNAL, SAVE_WEIGHTS_FOR_SAMPLER
+from lilo.errors import InvalidRequestError, NotFoundError
 from lilo.backend.checkpoint_paths import TINKER_SCHEME, parse_tinker_path
 from lilo.futures.schema import PENDING
 from lilo.futures.store import FutureState, unloaded_error
 from lilo.telemetry.phase_stats import ALL_MODELS
 from lilo.protocol.proto import decode_forward_backward, inflate
-from serve import runs, sampling, training
+from lilo.signed_urls import DownloadGrant, read_secret, secret_file
+from serve import checkpoints, runs, sampling, sessions, training
 from serve.auth import ApiKeyGate, caller
 from serve.errors import ERROR_RESPONSES, install_error_handlers
 from serve.direct_ingress import reuse_listening_address
@@ -48,6 +51,8 @@ MAX_PAGE = 1000  # training runs or checkpoints per listing page
 # awaits actors, and every client keeps a retrieve_future long-poll open, so a small cap would queue clients'
 # submissions behind other clients' polls in the proxy.
 MAX_ONGOING_REQUESTS = 8192
+NO_PROJECTS = ("lilo keeps no projects: each API key's tenant is one space of its own. A project id a client sends "
+               "is recorded with its session (search_sessions finds it) but changes nothing.")
 
 api = FastAPI(title="lilo", version=__version__, summary="Tinker-compatible multi-LoRA training service",
               responses=ERROR_RESPONSES)
@@ -90,6 +95,8 @@ class ModelRequest(Body):
 class SaveWeightsRequest(ModelRequest):
     seq_id: int = Field(ge=1)
     path: str | None = Field(None, max_length=MAX_ID_CHARS)
+    ttl_seconds: int | None = None  # the checkpoint expires this long after the save (none: never)
+    age_encryption_recipients: list[str] | None = None  # save_weights_external's; refused (see submit_save)
     # save_weights_for_sampler without a path: the sampling session the saved weights open
     sampling_session_seq_id: int | None = Field(None, ge=0)
 
@@ -133,6 +140,54 @@ class SampleRequest(Body):
     record_stability_info: bool | None = None
 
 
+class TtlRequest(Body):
+    ttl_seconds: int | None = None
+
+
+class TinkerPathRequest(Body):
+    tinker_path: str = Field(max_length=4 * MAX_ID_CHARS)
+
+
+class CopyWeightsRequest(Body):
+    source_path: str = Field(max_length=4 * MAX_ID_CHARS)
+    destination_project_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    session_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    model_seq_id: int | None = Field(None, ge=0)
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = Field(None, max_length=MAX_ID_CHARS)
+
+
+class SessionSearchOwner(Body):
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[str] | None = Field(None, min_length=1, max_length=10)
+
+
+class SessionStatusQuery(Body):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(None, min_length=1)
+
+
+class SessionSearchCursor(Body):
+    last_created_at: str = Field(max_length=64)
+    last_session_id: str = Field(max_length=MAX_ID_CHARS)
+
+
+class SessionSearchRequest(Body):
+    session_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+    display_name: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    owner: SessionSearchOwner = Field(default_factory=SessionSearchOwner)
+    statuses: list[SessionStatusQuery] | None = Field(None, min_length=1)
+    limit: int = Field(50, ge=1, le=200)
+    cursor: SessionSearchCursor | None = None
+
+
+class FinishSessionRequest(Body):
+    reason: dict[str, Any] | None = None
+    detail: str | None = None
+
+
 class OptimStepRequest(ModelRequest):
     seq_id: int = Field(ge=1)
     adam_params: dict[str, Any] = Field(default_factory=dict)
@@ -163,7 +218,7 @@ class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
     def __init__(self, base_models: list[str], trainers: list[str], max_body_bytes: int,
-                 api_key_digests: dict[str, str]) -> None:
+                 api_key_digests: dict[str, str], url_secret_file: str) -> None:
         reuse_listening_address()  # before Serve binds lilo's port in this replica
         # Serve's HTTP loop, the loop running these routes and Ray's threads hand each request to one another; a
         # waiting thread gets the GIL within 1 ms instead of CPython's 5 (bench_load's heartbeat p99: 47-49 ms
@@ -177,6 +232,7 @@ class LiloIngress:
         self._trainers = list(trainers)
         self._sampling = sampling.SamplingRouter(self._futures, trainers)
         self._sessions = SessionBeats(self._futures)
+        self._url_secret = read_secret(Path(url_secret_file))
         self._capabilities = {
             "supported_models": [
                 {
@@ -219,7 +275,10 @@ class LiloIngress:
         return {"type": "session_heartbeat"}
 
     @api.post("/api/v1/sessions/{session_id}/finish")
-    async def finish_session(self, session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+    async def finish_session(self, session_id: str, body: FinishSessionRequest | None = None,
+                             tenant: str = Depends(caller)) -> dict[str, Any]:
+        finished = (body or FinishSessionRequest()).model_dump(include={"reason", "detail"})
+        await self._futures.record_session_finish.remote(session_id, tenant, finished)
         await training.finish_session(self._futures, session_id, tenant)
         return {}
 
@@ -266,6 +325,12 @@ class LiloIngress:
             return await sampling.submit_ephemeral_save(self._futures, body.model_dump(), tenant=tenant)
         return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_FOR_SAMPLER, tenant=tenant)
 
+    @api.post("/api/v1/save_weights_external")
+    async def save_weights_external(self, body: SaveWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        """The adapter as a PEFT directory (adapter_config.json, adapter_model.safetensors) to download through
+        get_external_weights_urls' signed links."""
+        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_EXTERNAL, tenant=tenant)
+
     @api.post("/api/v1/create_sampling_session")
     async def create_sampling_session(self, body: CreateSamplingSessionRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         return await sampling.create_sampling_session(self._futures, self._sampling, body.model_dump(), tenant)
@@ -307,7 +372,33 @@ class LiloIngress:
     async def list_checkpoints(self, training_run_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
         return await runs.list_checkpoints(self._futures, self._trainers, training_run_id, tenant)
 
-    # A checkpoint id has a slash in it (weights/<name>), and the SDK sends it unescaped.
+    # A checkpoint id has a slash in it (weights/<name>), and the SDK sends it unescaped. These routes come before
+    # the bare DELETE of a checkpoint, whose {checkpoint_id:path} would also match their longer paths.
+    @api.get("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(self, training_run_id: str, checkpoint_id: str, request: Request,
+                                    tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await checkpoints.external_urls(self._futures, self._trainers, training_run_id, checkpoint_id, tenant,
+                                               str(request.base_url), self._url_secret)
+
+    @api.post("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}/publish", status_code=204)
+    async def publish_checkpoint(self, training_run_id: str, checkpoint_id: str,
+                                 tenant: str = Depends(caller)) -> Response:
+        await checkpoints.set_public(self._futures, self._trainers, training_run_id, checkpoint_id, True, tenant)
+        return Response(status_code=204)
+
+    @api.delete("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}/publish", status_code=204)
+    async def unpublish_checkpoint(self, training_run_id: str, checkpoint_id: str,
+                                   tenant: str = Depends(caller)) -> Response:
+        await checkpoints.set_public(self._futures, self._trainers, training_run_id, checkpoint_id, False, tenant)
+        return Response(status_code=204)
+
+    @api.put("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}/ttl", status_code=204)
+    async def set_checkpoint_ttl(self, training_run_id: str, checkpoint_id: str, body: TtlRequest,
+                                 tenant: str = Depends(caller)) -> Response:
+        await checkpoints.set_ttl(self._futures, self._trainers, training_run_id, checkpoint_id, body.ttl_seconds,
+                                  tenant)
+        return Response(status_code=204)
+
     @api.delete("/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
     async def delete_checkpoint(self, training_run_id: str, checkpoint_id: str, tenant: str = Depends(caller)) -> Response:
         await runs.delete_checkpoint(self._futures, self._trainers, training_run_id, checkpoint_id, tenant)
@@ -318,6 +409,75 @@ class LiloIngress:
                                     offset: int = Query(0, ge=0, le=INT64_MAX),
                                     tenant: str = Depends(caller)) -> dict[str, Any]:
         return await runs.list_user_checkpoints(self._futures, self._trainers, limit, offset, tenant)
+
+    @api.post("/api/v1/weights_info")
+    async def weights_info(self, body: TinkerPathRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await checkpoints.weights_info(self._futures, self._trainers, body.tinker_path, tenant)
+
+    @api.post("/api/v1/copy_weights")
+    async def copy_weights(self, body: CopyWeightsRequest, request: Request,
+                           tenant: str = Depends(caller)) -> dict[str, str]:
+        if body.weights_access_token or request.headers.get("x-tinker-weights-access-token"):
+            raise InvalidRequestError("lilo has no weights access tokens; a checkpoint another tenant published is "
+                                      "readable by its tinker path as it is. Leave weights_access_token out.")
+        if (body.session_id is None) != (body.model_seq_id is None):
+            raise InvalidRequestError("copy_weights takes session_id with model_seq_id, or neither (then the copy "
+                                      "goes to a new training run of its own).")
+        return await checkpoints.copy_weights(self._futures, self._trainers, body.model_dump(), tenant,
+                                              request.headers.get("x-idempotency-key"))
+
+    # Signed download links (lilo.signed_urls): no API key; the signature is checked first.
+    @api.get("/api/v1/downloads/{training_run_id}/external_weights/{name}/{file}", response_class=Response,
+             responses={200: {"description": "the file's bytes",
+                              "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}}}})
+    async def download(self, training_run_id: str, name: str, file: str,
+                       tenant: str = Query(max_length=MAX_ID_CHARS), expires: int = Query(ge=0, le=INT64_MAX),
+                       signature: str = Query(max_length=128)) -> Response:
+        grant = DownloadGrant(tenant, f"{TINKER_SCHEME}{training_run_id}/external_weights/{name}", file, expires)
+        size, chunks = await checkpoints.open_download(self._futures, self._trainers, grant, signature,
+                                                       self._url_secret)
+        return StreamingResponse(chunks, media_type="application/octet-stream",
+                                 headers={"Content-Length": str(size)})
+
+    # --- sessions (RestClient; serve/sessions.py) ----------------------------------------------------------
+    @api.get("/api/v1/sessions")
+    async def list_sessions(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
+                            offset: int = Query(0, ge=0, le=INT64_MAX),
+                            tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await sessions.list_sessions(self._futures, limit, offset, tenant)
+
+    @api.post("/api/v1/sessions/search")
+    async def search_sessions(self, body: SessionSearchRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await sessions.search_sessions(self._futures, self._trainers, body.model_dump(), tenant)
+
+    @api.get("/api/v1/sessions/{session_id}")
+    async def get_session(self, session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await sessions.get_session(self._futures, session_id, tenant)
+
+    # --- what a self-hosted service does not keep: a 404 that says so (the SDK retries 5xx, so not 501) -------
+    @api.put("/api/v1/sessions/{session_id}/project")
+    async def assign_session_project(self, session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+        raise NotFoundError(NO_PROJECTS)
+
+    @api.get("/api/v1/sessions/{session_id}/trace_export")
+    async def export_session_trace(self, session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
+        raise NotFoundError("lilo does not export session traces; the critical path of each model is at "
+                            "GET /api/v1/timing?model_id=... instead.")
+
+    @api.get("/api/v1/audit")
+    async def audit_log(self, tenant: str = Depends(caller)) -> dict[str, Any]:
+        raise NotFoundError("lilo keeps no audit log (it is self-hosted, with no organizations or teams); its own "
+                            "log is <home>/lilo.log on the head node.")
+
+    @api.get("/api/v1/billing/usage/events")
+    async def billing_usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:
+        raise NotFoundError("lilo is self-hosted and bills nobody, so it keeps no billing usage; the tokens each "
+                            "model trained on are in GET /api/v1/timing.")
+
+    @api.get("/api/v1/billing/usage/checkpoints/current")
+    async def checkpoint_storage_usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await runs.storage_usage(self._futures, self._trainers, tenant)
 
     @api.post("/api/v1/unload_model")
     async def unload_model(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, str]:
@@ -385,6 +545,7 @@ class LiloIngress:
 
 def build_application(settings: Settings, trainers: list[str]) -> serve.Application:
     """The Serve application for these settings, routing to these trainer actors; it gets the API keys (their
-    digests) read now."""
+    digests) read now, and the path of the download links' signing secret (made now if missing; the secret itself
+    never travels as a deployment argument)."""
     return LiloIngress.bind(list(settings.base_models), trainers, settings.max_body_mb << 20,
-                            settings.api_key_digests())
+                            settings.api_key_digests(), str(secret_file(settings.home)))

@@ -14,6 +14,8 @@ API_PREFIX = "/api/v1/"
 # Open without a key: what a health check, or the SDK before it authenticates, asks. (/docs and /openapi.json lie
 # outside /api/v1 and are open too: the schema is no secret.)
 OPEN_PATHS = frozenset({"/api/v1/healthz", "/api/v1/client/config", "/api/v1/get_server_capabilities"})
+# Signed download links (lilo.signed_urls): fetched without a key (urllib sends none); the route checks the signature.
+OPEN_PREFIXES = ("/api/v1/downloads/",)
 TENANT_SCOPE_KEY = "lilo.tenant"
 _HEADER_BYTES = HEADER.lower().encode()
 
@@ -28,7 +30,8 @@ class ApiKeyGate:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and path.startswith(API_PREFIX) and path not in OPEN_PATHS:
+        if (scope["type"] == "http" and path.startswith(API_PREFIX) and path not in OPEN_PATHS
+                and not path.startswith(OPEN_PREFIXES)):
             key = dict(scope.get("headers") or []).get(_HEADER_BYTES, b"").decode("latin-1")
             try:
                 scope[TENANT_SCOPE_KEY] = ApiKeyGate.keys.tenant_for(key)

@@ -16,13 +16,14 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lilo.errors import (
-    ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, TooLargeError,
+    ConflictError, ForbiddenError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, TooLargeError,
     UnavailableError,
 )
 
 STATUS_BY_ERROR: dict[type[LiloError], int] = {
     InvalidRequestError: 422,
     NotFoundError: 404,
+    ForbiddenError: 403,
     GoneError: 410,
     ConflictError: 409,
     SaturatedError: 429,

@@ -3,42 +3,59 @@
 A training run is a model in the futures DB (an unloaded one stays a run). Its checkpoints are files the trainer
 that owns the run wrote, so listing and deleting them is asked of that trainer (``TrainerActor.list_checkpoints``,
 ``delete_checkpoint``), never read from the ingress's disk: on a multi-node cluster the files are on the trainer's
-node unless the checkpoint directory is shared storage (see ``lilo.backend.checkpoint_index``). Responses have the SDK's shapes: ``TrainingRun``,
-``TrainingRunsResponse``, ``Checkpoint``, ``CheckpointsListResponse``.
+node unless the checkpoint directory is shared storage (see ``lilo.backend.checkpoint_index``). What the futures DB
+records of each (its expiry, whether it is public: ``lilo.futures.checkpoint_records``) is joined in, and a
+checkpoint past its TTL is left out even before the expiry sweep deletes its files. Responses have the SDK's shapes:
+``TrainingRun``, ``TrainingRunsResponse``, ``Checkpoint``, ``CheckpointsListResponse``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from typing import Any, Iterable, Sequence
 
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
 
-from lilo.backend.checkpoint_index import SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry
-from cluster.placement import named_actor
+from cluster.placement import ask_file_keeper
+from lilo.backend.checkpoint_index import (
+    EXTERNAL_WEIGHTS, SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry, checkpoint_path,
+)
+from lilo.futures.checkpoint_records import CheckpointRecord
+from lilo.session_search import user_urn
 from lilo.tenants import owner
 
-CHECKPOINT_TYPES = {WEIGHTS: "training", SAMPLER_WEIGHTS: "sampler"}
+CHECKPOINT_TYPES = {WEIGHTS: "training", SAMPLER_WEIGHTS: "sampler", EXTERNAL_WEIGHTS: "external"}
+# A checkpoint's files and what the futures DB records of it (None: nothing, so private and never expiring).
+Listed = tuple[CheckpointEntry, CheckpointRecord | None]
 
 
 def timestamp(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat()
 
 
-def checkpoint_json(checkpoint: CheckpointEntry) -> dict[str, Any]:
+def checkpoint_json(listed: Listed) -> dict[str, Any]:
     """A checkpoint as the SDK's ``Checkpoint``."""
+    checkpoint, record = listed
+    expires_at = None if record is None or record.expires_at is None else timestamp(record.expires_at)
     return {"checkpoint_id": checkpoint.checkpoint_id, "checkpoint_type": CHECKPOINT_TYPES[checkpoint.kind],
             "time": timestamp(checkpoint.time_s), "tinker_path": checkpoint.tinker_path,
-            "size_bytes": checkpoint.size_bytes, "public": False, "user_metadata": None, "expires_at": None}
+            "size_bytes": checkpoint.size_bytes, "public": record is not None and record.public,
+            "user_metadata": None, "expires_at": expires_at}
 
 
-def training_run_json(run: dict[str, Any], checkpoints: Iterable[CheckpointEntry]) -> dict[str, Any]:
+def unexpired(entries: Iterable[CheckpointEntry], records: dict[str, CheckpointRecord], now: float) -> list[Listed]:
+    """Each checkpoint with its record, leaving out those past their TTL (their files may not be deleted yet)."""
+    listed = [(entry, records.get(entry.tinker_path)) for entry in entries]
+    return [(entry, record) for entry, record in listed if record is None or not record.expired(now)]
+
+
+def training_run_json(run: dict[str, Any], checkpoints: Iterable[Listed]) -> dict[str, Any]:
     """A model row of the futures DB (with ``last_request_time``) and its checkpoints as the SDK's ``TrainingRun``."""
     newest = {}
-    for checkpoint in sorted(checkpoints, key=lambda c: c.time_s):
-        newest[checkpoint.kind] = checkpoint
+    for checkpoint in sorted(checkpoints, key=lambda listed: listed[0].time_s):
+        newest[checkpoint[0].kind] = checkpoint
     return {"training_run_id": run["model_id"], "base_model": run["base_model"],
             "model_owner": owner(run["tenant"]), "is_lora": True, "corrupted": False,
             "lora_rank": run["lora_config"].get("rank"), "last_request_time": timestamp(run["last_request_time"]),
@@ -48,45 +65,38 @@ def training_run_json(run: dict[str, Any], checkpoints: Iterable[CheckpointEntry
             "user_metadata": run["user_metadata"]}
 
 
-async def ask_file_keeper(owner: str | None, trainers: Sequence[str], method: str, *args: Any) -> Any:
-    """Call ``method`` on the trainer that owns a run (and wrote its files) or, when that one is gone (it died, or
-    the cluster restarted with fewer trainers), on the first trainer there is, which sees the same files on one
-    machine or on shared storage."""
-    if owner is not None and owner != trainers[0]:
-        try:
-            return await getattr(named_actor(owner), method).remote(*args)
-        except (ValueError, RayActorError):  # no actor by that name, or it died
-            pass
-    return await getattr(named_actor(trainers[0]), method).remote(*args)
-
-
-async def checkpoints_of(runs: Iterable[dict[str, Any]], trainers: Sequence[str]) -> dict[str, list[CheckpointEntry]]:
-    """The checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all at once."""
+async def checkpoints_of(futures: ActorHandle, runs: Iterable[dict[str, Any]],
+                         trainers: Sequence[str]) -> dict[str, list[Listed]]:
+    """The unexpired checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all at
+    once, with their records."""
     by_owner: dict[str | None, list[str]] = {}
     for run in runs:
         by_owner.setdefault(run["trainer"], []).append(run["model_id"])
-    answers = await asyncio.gather(*(ask_file_keeper(owner, trainers, "list_checkpoints", owned)
-                                     for owner, owned in by_owner.items()))
-    return {run: found for answer in answers for run, found in answer.items()}
+    run_ids = [run_id for owned in by_owner.values() for run_id in owned]
+    records, *answers = await asyncio.gather(futures.checkpoint_records.remote(run_ids),
+                                             *(ask_file_keeper(owner, trainers, "list_checkpoints", owned)
+                                               for owner, owned in by_owner.items()))
+    now = time.time()
+    return {run: unexpired(found, records, now) for answer in answers for run, found in answer.items()}
 
 
 # Each takes the caller's tenant: another tenant's runs are not listed, and answer 404 like unknown ones.
 async def list_training_runs(futures: ActorHandle, trainers: Sequence[str], limit: int, offset: int,
                              tenant: str) -> dict[str, Any]:
     runs, total = await futures.training_runs.remote(limit, offset, tenant)
-    checkpoints = await checkpoints_of(runs, trainers)
+    checkpoints = await checkpoints_of(futures, runs, trainers)
     return {"training_runs": [training_run_json(run, checkpoints.get(run["model_id"], [])) for run in runs],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
 async def get_training_run(futures: ActorHandle, trainers: Sequence[str], run_id: str, tenant: str) -> dict[str, Any]:
     run = await futures.training_run.remote(run_id, tenant)
-    return training_run_json(run, (await checkpoints_of([run], trainers)).get(run_id, []))
+    return training_run_json(run, (await checkpoints_of(futures, [run], trainers)).get(run_id, []))
 
 
 async def list_checkpoints(futures: ActorHandle, trainers: Sequence[str], run_id: str, tenant: str) -> dict[str, Any]:
     run = await futures.training_run.remote(run_id, tenant)
-    checkpoints = (await checkpoints_of([run], trainers)).get(run_id, [])
+    checkpoints = (await checkpoints_of(futures, [run], trainers)).get(run_id, [])
     return {"checkpoints": [checkpoint_json(checkpoint) for checkpoint in checkpoints], "cursor": None}
 
 
@@ -94,13 +104,29 @@ async def list_user_checkpoints(futures: ActorHandle, trainers: Sequence[str], l
                                 tenant: str) -> dict[str, Any]:
     """Every one of the tenant's runs' checkpoints, newest first, one page of them."""
     runs, _ = await futures.training_runs.remote(None, 0, tenant)
-    checkpoints = await checkpoints_of(runs, trainers)
-    newest_first = sorted((c for found in checkpoints.values() for c in found), key=lambda c: -c.time_s)
+    checkpoints = await checkpoints_of(futures, runs, trainers)
+    newest_first = sorted((c for found in checkpoints.values() for c in found), key=lambda c: -c[0].time_s)
     return {"checkpoints": [checkpoint_json(c) for c in newest_first[offset:offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(newest_first)}}
 
 
 async def delete_checkpoint(futures: ActorHandle, trainers: Sequence[str], run_id: str, checkpoint_id: str,
                             tenant: str) -> None:
+    """Delete one of the tenant's checkpoints (410 once past its TTL: the expiry sweep deletes it) and what the
+    futures DB records of it."""
     run = await futures.training_run.remote(run_id, tenant)
+    path = checkpoint_path(run_id, checkpoint_id)
+    await futures.readable_checkpoint.remote(path, tenant, write=True)
     await ask_file_keeper(run["trainer"], trainers, "delete_checkpoint", run_id, checkpoint_id)
+    await futures.forget_checkpoint.remote(path)
+
+
+async def storage_usage(futures: ActorHandle, trainers: Sequence[str], tenant: str) -> dict[str, Any]:
+    """The SDK's ``CurrentCheckpointStorageUsageResponse`` for the caller: its unexpired checkpoints' count and bytes,
+    measured now, as one row (lilo has no projects, and puts no price on storage)."""
+    runs, _ = await futures.training_runs.remote(None, 0, tenant)
+    held = [listed for found in (await checkpoints_of(futures, runs, trainers)).values() for listed in found]
+    size = sum(entry.size_bytes for entry, _ in held)
+    return {"effective_rate_usd_per_gigabyte_month": None,
+            "data": [{"project_id": None, "org_user_urn": user_urn(tenant), "checkpoint_count": len(held),
+                      "size_bytes": size, "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None}]}

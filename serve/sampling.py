@@ -102,8 +102,8 @@ class SamplingRouter:
 
 async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any],
                                   tenant: str) -> dict:
-    """A session sampling ``model_path`` (a sampler checkpoint of the caller's) or, without one, the bare
-    ``base_model``."""
+    """A session sampling ``model_path`` (a sampler checkpoint of the caller's, or a published one) or, without one,
+    the bare ``base_model``."""
     sampling_session_id = sampling_session_id_for(body["session_id"], body["sampling_session_seq_id"])
     model_path, base_model = body.get("model_path"), body.get("base_model")
     await futures.check_session.remote(body["session_id"], tenant)
@@ -126,10 +126,11 @@ async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, 
 
 
 async def training_run(futures: ActorHandle, model_path: str, tenant: str) -> dict[str, Any]:
-    """The training model that saved the sampler checkpoint ``model_path``, if it is ``tenant``'s."""
+    """The training model that saved the sampler checkpoint ``model_path``, if ``tenant`` may read it (its own, or a
+    published one; 410 once it expired)."""
     run = sampler_run(model_path)
     try:
-        return await futures.model.remote(run, tenant)
+        return (await futures.readable_checkpoint.remote(model_path, tenant))[0]
     except NotFoundError:
         raise NotFoundError(f"No training run {run!r} saved {model_path!r}; pass a path save_weights_for_sampler "
                             "returned.") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
@@ -14,7 +15,7 @@ from ray.exceptions import RayActorError
 from cluster.placement import named_actor, place
 from cluster.unloading import failing_future, unload_models
 from lilo.backend.checkpoint_index import WEIGHTS
-from lilo.backend.checkpoint_paths import checked_client_name, parse_tinker_path
+from lilo.backend.checkpoint_paths import checked_client_name, parse_tinker_path, tinker_path
 from lilo.backend.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
 from lilo.backend.provenance import named_sequences
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
@@ -22,6 +23,7 @@ from lilo.engine.commands import (
     CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, Command,
 )
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError
+from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission
 from lilo.protocol.proto import ForwardBackwardCall
 
@@ -106,10 +108,11 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
 
 
 async def checkpoint_run(futures: ActorHandle, path: str, tenant: str | None) -> dict[str, Any]:
-    """The training run (model row) that saved the checkpoint ``path``: 404 unless it is one of ``tenant``'s."""
+    """The training run (model row) that saved the checkpoint ``path``: 404 unless ``tenant`` may read it (one of
+    its own, or a published one), 410 once it expired."""
     run, _, _ = parse_tinker_path(path)
     try:
-        return await futures.model.remote(run, tenant)
+        return (await futures.readable_checkpoint.remote(path, tenant))[0]
     except NotFoundError:
         raise NotFoundError(f"No training run {run!r} here, so no checkpoint {path!r}; pass a path save_state "
                             "returned.") from None
@@ -217,14 +220,22 @@ async def submit_optim_step(futures: ActorHandle, body: dict[str, Any], tenant: 
 
 
 async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, tenant: str | None) -> dict[str, str]:
+    """A named save (``save_weights``, ``save_weights_for_sampler`` or ``save_weights_external``); its ``ttl_seconds``
+    (none: never) is recorded as the checkpoint's expiry once the save is accepted."""
     name = body.get("path")
     async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
         if not name:
             raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
         # Refused now: no name that could escape the checkpoint directory reaches a trainer.
         checked_client_name(name, kind)
-    return await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
-                        {"path": name}, tenant=tenant)
+        expires_at = expiry_for(body.get("ttl_seconds"), time.time())
+        if body.get("age_encryption_recipients"):
+            raise InvalidRequestError("lilo does not encrypt exported weights (its links are signed and expire); "
+                                      "leave age_encryption_recipients out.")
+    submitted = await submit(futures, body["model_id"], int(body["seq_id"]), kind, SaveRequest(str(name)),
+                             {"path": name}, tenant=tenant)
+    await futures.record_checkpoint_save.remote(tinker_path(body["model_id"], kind, name), tenant, expires_at)
+    return submitted
 
 
 async def submit_load(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lilo.backend.checkpoint_index import (
-    checkpoint_path, delete_checkpoint, list_checkpoints, weights_spec,
+    checkpoint_files, checkpoint_path, checkpoint_path_parts, copy_checkpoint, delete_checkpoint, list_checkpoints,
+    read_checkpoint_file, weights_spec,
 )
 from lilo.backend.checkpoint_paths import local_directory
 from lilo.backend.checkpoints import AdapterState, write_peft, write_state
@@ -87,3 +88,41 @@ def test_the_spec_of_a_weights_checkpoint_is_read_from_its_metadata(tmp_path):
         weights_spec(tmp_path, f"tinker://{RUN}/sampler_weights/step-2")
     with pytest.raises(NotFoundError, match="No training checkpoint"):
         weights_spec(tmp_path, f"tinker://{RUN}/weights/missing")
+
+
+def test_an_external_weights_checkpoint_is_listed_with_the_others(tmp_path):
+    save(tmp_path, "external_weights", "export", 300)
+    assert [entry.checkpoint_id for entry in list_checkpoints(tmp_path, RUN)] == ["external_weights/export"]
+
+
+def test_the_files_served_are_the_plain_files_of_a_complete_checkpoint_only(tmp_path):
+    directory = save(tmp_path, "external_weights", "export", 300)
+    (tmp_path / "secret").write_text("not for download")
+    (directory / "link").symlink_to(tmp_path / "secret")
+    path = f"tinker://{RUN}/external_weights/export"
+    files = checkpoint_files(tmp_path, path)
+    assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
+    whole = read_checkpoint_file(tmp_path, path, "adapter_model.safetensors", 0, 1 << 30)
+    assert len(whole) == files["adapter_model.safetensors"]
+    assert read_checkpoint_file(tmp_path, path, "adapter_model.safetensors", 8, 16) == whole[8:24]
+    for file in ("link", "../../secret", "..", ""):
+        with pytest.raises(NotFoundError, match="has no file"):
+            read_checkpoint_file(tmp_path, path, file, 0, 10)
+    with pytest.raises(NotFoundError, match="No checkpoint"):
+        checkpoint_files(tmp_path, f"tinker://{RUN}/external_weights/never-saved")
+    for escape in (f"tinker://{RUN}/external_weights/..", "tinker://../external_weights/x"):
+        with pytest.raises(InvalidRequestError):
+            checkpoint_files(tmp_path, escape)
+
+
+def test_a_copy_shares_the_files_and_outlives_its_source(tmp_path):
+    save(tmp_path, "weights", "source", 300)
+    source, copy = f"tinker://{RUN}/weights/source", "tinker://copy-1/weights/source"
+    copy_checkpoint(tmp_path, source, copy)
+    copied = local_directory(tmp_path, copy)
+    assert sorted(path.name for path in copied.iterdir()) == sorted(checkpoint_files(tmp_path, source))
+    assert all(path.stat().st_nlink == 2 for path in copied.iterdir())  # hard links: no bytes duplicated
+    assert weights_spec(tmp_path, copy) == SPEC
+    delete_checkpoint(tmp_path, RUN, "weights/source")
+    assert weights_spec(tmp_path, copy) == SPEC
+    assert checkpoint_path_parts(copy) == ("copy-1", "weights/source")

@@ -13,7 +13,9 @@ Kept from leaving state behind (other tests need the trainers' 16 adapter slots 
 - a body naming a served base model (create_model, create_sampling_session, load_weights) gets an unserved one
   instead, so no fuzzed request places a model or opens a sampling session;
 - every id a fuzzed body or path holds is random, so it names no model, run, session or checkpoint: the
-  state-changing routes (save_weights, unload_model, delete checkpoint, ...) answer 404 before they change anything;
+  state-changing routes (save_weights[_external], unload_model, delete checkpoint, its TTL and publication,
+  copy_weights, finishing a session, ...) answer 404 before they change anything, and a download link that lilo did
+  not sign is a 403;
 - retrieve_future's request ids are moved past the small ones, which may name other tests' futures (a pending one
   long-polls for 40 s by design).
 """
@@ -62,6 +64,7 @@ OPERATIONS = [
     "POST /api/v1/optim_step",
     "POST /api/v1/save_weights",
     "POST /api/v1/save_weights_for_sampler",
+    "POST /api/v1/save_weights_external",
     "POST /api/v1/create_sampling_session",
     "GET /api/v1/samplers/{sampling_session_id}",
     "POST /api/v1/asample",
@@ -69,8 +72,23 @@ OPERATIONS = [
     "GET /api/v1/training_runs",
     "GET /api/v1/training_runs/{training_run_id}",
     "GET /api/v1/training_runs/{training_run_id}/checkpoints",
+    "GET /api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/external_weights_urls",
+    "POST /api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/publish",
+    "DELETE /api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/publish",
+    "PUT /api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/ttl",
     "DELETE /api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}",
     "GET /api/v1/checkpoints",
+    "POST /api/v1/weights_info",
+    "POST /api/v1/copy_weights",
+    "GET /api/v1/downloads/{training_run_id}/external_weights/{name}/{file}",
+    "GET /api/v1/sessions",
+    "POST /api/v1/sessions/search",
+    "GET /api/v1/sessions/{session_id}",
+    "PUT /api/v1/sessions/{session_id}/project",
+    "GET /api/v1/sessions/{session_id}/trace_export",
+    "GET /api/v1/audit",
+    "GET /api/v1/billing/usage/events",
+    "GET /api/v1/billing/usage/checkpoints/current",
     "POST /api/v1/unload_model",
     "POST /api/v1/retrieve_future",
     "GET /api/v1/timing",
@@ -79,11 +97,15 @@ OPERATIONS = [
 INVALID_ONLY = {"POST /api/v1/create_session"}
 # Operations that take no JSON body and no parameter but free-form strings in the path: there is no invalid
 # request to make of them.
+CHECKPOINT = "/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}"
 NO_INVALID = {"GET /api/v1/healthz", "POST /api/v1/client/config", "GET /api/v1/get_server_capabilities",
               "POST /api/v1/client/dynamic_config", "POST /api/v1/telemetry", "POST /api/v1/forward_backward",
-              "POST /api/v1/sessions/{session_id}/finish", "GET /api/v1/samplers/{sampling_session_id}",
+              "GET /api/v1/samplers/{sampling_session_id}",
               "GET /api/v1/training_runs/{training_run_id}", "GET /api/v1/training_runs/{training_run_id}/checkpoints",
-              "DELETE /api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}"}
+              f"DELETE {CHECKPOINT}", f"GET {CHECKPOINT}/external_weights_urls", f"POST {CHECKPOINT}/publish",
+              f"DELETE {CHECKPOINT}/publish", "GET /api/v1/sessions/{session_id}",
+              "PUT /api/v1/sessions/{session_id}/project", "GET /api/v1/sessions/{session_id}/trace_export",
+              "GET /api/v1/audit", "GET /api/v1/billing/usage/events", "GET /api/v1/billing/usage/checkpoints/current"}
 RUNS = [(label, mode) for label in OPERATIONS for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
         if not (mode is GenerationMode.POSITIVE and label in INVALID_ONLY)
         and not (mode is GenerationMode.NEGATIVE and label in NO_INVALID)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError, NotFoundError
 
 WEIGHTS, SAMPLER_WEIGHTS = KIND_DIRECTORIES["save_weights"], KIND_DIRECTORIES["save_weights_for_sampler"]
+EXTERNAL_WEIGHTS = KIND_DIRECTORIES["save_weights_external"]
 # The file each kind writes last: a directory without it is still being written (or its write was cut short).
-COMPLETE_MARKERS = {WEIGHTS: META_FILE, SAMPLER_WEIGHTS: PEFT_CONFIG}
+COMPLETE_MARKERS = {WEIGHTS: META_FILE, SAMPLER_WEIGHTS: PEFT_CONFIG, EXTERNAL_WEIGHTS: PEFT_CONFIG}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +70,7 @@ def list_checkpoints(root: Path, run: str) -> list[CheckpointEntry]:
 
 
 def delete_checkpoint(root: Path, run: str, checkpoint_id: str) -> None:
-    """Remove ``<run>/<checkpoint_id>`` (``weights/<name>`` or ``sampler_weights/<name>``) from disk."""
+    """Remove ``<run>/<checkpoint_id>`` (``<kind directory>/<name>``) from disk."""
     directory = _inside(root, local_directory(root, checkpoint_path(run, checkpoint_id)))
     if not directory.is_dir():
         raise NotFoundError(f"Training run {run!r} has no checkpoint {checkpoint_id!r}; list its checkpoints for "
@@ -76,15 +78,68 @@ def delete_checkpoint(root: Path, run: str, checkpoint_id: str) -> None:
     shutil.rmtree(directory)
 
 
+def checkpoint_path_parts(path: str) -> tuple[str, str]:
+    """``(run, checkpoint id)`` of a ``tinker://`` checkpoint path: the inverse of ``checkpoint_path``."""
+    run, kind, name = parse_tinker_path(path)
+    return run, f"{kind}/{name}"
+
+
 def checkpoint_path(run: str, checkpoint_id: str) -> str:
     """The tinker path of ``checkpoint_id`` in ``run``; anything but ``{weights|sampler_weights}/<name>`` is
     refused."""
     kind, _, name = checkpoint_id.partition("/")
     if kind not in COMPLETE_MARKERS or not name:
-        raise InvalidRequestError(f"Checkpoint id {checkpoint_id!r} is not of the form weights/<name> or "
-                                  "sampler_weights/<name>; pass an id the checkpoint list gave.")
+        raise InvalidRequestError(f"Checkpoint id {checkpoint_id!r} is not of the form weights/<name>, "
+                                  "sampler_weights/<name> or external_weights/<name>; pass an id the checkpoint "
+                                  "list gave.")
     checked_name(name)
     return f"{TINKER_SCHEME}{_checked_run(run)}/{kind}/{name}"
+
+
+def checkpoint_files(root: Path, path: str) -> dict[str, int]:
+    """``file name -> size`` of the complete checkpoint ``path`` (plain files directly in its directory; links and
+    anything else are left out, so nothing served from here can lead elsewhere)."""
+    directory = _complete_directory(root, path)
+    return {entry.name: entry.stat().st_size for entry in sorted(directory.iterdir())
+            if entry.is_file() and not entry.is_symlink()}
+
+
+def read_checkpoint_file(root: Path, path: str, file: str, offset: int, length: int) -> bytes:
+    """Up to ``length`` bytes of one file of the checkpoint ``path``, from ``offset``; only a file that
+    ``checkpoint_files`` lists can be read."""
+    if file not in checkpoint_files(root, path):
+        raise NotFoundError(f"Checkpoint {path!r} has no file {file!r}; ask for its download links again.")
+    with open(_complete_directory(root, path) / file, "rb") as opened:
+        opened.seek(offset)
+        return opened.read(length)
+
+
+def copy_checkpoint(root: Path, source: str, destination: str) -> None:
+    """Make ``destination`` hold the files of ``source``, as hard links where the filesystem allows (no bytes are
+    duplicated, and deleting either leaves the other whole), else as copies. A copy already there is kept."""
+    files = checkpoint_files(root, source)
+    target = _inside(root, local_directory(root, destination))
+    if target.is_dir():
+        return
+    staging = target.with_name(f".{target.name}.copying")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in files:
+        origin = _complete_directory(root, source) / name
+        try:
+            os.link(origin, staging / name)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copy2(origin, staging / name)
+    staging.rename(target)  # whole or not at all: a listing never sees half a copy
+
+
+def _complete_directory(root: Path, path: str) -> Path:
+    """The directory of the complete checkpoint ``path`` (its kind's marker written), else NotFoundError."""
+    _, kind, _ = parse_tinker_path(path)
+    directory = _inside(root, local_directory(root, path))
+    if not (directory / COMPLETE_MARKERS[kind]).is_file():
+        raise NotFoundError(f"No checkpoint {path!r} here (deleted, or never saved); pass a path a save returned.")
+    return directory
 
 
 def weights_spec(root: Path, path: str) -> LoraSpec:

@@ -1,7 +1,7 @@
 """Where checkpoints live and how clients name them, without torch (the API front needs these too).
 
-A checkpoint is ``tinker://<run>/{weights|sampler_weights}/<name>`` to clients and
-``<root>/<run>/{weights|sampler_weights}/<name>/`` on disk. Names are plain file names; nothing a client sends can
+A checkpoint is ``tinker://<run>/{weights|sampler_weights|external_weights}/<name>`` to clients and
+``<root>/<run>/{weights|sampler_weights|external_weights}/<name>/`` on disk. Names are plain file names; nothing a client sends can
 point outside the checkpoint directory.
 """
 
@@ -14,7 +14,9 @@ from lilo.errors import InvalidRequestError
 
 STATE_FILE, META_FILE = "state.safetensors", "meta.json"
 TINKER_SCHEME = "tinker://"
-KIND_DIRECTORIES = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights"}
+# save_weights_external writes the same PEFT directory as save_weights_for_sampler, for download (signed URLs).
+KIND_DIRECTORIES = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights",
+                    "save_weights_external": "external_weights"}
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Sampler checkpoints that save_weights_and_get_sampling_client makes are named by the server with this prefix.
@@ -46,7 +48,7 @@ def checked_client_name(name: str, kind: str) -> str:
 
 
 def tinker_path(model_id: str, kind: str, name: str) -> str:
-    """``tinker://<model_id>/{weights|sampler_weights}/<name>``: how clients name a checkpoint."""
+    """``tinker://<model_id>/{weights|sampler_weights|external_weights}/<name>``: how clients name a checkpoint."""
     return f"{TINKER_SCHEME}{model_id}/{KIND_DIRECTORIES[kind]}/{name}"
 
 

@@ -11,6 +11,7 @@ OPTIM_STEP = "optim_step"
 SAMPLE = "sample"
 SAVE_WEIGHTS = "save_weights"
 SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
 LOAD_WEIGHTS = "load_weights"
 # A request the API refused for bad input after the client had spent its seq_id on it (the tinker SDK spends one on
 # every call): it holds that seq's place in the model's order, so the model's next request does not wait for it
@@ -23,7 +24,7 @@ UNLOAD_MODEL = "unload_model"
 # Kinds whose commands of several models may share one backend execution.
 COALESCING_KINDS = frozenset({FORWARD_BACKWARD, FORWARD, OPTIM_STEP, SAMPLE})
 # Kinds split into a capture (on the compute lane) and a persist (on the persist lane).
-SAVING_KINDS = frozenset({SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER})
+SAVING_KINDS = frozenset({SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER, SAVE_WEIGHTS_EXTERNAL})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,8 @@ sessions = Table(
     Column("metadata", Text, nullable=True),
     Column("created_at", Float, nullable=False),
     Column("last_heartbeat_at", Float, nullable=False),
+    # Added after the first release (nullable): how the client closed it, {"reason": {"type"}, "detail"}, as JSON.
+    Column("finished", Text, nullable=True),
 )
 
 sampling_sessions = Table(
@@ -100,3 +102,19 @@ sampled_sequences = Table(
     Column("expires_at", Float, nullable=False),
 )
 SEQUENCES_EXPIRY_INDEX = Index("ix_sampled_sequences_expires_at", sampled_sequences.c.expires_at)
+
+# What lilo keeps about a checkpoint beside its files (which the trainer of its run keeps): when it expires, whether
+# it is public, and for one the expiry sweep deleted, when (so a later request says it expired, not that it never
+# was). A row is written by every named save; a checkpoint without one never expires and is private.
+checkpoints = Table(
+    "checkpoints",
+    metadata,
+    Column("tinker_path", String, primary_key=True),
+    Column("model_id", String, nullable=False),
+    Column("tenant", String, nullable=True),
+    Column("expires_at", Float, nullable=True),
+    Column("public", Integer, nullable=False, default=0),
+    Column("deleted_at", Float, nullable=True),
+    Index("ix_checkpoints_model", "model_id"),
+    Index("ix_checkpoints_expires", "expires_at"),
+)

@@ -30,7 +30,9 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, UnavailableError
 from lilo.backend.provenance import RecordedSequence
 from lilo.futures import codec, sequences
+from lilo.futures.checkpoint_records import CheckpointRecords
 from lilo.futures.sequences import RecordedSample
+from lilo.futures.session_queries import SessionQueries, unknown_session_error
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
     COMPLETED, FAILED, PENDING, futures, metadata, models, sampling_sessions, sessions,
@@ -179,6 +181,8 @@ class FuturesStore:
         metadata.create_all(self.engine)
         self.create_missing_columns()
         self.create_missing_indexes()
+        self.checkpoints = CheckpointRecords(self.engine, clock)
+        self.sessions = SessionQueries(self.engine, clock)
         # The scheduler's per-tick reads skip the pool: one long-lived connection (WAL: readers see every commit
         # and never block the writer), plain driver calls, counted by hand since no SQLAlchemy event sees them.
         self._reader = self.engine.raw_connection().driver_connection
@@ -720,10 +724,6 @@ def merge_heartbeats(into: dict[str, float], beats: dict[str, float]) -> None:
 # What an unknown record answers, and (so its existence is not revealed) another tenant's.
 def unknown_model_error(model_id: str) -> NotFoundError:
     return NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
-
-
-def unknown_session_error(session_id: str) -> NotFoundError:
-    return NotFoundError(f"Unknown session_id {session_id!r}; create a session first.")
 
 
 def unknown_sampling_session_error(sampling_session_id: str) -> NotFoundError:
