@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.local import NAMESPACE
 from cluster.worker_setup import freeze_startup
 from lilo.futures.group_commit import GroupCommitter
-from lilo.futures.scheduling import PendingMeta
 from lilo.futures.schema import PENDING
 from lilo.backend.provenance import RecordedSequence
 from lilo.futures.store import (
@@ -135,14 +134,6 @@ class FuturesActor:
         except TimeoutError:
             return FutureState(request_id, PENDING)
 
-    async def scan_pending(self, model_ids: Iterable[str] | None = None) -> list[PendingMeta]:
-        return await self._run(self._store.scan_pending, None if model_ids is None else list(model_ids))
-
-    async def load_payloads(self, request_ids: Sequence[int], arrays: bool = True) -> dict[int, Any]:
-        """Payloads of the dispatched requests; numbers as numpy arrays unless ``arrays=False``."""
-        return await self._run(self._store.load_payloads, list(request_ids), arrays)
-
-    # --- models, placement, sessions -----------------------------------------------------------------------
     async def add_model(self, model_id: str, base_model: str, lora_config: dict, **owner: Any) -> None:
         await self._run(lambda: self._store.add_model(model_id, base_model, lora_config, **owner))
 

@@ -74,6 +74,13 @@ def record_counts(db_path: Path) -> dict[str, int]:
                 for table in ("futures", "models", "sessions", "sampling_sessions")}
 
 
+def pending_requests(db_path: Path, model_id: str) -> int:
+    """How many of a model's requests a futures DB file holds as pending (read-only, as ``record_counts``)."""
+    with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as connection:
+        return connection.execute("SELECT COUNT(*) FROM futures WHERE model_id = ? AND status = 'pending'",
+                                  (model_id,)).fetchone()[0]
+
+
 def heartbeat_written(db_path: str | Path, session_id: str, since: float, timeout_s: float = 30.0) -> bool:
     """Whether, within ``timeout_s``, the futures DB file records a heartbeat of ``session_id`` at ``since`` or later."""
     deadline = time.monotonic() + timeout_s

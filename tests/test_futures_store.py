@@ -13,7 +13,6 @@ from sqlalchemy import event
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError, UnavailableError
 from lilo.futures import codec, paths
 from lilo.futures import store as store_module
-from lilo.futures.scheduling import PendingMeta, dispatchable, parked
 from lilo.futures.store import Completion, FuturesStore, Submission, parse_request_id
 
 
@@ -42,19 +41,38 @@ class Statements:
         self.commits += 1
 
 
-# --- codec ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("payload", [
+# --- fingerprints (codec) -----------------------------------------------------------------------------------
+PAYLOADS = [
     step(3),
     {"ints": [0, -1, 2**63 - 1, -(2**63), 7, 8, 9, 10], "floats": [0.1, -0.0, 1e308, 5e-324, 2.5, 3.5, 4.5, 6.5]},
     {"bools": [True, False] * 8, "mixed": [1, 2.0] * 8, "short": [1, 2], "nested": [[1] * 9, {"a": [2.5] * 9}]},
     {"text": "héllo", "none": None, "empty": [], "float_ints": [1.0, 2.0] * 8},
     [1.0] * 100,
-])
-def test_codec_round_trips_exactly(payload):
-    decoded = codec.decode(codec.encode(payload))
-    assert decoded == payload
-    # Same types too (ints stay ints, floats floats); object key order is not part of JSON's meaning.
-    assert orjson.dumps(decoded, option=orjson.OPT_SORT_KEYS) == orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+]
+# Each differs from the one before it in one value, one type, one length or one key: a retry that changed anything
+# must not pass for the same request.
+NEAR_MISSES = [
+    ({"t": list(range(16))}, {"t": list(range(15)) + [16]}),
+    ({"t": list(range(16))}, {"t": [float(i) for i in range(16)]}),
+    ({"t": list(range(16))}, {"t": list(range(17))}),
+    ({"w": [0.5] * 16}, {"v": [0.5] * 16}),
+    ({"w": [0.1] * 16}, {"w": [0.1] * 15 + [0.1000001]}),
+    ({"a": [1] * 8, "b": [2] * 8}, {"a": [2] * 8, "b": [1] * 8}),
+    ({"t": np.arange(10, dtype=np.int32)}, {"t": np.arange(10, dtype=np.int64)}),
+]
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_a_payload_always_encodes_to_the_same_bytes_whatever_its_key_order(payload):
+    reordered = orjson.loads(orjson.dumps(payload))
+    if isinstance(reordered, dict):
+        reordered = dict(reversed(list(reordered.items())))
+    assert codec.encode(payload) == codec.encode(reordered)
+
+
+@pytest.mark.parametrize(("one", "other"), NEAR_MISSES)
+def test_payloads_that_differ_anywhere_encode_differently(one, other):
+    assert codec.encode(one) != codec.encode(other)
 
 
 def test_token_and_float_arrays_are_packed_binary_not_json_numbers():
@@ -63,34 +81,15 @@ def test_token_and_float_arrays_are_packed_binary_not_json_numbers():
     (length,) = struct.unpack_from("<I", blob, 4)
     skeleton = blob[8:8 + length].decode()
     assert "511" not in skeleton and "0.5" not in skeleton
-    # Token ids fit int32; these weights need float64 to come back exactly.
+    # Token ids fit int32; these weights need float64 to be kept exactly.
     assert len(blob) - 8 - length == 512 * 4 + 512 * 8
     assert len(blob) < len(orjson.dumps(payload))
 
 
 def test_arrays_take_the_narrowest_exact_type():
-    zero_one = {"weights": [0.0, 1.0] * 256, "big": [2**40] * 16}
-    blob = codec.encode(zero_one)
+    blob = codec.encode({"weights": [0.0, 1.0] * 256, "big": [2**40] * 16})
     (length,) = struct.unpack_from("<I", blob, 4)
     assert len(blob) - 8 - length == 512 * 4 + 16 * 8
-    assert codec.decode(blob) == zero_one
-
-
-def test_numpy_arrays_are_packed_in_their_own_type():
-    payload = {"tokens": np.arange(10, dtype=np.int32), "weights": np.linspace(0, 1, 10, dtype=np.float32)}
-    decoded = codec.decode(codec.encode(payload), arrays=True)
-    assert decoded["tokens"].dtype == np.int32 and decoded["tokens"].tolist() == list(range(10))
-    assert decoded["weights"].dtype == np.float32 and np.array_equal(decoded["weights"], payload["weights"])
-
-
-def test_decode_can_hand_out_arrays_without_copying():
-    payload = step(0, n_tokens=512)
-    blob = codec.encode(payload)
-    decoded = codec.decode(blob, arrays=True)
-    tokens = decoded["data"][0]["tokens"]
-    assert tokens.dtype == np.int32 and not tokens.flags.writeable
-    assert tokens.tolist() == payload["data"][0]["tokens"]
-    assert decoded["data"][0]["weights"].tolist() == payload["data"][0]["weights"]
 
 
 # --- submit ---------------------------------------------------------------------------------------------------
@@ -121,7 +120,6 @@ def test_copies_within_one_batch_are_retries_or_conflicts(store):
 def test_a_retry_after_the_request_ran_is_still_recognised(store):
     request_id = store.submit(Submission("m", "forward_backward", step(0), seq_id=0))
     store.complete_many([Completion.success(request_id, b"ok")])
-    assert store.load_payloads([request_id]) == {}  # the payload was dropped once it ran
     assert store.submit(Submission("m", "forward_backward", step(0), seq_id=0)) == request_id
     with pytest.raises(ConflictError):
         store.submit(Submission("m", "forward_backward", step(1), seq_id=0))
@@ -137,78 +135,50 @@ def test_a_retry_of_a_pending_request_says_which_trainer_to_hand_it_to_again(sto
     assert (late.request_id, late.duplicate, late.pending, late.trainer) == (first.request_id, True, False, None)
 
 
-# --- scheduling -----------------------------------------------------------------------------------------------
-def test_scan_pending_is_answered_from_the_covering_index(store):
-    store.submit_many([Submission(f"m{i % 3}", "forward_backward", step(i), seq_id=i) for i in range(9)])
-    executed: list[str] = []
-    store._reader.set_trace_callback(executed.append)  # the statements SQLite itself runs for the scans
-    pending = store.scan_pending()
-    filtered = store.scan_pending(["m1"])
-    store._reader.set_trace_callback(None)
-    assert len(pending) == 9 and {meta.model_id for meta in filtered} == {"m1"}
-    assert len(executed) == 2
+# --- the ledger keeps no payload -----------------------------------------------------------------------------
+def test_the_file_records_a_fingerprint_never_the_payload(store):
+    marker = [123456789] * 4096  # 16 KiB of one int32 in the packed encoding
+    request_id = store.submit(Submission("m", "forward_backward", {"tokens": marker}, seq_id=0))
+    store.complete_many([Completion.success(request_id, b"ok")])
+    store.close()
+    raw = b"".join(path.read_bytes() for path in store.path.parent.iterdir() if path.is_file())
+    assert np.array(marker, dtype="<i4").tobytes()[:64] not in raw
     with sqlite3.connect(store.path) as connection:
-        for sql in executed:
-            plan = connection.execute(f"EXPLAIN QUERY PLAN {sql}").fetchall()
-            assert any("USING COVERING INDEX ix_futures_pending_scan" in row[-1] for row in plan), plan
-            assert "payload" not in sql.split("FROM")[0]
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(futures)")}
+        (fingerprint,) = connection.execute("SELECT payload_sha256 FROM futures").fetchone()
+    assert "payload" not in columns and len(fingerprint) == 64
 
 
-def test_parked_requests_never_load_payloads(store):
-    store.submit_many([Submission("m", "optim_step", {"lr": 1e-4}, seq_id=0)] +
-                      [Submission("m", "forward_backward", step(i), seq_id=i) for i in range(1, 6)])
-    statements = Statements(store.engine)
-    pending = store.scan_pending()
-    ready = dispatchable(pending)
-    payloads = store.load_payloads([meta.request_id for meta in ready])
-    assert [meta.request_type for meta in ready] == ["optim_step"]
-    assert list(payloads) == [1]
-    loads = [sql for sql in statements.sql if "payload" in sql.split("FROM")[0]]
-    assert len(loads) == 1
-
-
-def test_payloads_are_read_in_chunks_under_the_bound_parameter_limit(store, monkeypatch):
-    ids = [o.request_id for o in store.submit_many(
-        [Submission("m", "forward_backward", step(i), seq_id=i) for i in range(10)])]
-    monkeypatch.setattr(store_module, "MAX_BOUND_PARAMS", 3)
-    monkeypatch.setattr(store_module.chunks, "__defaults__", (3,))
-    statements = Statements(store.engine)
-    payloads = store.load_payloads(ids)
-    assert [payloads[i] for i in ids] == [step(i) for i in range(10)]
-    assert len(statements.sql) == 4
-
-
-def meta(request_id, model, kind, seq):
-    return PendingMeta(request_id, model, kind, seq)
-
-
-@pytest.mark.parametrize(("pending", "ready_ids"), [
-    ([meta(1, "a", "forward_backward", 0), meta(2, "a", "forward_backward", 1)], [1, 2]),
-    ([meta(1, "a", "forward_backward", 0), meta(2, "a", "optim_step", 1), meta(3, "a", "forward_backward", 2)],
-     [1]),
-    ([meta(2, "a", "optim_step", 1), meta(3, "a", "forward_backward", 2)], [2]),
-    ([meta(2, "a", "load_weights", 1), meta(3, "a", "optim_step", 2)], [2]),
-    ([meta(1, "a", "optim_step", 0), meta(2, "a", "sample", 1), meta(3, "b", "forward_backward", 0)], [1, 2, 3]),
-    ([meta(1, "a", "forward_backward", 0), meta(2, "a", "optim_step", 1), meta(4, "a", "sample", 3)], [1, 4]),
-    ([meta(5, "b", "forward_backward", 1), meta(4, "b", "forward_backward", 0)], [4, 5]),
-])
-def test_barriers_are_a_pure_function_of_metadata(pending, ready_ids):
-    assert sorted(m.request_id for m in dispatchable(pending)) == ready_ids
-    in_order = sorted(pending, key=lambda m: (m.model_id, m.seq_id, m.request_id))
-    assert sorted(m.request_id for m in dispatchable(in_order, ordered=True)) == ready_ids
-    assert sorted(m.request_id for m in parked(pending)) == sorted(
-        m.request_id for m in pending if m.request_id not in ready_ids)
+def test_an_old_files_payload_column_and_scheduler_index_are_left_unread(tmp_path):
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:  # the table as the payload-keeping releases made it
+        old.execute("CREATE TABLE futures (request_id INTEGER PRIMARY KEY AUTOINCREMENT, model_id VARCHAR NOT NULL, "
+                    "request_type VARCHAR NOT NULL, seq_id INTEGER, status VARCHAR NOT NULL, payload BLOB, "
+                    "payload_sha256 VARCHAR(64) NOT NULL, result BLOB, error TEXT, error_category VARCHAR, "
+                    "tenant VARCHAR, submitted_at FLOAT NOT NULL, finished_at FLOAT, trainer VARCHAR, "
+                    "CONSTRAINT uq_futures_model_seq UNIQUE (model_id, seq_id))")
+        old.execute("CREATE INDEX ix_futures_pending_scan ON futures (status, model_id, seq_id, request_id, "
+                    "request_type)")
+    reopened = FuturesStore(path)
+    request_id = reopened.submit(Submission("m", "forward_backward", step(0), seq_id=0))
+    reopened.complete_many([Completion.success(request_id, b"ok")])
+    assert reopened.lookup(request_id).result == b"ok"
+    reopened.close()
+    with sqlite3.connect(path) as check:
+        names = {row[0] for row in check.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        (payload,) = check.execute("SELECT payload FROM futures").fetchone()
+    assert "ix_futures_pending_scan" not in names and payload is None
 
 
 def test_create_missing_indexes_backfills_an_old_database(tmp_path):
     path = tmp_path / "old.db"
     FuturesStore(path).close()
     with sqlite3.connect(path) as old:
-        old.execute("DROP INDEX ix_futures_pending_scan")
+        old.execute("DROP INDEX ix_futures_status_trainer")
     reopened = FuturesStore(path)
     with sqlite3.connect(path) as check:
         names = {row[0] for row in check.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-    assert "ix_futures_pending_scan" in names
+    assert "ix_futures_status_trainer" in names
     assert reopened.create_missing_indexes() == []
 
 

@@ -142,20 +142,20 @@ def test_group_commit_shares_commits_and_keeps_arrival_order(store):
                 return await asyncio.get_running_loop().run_in_executor(db, store.submit_many, group)
             committer = GroupCommitter(commit)
             arrivals = []
+            ids = {}
 
             async def client(name: str, steps: int):
                 for seq in range(steps):
                     await asyncio.sleep(random.random() * 0.005)
                     arrivals.append((name, seq))
                     outcome = await committer.submit(Submission(name, "forward_backward", {"s": seq}, seq_id=seq))
-                    assert outcome.request_id is not None
+                    ids[(name, seq)] = outcome.request_id
 
             await asyncio.gather(*(client(f"m{i}", 10) for i in range(16)))
-            return arrivals, committer.commits
+            return arrivals, ids, committer.commits
 
-    arrivals, commits = asyncio.run(scenario())
-    ids = {(meta.model_id, meta.seq_id): meta.request_id for meta in store.scan_pending()}
-    assert [ids[key] for key in arrivals] == sorted(ids.values())
+    arrivals, ids, commits = asyncio.run(scenario())
+    assert [ids[key] for key in arrivals] == sorted(ids.values()) == list(range(1, len(arrivals) + 1))
     assert commits < len(arrivals)
 
 

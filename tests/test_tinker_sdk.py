@@ -133,14 +133,14 @@ def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ra
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
     model_id = f"ghost-{uuid.uuid4().hex[:8]}"  # placed on a trainer that never created it
     ray.get(futures.add_model.remote(model_id, "lilo/tiny-llama", {"rank": 4}, trainer="lilo-trainer-0"))
-    from helpers import AUTH
+    from helpers import AUTH, pending_requests
 
     response = httpx.post(f"{local_cluster.api_url}/api/v1/optim_step", timeout=60, headers=AUTH,
                           json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
     # What a restarted trainer answers until the recovery actor has taken the model off it: retry (the SDK does).
     assert response.status_code == 503
     assert "did not take effect. The model is being restored" in response.json()["detail"]
-    assert ray.get(futures.scan_pending.remote([model_id])) == []  # recorded, and failed: never pending
+    assert pending_requests(local_cluster.settings.futures_db, model_id) == 0  # recorded, and failed: never pending
 
 
 def test_closing_the_service_client_unloads_its_models_and_frees_their_slots(local_cluster, ray_driver):

@@ -1,11 +1,11 @@
-"""Payload codec: JSON through orjson, with token and float arrays packed as little-endian binary.
+"""The canonical bytes of a request's payload, which its fingerprint hashes: JSON through orjson (sorted keys), with
+token and float arrays packed as little-endian binary.
 
 A Tinker request is mostly long lists of token ids and per-token weights; as JSON number lists they are several
-times larger and slower to parse than as packed arrays. ``encode`` replaces every list made only of ints (or only
+times larger and slower to write than as packed arrays. ``encode`` replaces every list made only of ints (or only
 of floats) with a reference into a binary tail, in the narrowest type that holds every value exactly (int32 or
-int64; float32 when each value survives the trip, as 0/1 weights do, else float64). ``decode`` puts them back
-exactly, as lists, or with ``arrays=True`` as read-only numpy arrays over the blob (no copy, no Python objects per
-element: what a trainer turns into tensors).
+int64; float32 when each value survives the trip, as 0/1 weights do, else float64), tagged with that type and its
+length: two payloads that differ in a value, a type or a shape encode differently.
 
 Layout: ``MAGIC | u32 skeleton length | orjson skeleton | packed arrays``.
 """
@@ -66,7 +66,9 @@ def encode(payload: Any) -> bytes:
     def walk(value: Any) -> Any:
         nonlocal offset
         if isinstance(value, dict):
-            return {key: walk(item) for key, item in value.items()}
+            # In key order, as the skeleton is written: the arrays' offsets in the tail must not depend on the
+            # order the keys came in (a protobuf map's, or a client's JSON object's).
+            return {key: walk(value[key]) for key in sorted(value)}
         if isinstance(value, np.ndarray):
             packed = _packed_array(value)
             if packed is None:
@@ -86,24 +88,3 @@ def encode(payload: Any) -> bytes:
     # Sorted keys: the same payload always encodes to the same bytes, so fingerprints compare retries.
     skeleton = orjson.dumps(walk(payload), option=orjson.OPT_SORT_KEYS)
     return b"".join([MAGIC, struct.pack("<I", len(skeleton)), skeleton, *blobs])
-
-
-def decode(data: bytes, arrays: bool = False) -> Any:
-    if data[:4] != MAGIC:
-        raise ValueError("not a lilo payload (bad magic)")
-    (length,) = struct.unpack_from("<I", data, 4)
-    tail = memoryview(data)[8 + length:]
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, dict):
-            ref = value.get(REF)
-            if ref is not None and len(value) == 1:
-                code, start, count = ref
-                array = np.frombuffer(tail, dtype=_DTYPES[code], count=count, offset=start)
-                return array if arrays else array.tolist()
-            return {key: walk(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [walk(item) for item in value]
-        return value
-
-    return walk(orjson.loads(data[8:8 + length]))

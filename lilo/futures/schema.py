@@ -19,8 +19,9 @@ futures = Table(
     Column("request_type", String, nullable=False),
     Column("seq_id", Integer, nullable=True),
     Column("status", String, nullable=False, default=PENDING),
-    # Dropped once the request has run; the fingerprint keeps retries idempotent after that.
-    Column("payload", LargeBinary, nullable=True),
+    # The payload's fingerprint, never the payload (it travels to its trainer directly): a retry with the same one
+    # is the same request, another under the same seq a conflict. (Files written before kept a payload column;
+    # nothing reads it.)
     Column("payload_sha256", String(64), nullable=False),
     Column("result", LargeBinary, nullable=True),
     Column("error", Text, nullable=True),
@@ -35,12 +36,11 @@ futures = Table(
     sqlite_autoincrement=True,
 )
 
-# The scheduler's scan reads only these columns, and only through this index: SQLite answers it without touching
-# the table rows that hold the payloads ("USING COVERING INDEX").
-PENDING_SCAN_INDEX = Index(
-    "ix_futures_pending_scan",
-    futures.c.status, futures.c.model_id, futures.c.seq_id, futures.c.request_id, futures.c.request_type,
-)
+# A failed trainer's unfinished requests (evacuate) and a start's leftovers (fail_all_pending) are found by these.
+STATUS_TRAINER_INDEX = Index("ix_futures_status_trainer", futures.c.status, futures.c.trainer)
+# Files written before the ledger kept an index for a payload scheduler that no longer exists; dropped on open, since
+# every insert would keep paying for it.
+RETIRED_INDEXES = ("ix_futures_pending_scan",)
 FINISHED_INDEX = Index("ix_futures_finished_at", futures.c.finished_at)
 
 models = Table(

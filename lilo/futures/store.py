@@ -1,12 +1,15 @@
-"""FuturesStore: the SQLite file behind every future, written by exactly one process (the futures DB actor).
+"""FuturesStore: the ledger behind every future, a SQLite file written by exactly one process (the futures DB actor).
+
+It records what the service needs to answer for a request, never the request itself: its metadata, its payload's
+fingerprint (a retry with the same payload is the same request, another under the same seq a 409), and its result
+or error; and the sessions, models, sampling sessions and heartbeats around them. Payloads travel to their trainer
+directly, which orders them itself (lilo.engine.queues).
 
 What keeps it off the critical path:
-- scheduling scans read metadata only, through a covering index; payloads are loaded only for dispatched ids;
 - submissions that arrive together share one commit, in arrival order (ids are allocated by one writer);
 - completions are one UPDATE by primary key per request, one transaction per batch, retried on "database is
   locked" and kept in a bounded outbox when they still cannot be written, never dropped silently;
-- a finished request's payload is dropped (its fingerprint keeps retries idempotent) and results are pruned after
-  the retention time, so the file stays bounded in a long run.
+- results are pruned after the retention time, so the file stays bounded in a long run.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import orjson
 from sqlalchemy import Engine, bindparam, create_engine, event, func, inspect, literal, select, true, tuple_, union_all, update
@@ -35,9 +38,8 @@ from lilo.futures.sequences import RecordedSample
 from lilo.futures.session_queries import SessionQueries, unknown_session_error
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
-    COMPLETED, FAILED, PENDING, futures, metadata, models, sampling_sessions, sessions,
+    COMPLETED, FAILED, PENDING, RETIRED_INDEXES, futures, metadata, models, sampling_sessions, sessions,
 )
-from lilo.futures.scheduling import PendingMeta
 from lilo.tenants import LOCAL_TENANT, may_see, owner
 
 logger = logging.getLogger(__name__)
@@ -63,16 +65,14 @@ class Submission:
     # ...or True: the store routes it, to the trainer its model is placed on (refusing an unknown, unloaded or
     # displaced model), in the transaction that records it, so no failure recovery can slip in between.
     routed: bool = False
-    # Set by ``prepared()``: the encoded payload and its fingerprint, computed wherever the submission was built
-    # (an ingress replica) rather than on the one writer's thread.
-    encoded: bytes | None = None
+    # Set by ``prepared()``, which drops the payload: its fingerprint, computed wherever the submission was built (an
+    # ingress replica) rather than on the one writer's thread.
     payload_sha256: str | None = None
 
     def prepared(self) -> "Submission":
-        if self.encoded is not None:
+        if self.payload_sha256 is not None:
             return self
-        encoded = codec.encode(self.payload)
-        return dataclasses.replace(self, payload=None, encoded=encoded, payload_sha256=fingerprint(encoded))
+        return dataclasses.replace(self, payload=None, payload_sha256=fingerprint(codec.encode(self.payload)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +181,11 @@ class FuturesStore:
         metadata.create_all(self.engine)
         self.create_missing_columns()
         self.create_missing_indexes()
+        self.drop_retired_indexes()
         self.checkpoints = CheckpointRecords(self.engine, clock)
         self.sessions = SessionQueries(self.engine, clock)
-        # The scheduler's per-tick reads skip the pool: one long-lived connection (WAL: readers see every commit
-        # and never block the writer), plain driver calls, counted by hand since no SQLAlchemy event sees them.
+        # The waiter's per-tick reads skip the pool: one long-lived connection (WAL: readers see every commit and
+        # never block the writer), plain driver calls, counted by hand since no SQLAlchemy event sees them.
         self._reader = self.engine.raw_connection().driver_connection
         self._reader_lock = threading.Lock()
 
@@ -228,6 +229,12 @@ class FuturesStore:
                         created.append(index.name)
         return created
 
+    def drop_retired_indexes(self) -> None:
+        """Drop indexes an older file has that nothing reads any more (each would still cost every insert)."""
+        with self.engine.begin() as connection:
+            for name in RETIRED_INDEXES:
+                connection.exec_driver_sql(f'DROP INDEX IF EXISTS "{name}"')
+
     # --- submit --------------------------------------------------------------------------------------------
     def submit_many(self, submissions: Sequence[Submission]) -> list[SubmitOutcome]:
         """Record submissions in one commit, allocating ids in the given (arrival) order.
@@ -263,7 +270,7 @@ class FuturesStore:
                 # single prepared INSERT run many times (no RETURNING round trip per row).
                 first_id = self._highest_request_id(connection) + 1
                 rows = [(first_id + n, submissions[i].model_id, submissions[i].request_type, submissions[i].seq_id,
-                         PENDING, submissions[i].encoded, prints[i], submissions[i].tenant, now, trainers.get(i))
+                         PENDING, prints[i], submissions[i].tenant, now, trainers.get(i))
                         for n, i in enumerate(inserting)]
                 connection.exec_driver_sql(_INSERT_FUTURE, rows)
                 for n, i in enumerate(inserting):
@@ -335,41 +342,15 @@ class FuturesStore:
                 taken[(model_id, seq_id)] = (request_id, known_print, trainer if status == PENDING else None)
         return taken
 
-    # --- scheduling ----------------------------------------------------------------------------------------
-    def scan_pending(self, model_ids: Iterable[str] | None = None) -> list[PendingMeta]:
-        """Pending requests' metadata only, in (model, seq) order, answered from the covering index.
-
-        It runs on every scheduler tick, so it is plain SQL on the driver: no statement compilation, no row
-        processing beyond the tuples themselves.
-        """
-        if model_ids is None:
-            return list(map(PendingMeta._make, self._read(_SCAN_PENDING, (PENDING,))))
-        wanted = list(model_ids)
-        found: list[PendingMeta] = []
-        for chunk in chunks(wanted):
-            sql = _SCAN_PENDING_OF.format(marks=",".join("?" * len(chunk)))
-            found += map(PendingMeta._make, self._read(sql, (PENDING, *chunk)))
-        return found if len(wanted) <= MAX_BOUND_PARAMS else sorted(found, key=_scan_order)
-
+    # --- reading ---------------------------------------------------------------------------------------------
     def _read(self, sql: str, params: tuple) -> list[tuple]:
         with self._reader_lock:
             self.statements += 1
             return self._reader.execute(sql, params).fetchall()
 
-    def load_payloads(self, request_ids: Sequence[int], arrays: bool = False) -> dict[int, Any]:
-        """Decoded payloads of exactly these (dispatched) requests; ``arrays``: numbers as numpy arrays."""
-        payloads: dict[int, Any] = {}
-        with self.engine.connect() as connection:
-            for chunk in chunks(list(request_ids)):
-                sql = _LOAD_PAYLOADS.format(marks=",".join("?" * len(chunk)))
-                for request_id, blob in connection.exec_driver_sql(sql, tuple(chunk)):
-                    if blob is not None:
-                        payloads[request_id] = codec.decode(blob, arrays=arrays)
-        return payloads
-
     # --- completion ----------------------------------------------------------------------------------------
     def complete_many(self, completions: Sequence[Completion]) -> bool:
-        """Write results (and drop payloads) in one transaction, retrying lock and pool timeouts with backoff.
+        """Write results in one transaction, retrying lock and pool timeouts with backoff.
 
         Completions that still cannot be written go to the outbox, retried first by the next call (or by
         ``flush_outbox``). Returns True when nothing is left in the outbox.
@@ -404,7 +385,7 @@ class FuturesStore:
         now = self._clock()
         statement = update(futures).where(futures.c.request_id == bindparam("rid"), futures.c.status == PENDING).values(
             status=bindparam("status"), result=bindparam("result"), error=bindparam("error"),
-            error_category=bindparam("category"), finished_at=now, payload=None)
+            error_category=bindparam("category"), finished_at=now)
         params = [{"rid": c.request_id, "status": COMPLETED if c.ok else FAILED, "result": c.result,
                    "error": c.error, "category": c.category} for c in batch]
         recorded = {c.request_id: c.recorded for c in batch if c.ok and c.recorded is not None}
@@ -545,7 +526,7 @@ class FuturesStore:
         how many."""
         with self.engine.begin() as connection:
             return connection.execute(update(futures).where(futures.c.status == PENDING).values(
-                status=FAILED, error=error, error_category="server", finished_at=self._clock(), payload=None)).rowcount
+                status=FAILED, error=error, error_category="server", finished_at=self._clock())).rowcount
 
     def evacuate(self, trainer: str, error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
         """``trainer`` failed: in one transaction, take its models off it (routing answers 503 until each is
@@ -576,7 +557,7 @@ class FuturesStore:
             failed = connection.execute(select(futures.c.request_id, futures.c.request_type, futures.c.tenant)
                                         .where(lost)).all()
             connection.execute(update(futures).where(lost).values(
-                status=FAILED, error=error, error_category="server", finished_at=now, payload=None))
+                status=FAILED, error=error, error_category="server", finished_at=now))
         # The most recently used first: when slots run short, those are the models most likely still wanted.
         rows = sorted(rows, key=lambda row: last.get(row.model_id, (0, 0.0))[1], reverse=True)
         displaced = [DisplacedModel(row.model_id, row.base_model, orjson.loads(row.lora_config),
@@ -701,14 +682,9 @@ class FuturesStore:
 
 
 _INSERT_FUTURE = (
-    "INSERT INTO futures (request_id, model_id, request_type, seq_id, status, payload, payload_sha256, tenant, "
-    "submitted_at, trainer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO futures (request_id, model_id, request_type, seq_id, status, payload_sha256, tenant, "
+    "submitted_at, trainer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_SCAN_COLUMNS = "SELECT request_id, model_id, request_type, seq_id FROM futures WHERE status = ?"
-_SCAN_ORDER = " ORDER BY model_id, seq_id, request_id"
-_SCAN_PENDING = _SCAN_COLUMNS + _SCAN_ORDER
-_SCAN_PENDING_OF = _SCAN_COLUMNS + " AND model_id IN ({marks})" + _SCAN_ORDER
-_LOAD_PAYLOADS = "SELECT request_id, payload FROM futures WHERE request_id IN ({marks})"
 _STATES = ("SELECT request_id, status, result, error, error_category, request_type, tenant FROM futures "
            "WHERE request_id IN ({marks})")
 _TENANTS = "SELECT request_id, tenant FROM futures WHERE request_id IN ({marks})"
@@ -758,10 +734,6 @@ def _model_dict(row: Any) -> dict[str, Any]:
     user_metadata = row["user_metadata"]
     return {**row, "lora_config": orjson.loads(row["lora_config"]),
             "user_metadata": None if user_metadata is None else orjson.loads(user_metadata)}
-
-
-def _scan_order(meta: PendingMeta) -> tuple:
-    return (meta.model_id, -1 if meta.seq_id is None else meta.seq_id, meta.request_id)
 
 
 def _next_seq(highest: int | None, pruned: int | None) -> int | None:
