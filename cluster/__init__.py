@@ -1,1 +1,2 @@
-"""Ray-side pieces of lilo: the local cluster, and (in later work) the trainer, futures DB and timing actors."""
+"""Ray-side pieces of lilo: the local cluster, the trainer, futures DB, timing and recovery actors, placement, and
+the service's start and stop."""

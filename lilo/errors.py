@@ -22,7 +22,8 @@ class ForbiddenError(LiloError):
 
 
 class GoneError(LiloError):
-    """It existed but was pruned under the retention policy (HTTP 410)."""
+    """It existed but is gone: a result pruned after the retention time, an unloaded model, an expired checkpoint or
+    recorded sequence (HTTP 410)."""
 
 
 class ConflictError(LiloError):

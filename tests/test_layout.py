@@ -1,4 +1,4 @@
-"""The split DESIGN.md fixes: ``lilo`` imports neither ``cluster`` nor ``serve`` (nor Ray); ``cluster`` not ``serve``."""
+"""The package split (docs/design.md): ``lilo`` imports neither ``cluster`` nor ``serve`` (nor Ray); ``cluster`` not ``serve``."""
 
 import pkgutil
 import subprocess
