@@ -25,7 +25,7 @@ from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import SlotAdamW
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest
-from lilo.engine.commands import SAVE_WEIGHTS, Command
+from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
 DEFAULT_MAX_ADAPTERS = 16
@@ -241,7 +241,7 @@ class TorchBackend:
     def capture(self, command: Command) -> tuple[str, AdapterState]:
         """Copy the adapter (and for save_weights its optimizer state) to CPU; the slot may change right after."""
         name = checked_name(command.payload.name)
-        return name, self._state_of(self._adapter(command.model_id), with_optimizer=command.kind == SAVE_WEIGHTS)
+        return name, self._state_of(self._adapter(command.model_id), with_optimizer=command.kind == Kind.SAVE_WEIGHTS)
 
     def _state_of(self, adapter: Adapter, with_optimizer: bool) -> AdapterState:
         tensors = {}
@@ -259,7 +259,7 @@ class TorchBackend:
         name, state = captured
         path = tinker_path(command.model_id, command.kind, name)
         directory = local_directory(self.checkpoint_dir, path)
-        if command.kind == SAVE_WEIGHTS:
+        if command.kind == Kind.SAVE_WEIGHTS:
             write_state(state, directory)
         else:
             write_peft(state, directory, self.base_model_name)
@@ -270,7 +270,7 @@ class TorchBackend:
     def save_now(self, model_id: str, name: str) -> str:
         """Capture and write ``model_id``'s adapter and optimizer state as the save_weights checkpoint ``name``
         at once, outside any engine (a trainer saving its models as it stops); returns its tinker path."""
-        command = Command(model_id, 0, SAVE_WEIGHTS, f"save-{model_id}", payload=SaveRequest(name=name))
+        command = Command(model_id, 0, Kind.SAVE_WEIGHTS, f"save-{model_id}", payload=SaveRequest(name=name))
         return self.persist(command, self.capture(command))["path"]
 
     def load_weights(self, command: Command) -> dict[str, str]:

@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+from enum import StrEnum
 from typing import Any, Hashable, Protocol, Sequence
 
-FORWARD_BACKWARD = "forward_backward"
-FORWARD = "forward"
-OPTIM_STEP = "optim_step"
-SAMPLE = "sample"
-SAVE_WEIGHTS = "save_weights"
-SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
-SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
-LOAD_WEIGHTS = "load_weights"
-# A request the API refused for bad input after the client had spent its seq_id on it (the tinker SDK spends one on
-# every call): it holds that seq's place in the model's order, so the model's next request does not wait for it
-# forever. Its payload is the refusal's message, and running it fails its future with that message.
-REFUSED = "refused"
-# Lifecycle requests: futures like the others, but never queued as commands.
-CREATE_MODEL = "create_model"
-UNLOAD_MODEL = "unload_model"
+class Kind(StrEnum):
+    """What a request asks for. A member equals its string, which is what the futures DB stores (its
+    ``request_type`` column) and what the wire and the telemetry phases say."""
+
+    FORWARD_BACKWARD = "forward_backward"
+    FORWARD = "forward"
+    OPTIM_STEP = "optim_step"
+    SAMPLE = "sample"
+    SAVE_WEIGHTS = "save_weights"
+    SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
+    LOAD_WEIGHTS = "load_weights"
+    # A request the API refused for bad input after the client had spent its seq_id on it (the tinker SDK spends one
+    # on every call): it holds that seq's place in the model's order, so the model's next request does not wait for
+    # it forever. Its payload is the refusal's message, and running it fails its future with that message.
+    REFUSED = "refused"
+    # Lifecycle requests: futures like the others, but never queued as commands.
+    CREATE_MODEL = "create_model"
+    UNLOAD_MODEL = "unload_model"
+
 
 # Kinds whose commands of several models may share one backend execution.
-COALESCING_KINDS = frozenset({FORWARD_BACKWARD, FORWARD, OPTIM_STEP, SAMPLE})
+COALESCING_KINDS = frozenset({Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.OPTIM_STEP, Kind.SAMPLE})
 # Kinds split into a capture (on the compute lane) and a persist (on the persist lane).
-SAVING_KINDS = frozenset({SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER, SAVE_WEIGHTS_EXTERNAL})
+SAVING_KINDS = frozenset({Kind.SAVE_WEIGHTS, Kind.SAVE_WEIGHTS_FOR_SAMPLER, Kind.SAVE_WEIGHTS_EXTERNAL})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +39,7 @@ class Command:
 
     model_id: str
     seq_id: int
-    kind: str
+    kind: Kind
     request_id: str
     payload: Any = None
     fingerprint: str = ""

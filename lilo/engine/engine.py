@@ -22,9 +22,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from lilo.engine.commands import (
-    FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, SAMPLE, SAVING_KINDS, Backend, Command,
-)
+from lilo.engine.commands import SAVING_KINDS, Backend, Command, Kind
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
@@ -193,7 +191,7 @@ class Engine:
             if command.model_id in self._unloading or command.model_id in self._unloaded:
                 raise GoneError(f"Model {command.model_id!r} was unloaded; create a new model (or one from a "
                                 "checkpoint) to train again.")
-            if command.kind == SAMPLE:
+            if command.kind == Kind.SAMPLE:
                 # Samples have no seq order to dedupe them: a retry handed over again (its request id known)
                 # gets the first future, not a second generation.
                 accepted = self._sample_futures.setdefault(command.request_id, future)
@@ -243,7 +241,7 @@ class Engine:
         batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce)
         if not batch:
             return None
-        if batch[0].kind == SAMPLE:
+        if batch[0].kind == Kind.SAMPLE:
             anchor, taken = SAMPLING_TURN, self._take_samples()
         else:
             anchor, taken = batch[0].model_id, [self._queues[command.model_id].take_head() for command in batch]
@@ -277,21 +275,21 @@ class Engine:
         ok = not any(isinstance(result, BaseException) for result in results)
         self.observer.span([c.model_id for c in commands], kind, COMPUTE_LANE, t0, t1,
                            request_ids=[c.request_id for c in commands], n=len(commands), ok=ok)
-        if kind != SAMPLE:  # samples were never any model queue's head
+        if kind != Kind.SAMPLE:  # samples were never any model queue's head
             self._finish_heads(commands)
         for (_, future), result in zip(taken, results):
             self._settle(future, result)
 
-    def _execute(self, kind: str, commands: Sequence[Command]) -> list[Any]:
-        if kind in (FORWARD_BACKWARD, FORWARD):
-            return self._backend.forward_backward(commands, forward_only=kind == FORWARD)
-        if kind == OPTIM_STEP:
+    def _execute(self, kind: Kind, commands: Sequence[Command]) -> list[Any]:
+        if kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
+            return self._backend.forward_backward(commands, forward_only=kind == Kind.FORWARD)
+        if kind == Kind.OPTIM_STEP:
             return self._backend.optim_step(commands)
-        if kind == SAMPLE:
+        if kind == Kind.SAMPLE:
             return self._backend.sample(commands)
-        if kind == LOAD_WEIGHTS:
+        if kind == Kind.LOAD_WEIGHTS:
             return [self._backend.load_weights(commands[0])]
-        if kind == REFUSED:
+        if kind == Kind.REFUSED:
             return [InvalidRequestError(commands[0].payload)]
         raise ValueError(f"Unknown command kind {kind!r}.")
 
