@@ -299,10 +299,10 @@ def test_a_model_that_cannot_be_created_fails_its_future_and_its_queued_work(bac
     engine.stop()
 
 
-def test_removing_a_model_fails_its_queued_commands_with_a_message(backend):
+def test_unloading_a_model_fails_the_commands_held_behind_a_missing_seq_with_a_message(backend):
     engine = ready_engine(backend, ["a"])
     waiting = engine.submit(command("a", 2))  # seq 1 never comes, so this waits
-    assert engine.remove_model("a").result(timeout=10) == "a"
+    assert engine.unload_model("a").result(timeout=10) == "a"
     with pytest.raises(NotFoundError, match="was removed before request a:2 ran"):
         waiting.result(timeout=10)
     engine.stop()

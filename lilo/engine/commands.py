@@ -47,7 +47,6 @@ class Command:
     # the batch's token budget.
     batch_key: Hashable = ()
     tokens: int = 0
-    submitted_s: float = 0.0
 
     @property
     def coalesce_key(self) -> tuple:

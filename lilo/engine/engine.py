@@ -113,15 +113,6 @@ class Engine:
         with self._cv:
             return set(self._queues)
 
-    def remove_model(self, model_id: str) -> Future:
-        """Drop an adapter after whatever of it is running; its queued commands fail with a message."""
-        future: Future = Future()
-        with self._cv:
-            self._model_queue(model_id)
-            self._lifecycle.append(lambda: self._remove(model_id, future))
-            self._cv.notify_all()
-        return future
-
     def unload_model(self, model_id: str) -> Future:
         """Drop an adapter once the commands it already holds in seq order have run; commands submitted from now
         on are refused, and any held behind a seq that never arrived fail with a message when it goes."""
@@ -153,7 +144,7 @@ class Engine:
             self._cv.notify_all()
         future.set_result(model_id)
 
-    def _remove(self, model_id: str, future: Future) -> None:
+    def _unload(self, model_id: str, future: Future) -> None:
         with self._cv:
             if model_id not in self._queues:
                 self._settle(future, NotFoundError(f"Model {model_id!r} was already removed."))
@@ -202,8 +193,7 @@ class Engine:
             else:
                 accepted = self._model_queue(command.model_id).offer(command, future)
             if accepted is future:
-                submitted = command.submitted_s or self._clock()
-                self.observer.begin(Operation(command.model_id, command.request_id, command.kind, submitted))
+                self.observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock()))
                 self._cv.notify_all()
             return accepted
 
@@ -234,7 +224,7 @@ class Engine:
                 self._unloaded[model_id] = None
                 while len(self._unloaded) > REMEMBERED_UNLOADS:
                     self._unloaded.popitem(last=False)
-                return lambda: self._remove(model_id, unloaded)
+                return lambda: self._unload(model_id, unloaded)
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
         if self._samples:
             heads[SAMPLING_TURN] = self._samples[0][0]
