@@ -1,7 +1,7 @@
 """The engine around a small in-test backend: ordering, coalescing, isolation, lanes, and its telemetry.
 
-The backend here is a stand-in that records what it was asked to run (the torch backend is tested on its own);
-everything else is the real engine, with real threads and the real CriticalPath.
+The backend here is a stand-in that records what it was asked to run (the torch backend is tested on its own), and
+implements the same contract; everything else is the real engine, with real threads and the real CriticalPath.
 """
 
 import threading
@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from lilo.engine.commands import Command, Kind
+from lilo.engine.contract import Backend, contract_mismatches
 from lilo.engine.engine import Engine, EngineStopped
 from lilo.engine.scheduler import next_batch
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
@@ -45,16 +46,16 @@ class RecordingBackend:
     def sample(self, commands):
         return self._batch("sample", commands)
 
-    def load_weights(self, command):
+    def load_checkpoint(self, command):
         return self._batch("load_weights", [command])[0]
 
-    def capture(self, command):
+    def capture_checkpoint(self, command):
         self.capture_started.set()
         self.capture_gate.wait(10)
         self.calls.append(("capture", [command.request_id]))
         return {"copy": command.request_id}
 
-    def persist(self, command, captured):
+    def persist_checkpoint(self, command, captured):
         self.persist_gate.wait(10)
         self.calls.append(("persist", [command.request_id]))
         return {"path": f"tinker://{command.model_id}/{captured['copy']}"}
@@ -80,7 +81,7 @@ class Recorder:
 
 
 def command(model, seq, kind=Kind.FORWARD_BACKWARD, fingerprint=None, tokens=128, key=("cross_entropy",)):
-    return Command(model_id=model, seq_id=seq, kind=kind, request_id=f"{model}:{seq}",
+    return Command(model_id=model, seq_id=seq, kind=kind, request_id=f"{model}:{seq}", payload=None,
                    fingerprint=fingerprint or f"{model}:{seq}", batch_key=key, tokens=tokens)
 
 
@@ -106,6 +107,26 @@ def paused_engine(backend, models, **options) -> Engine:
     for m in models:
         engine.create_model(m, spec={"rank": 8})
     return engine
+
+
+def test_the_recording_backend_implements_the_backend_contract(backend):
+    assert isinstance(backend, Backend)
+    assert contract_mismatches(RecordingBackend) == []
+
+
+def test_a_backend_off_the_contract_is_told_what_differs():
+    class Outdated(RecordingBackend):
+        load_checkpoint = None
+
+        def load_weights(self, command):
+            return {}
+
+        def forward_backward(self, commands):
+            return []
+
+    assert contract_mismatches(Outdated) == [
+        "forward_backward(self, commands) should be forward_backward(self, commands, forward_only)",
+        "load_checkpoint is missing"]
 
 
 def test_ready_steps_of_many_models_share_one_execution(backend):

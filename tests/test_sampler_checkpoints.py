@@ -38,7 +38,7 @@ def train(backend: TorchBackend, model_id: str, seed: int) -> None:
 
 def save_for_sampler(backend: TorchBackend, model_id: str, name: str) -> str:
     command = Command(model_id, 3, Kind.SAVE_WEIGHTS_FOR_SAMPLER, "save", payload=SaveRequest(name))
-    return backend.persist(command, backend.capture(command))["path"]
+    return backend.persist_checkpoint(command, backend.capture_checkpoint(command))["path"]
 
 
 def greedy(backend: TorchBackend, model_id: str, base_only: bool = False, max_tokens: int = 8):
@@ -184,5 +184,5 @@ def test_an_ephemeral_save_answers_with_its_sampling_session(backend):
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))
     command = Command("m", 3, Kind.SAVE_WEIGHTS_FOR_SAMPLER, "save",
                       payload=SaveRequest("ephemeral-4", sampling_session_id="m:sample:4"))
-    assert backend.persist(command, backend.capture(command)) == {
+    assert backend.persist_checkpoint(command, backend.capture_checkpoint(command)) == {
         "path": "tinker://m/sampler_weights/ephemeral-4", "sampling_session_id": "m:sample:4"}

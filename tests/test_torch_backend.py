@@ -12,6 +12,7 @@ from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
+from lilo.engine.contract import Backend, contract_mismatches
 from lilo.errors import InvalidRequestError
 
 
@@ -58,6 +59,11 @@ def trained_views(backend: TorchBackend, model_id: str, flat: torch.Tensor) -> l
     """The adapter's trained entries of ``flat`` (the bank's weights or gradients), one view per A and B."""
     adapter = backend.adapters[model_id]
     return [backend.bank.view(flat, index)[where] for _, index, where in backend._slices(adapter)]
+
+
+def test_the_torch_backend_implements_the_backend_contract(base):
+    assert isinstance(fresh_backend(base, {}), Backend)
+    assert contract_mismatches(TorchBackend) == []
 
 
 def test_coalesced_gradients_equal_separate_passes_for_mixed_ranks(base):
@@ -175,7 +181,7 @@ def test_fused_optimizer_step_matches_torch_adamw_per_adapter(base):
 
 def save(backend, model_id, seq, name, kind=Kind.SAVE_WEIGHTS):
     command = Command(model_id, seq, kind, f"{model_id}:{seq}", payload=SaveRequest(name))
-    return backend.persist(command, backend.capture(command))["path"]
+    return backend.persist_checkpoint(command, backend.capture_checkpoint(command))["path"]
 
 
 def train_steps(backend, model_id, seqs):
@@ -195,7 +201,7 @@ def test_save_then_load_resumes_training_bit_identically(base, tmp_path):
     path = save(backend, "m", 5, "step-2")
     first = train_steps(backend, "m", [7, 9])
     params_first = backend.bank.weights[backend.adapters["m"].slot].clone()
-    backend.load_weights(Command("m", 11, Kind.LOAD_WEIGHTS, "m:11", payload=LoadRequest(path)))
+    backend.load_checkpoint(Command("m", 11, Kind.LOAD_WEIGHTS, "m:11", payload=LoadRequest(path)))
     again = train_steps(backend, "m", [7, 9])
     assert again == first
     assert torch.equal(params_first, backend.bank.weights[backend.adapters["m"].slot])
@@ -214,7 +220,7 @@ def test_a_load_that_fails_part_way_leaves_the_model_as_it_was(base, tmp_path):
         backend.add_adapter("m", LoraSpec(rank=8, seed=1))
         train_steps(backend, "m", [1, 3])
     with pytest.raises(InvalidRequestError, match="rank"):
-        narrow.load_weights(Command("m", 5, Kind.LOAD_WEIGHTS, "m:5", payload=LoadRequest(path)))
+        narrow.load_checkpoint(Command("m", 5, Kind.LOAD_WEIGHTS, "m:5", payload=LoadRequest(path)))
     # Weights and optimizer state as before: its next steps equal those of a twin that never tried the load.
     assert train_steps(narrow, "m", [7, 9]) == train_steps(twin, "m", [7, 9])
     slot, twin_slot = narrow.adapters["m"].slot, twin.adapters["m"].slot
@@ -247,7 +253,7 @@ def test_load_paths_cannot_escape_the_checkpoint_directory(base, tmp_path, path)
     backend = fresh_backend(base, {"m": LoraSpec(seed=0)})
     backend.checkpoint_dir = tmp_path
     with pytest.raises(InvalidRequestError):
-        backend.load_weights(Command("m", 1, Kind.LOAD_WEIGHTS, "m:1", payload=LoadRequest(path)))
+        backend.load_checkpoint(Command("m", 1, Kind.LOAD_WEIGHTS, "m:1", payload=LoadRequest(path)))
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", "", ".hidden", "x" * 200])

@@ -1,10 +1,11 @@
-"""What the engine runs: commands, and the small protocol it drives a backend through."""
+"""What the engine runs: commands, each of one kind (the backend it drives them through is ``contract``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from enum import StrEnum
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Generic, Hashable, TypeVar
+
 
 class Kind(StrEnum):
     """What a request asks for. A member equals its string, which is what the futures DB stores (its
@@ -33,15 +34,20 @@ COALESCING_KINDS = frozenset({Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.OPTIM_ST
 SAVING_KINDS = frozenset({Kind.SAVE_WEIGHTS, Kind.SAVE_WEIGHTS_FOR_SAMPLER, Kind.SAVE_WEIGHTS_EXTERNAL})
 
 
+# A command's payload, by its kind: TrainInput (forward, forward_backward), AdamParams (optim_step), SamplingRequest
+# (sample), SaveRequest (the saves), LoadRequest (load_weights), the refusal's message (refused).
+Payload = TypeVar("Payload")
+
+
 @dataclasses.dataclass(frozen=True)
-class Command:
+class Command(Generic[Payload]):
     """One request for one model, in its model's seq order."""
 
     model_id: str
     seq_id: int
     kind: Kind
     request_id: str
-    payload: Any = None
+    payload: Payload
     fingerprint: str = ""
     # forward/forward_backward: which commands may share a batch (loss_fn and its config); tokens count against
     # the batch's token budget.
@@ -51,24 +57,3 @@ class Command:
     @property
     def coalesce_key(self) -> tuple:
         return (self.kind, self.batch_key)
-
-
-class Backend(Protocol):
-    """The engine's only view of the model code. Batch methods return one entry per command, in order: its result,
-    or the exception that failed it alone."""
-
-    def add_adapter(self, model_id: str, spec: Any) -> None: ...
-
-    def remove_adapter(self, model_id: str) -> None: ...
-
-    def forward_backward(self, commands: Sequence[Command], forward_only: bool) -> list[Any]: ...
-
-    def optim_step(self, commands: Sequence[Command]) -> list[Any]: ...
-
-    def sample(self, commands: Sequence[Command]) -> list[Any]: ...
-
-    def load_weights(self, command: Command) -> Any: ...
-
-    def capture(self, command: Command) -> Any: ...
-
-    def persist(self, command: Command, captured: Any) -> Any: ...

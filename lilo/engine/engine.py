@@ -1,4 +1,5 @@
-"""The Engine: per-model ordered queues, the coalescing scheduler, and two lanes around a backend.
+"""The Engine: per-model ordered queues, the coalescing scheduler, and two lanes around a backend (``contract``
+says how the engine's models map onto the backend's adapters, and what each backend call guarantees).
 
 Plain Python threads, no Ray: the compute lane runs one backend execution at a time (a coalesced batch, a fused
 optimizer step, a capture, an adapter being added), the persist lane writes checkpoints to disk meanwhile. Every
@@ -22,7 +23,9 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from lilo.engine.commands import SAVING_KINDS, Backend, Command, Kind
+from lilo.backend.types import LoraSpec
+from lilo.engine.commands import SAVING_KINDS, Command, Kind
+from lilo.engine.contract import Backend
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
@@ -44,7 +47,7 @@ class EngineStopped(RuntimeError):
 
 
 class Engine:
-    def __init__(self, backend: Backend, observer: Observer | None = None, *,
+    def __init__(self, backend: Backend[Any], observer: Observer | None = None, *,
                  token_budget: int = TOKENS_PER_BATCH, first_seq: int = 1, coalesce: bool = True,
                  clock: Callable[[], float] = time.monotonic, start: bool = True) -> None:
         self._backend = backend
@@ -93,10 +96,10 @@ class Engine:
         self._compute_loop()
 
     # --- models --------------------------------------------------------------------------------------------
-    def create_model(self, model_id: str, spec: Any, first_seq: int | None = None) -> Future:
-        """Add an adapter; commands for it may be submitted at once and run once it is in place. ``first_seq``
-        overrides the engine's first seq id for this model (a model created by loading a checkpoint runs that
-        load as its seq 0, before the client's first step)."""
+    def create_model(self, model_id: str, spec: LoraSpec, first_seq: int | None = None) -> Future:
+        """Create a model (the backend adds its adapter); commands for it may be submitted at once and run once
+        the adapter is in place. ``first_seq`` overrides the engine's first seq id for this model (a model created
+        by loading a checkpoint runs that load as its seq 0, before the client's first step)."""
         future: Future = Future()
         with self._cv:
             if model_id in self._queues:
@@ -114,8 +117,9 @@ class Engine:
             return set(self._queues)
 
     def unload_model(self, model_id: str) -> Future:
-        """Drop an adapter once the commands it already holds in seq order have run; commands submitted from now
-        on are refused, and any held behind a seq that never arrived fail with a message when it goes."""
+        """Unload a model once the commands it already holds in seq order have run (then the backend removes its
+        adapter); commands submitted from now on are refused, and any held behind a seq that never arrived fail
+        with a message when it goes."""
         future: Future = Future()
         with self._cv:
             self._model_queue(model_id)
@@ -125,7 +129,7 @@ class Engine:
             self._cv.notify_all()
         return future
 
-    def _accept(self, model_id: str, spec: Any, future: Future) -> None:
+    def _accept(self, model_id: str, spec: LoraSpec, future: Future) -> None:
         t0 = self._clock()
         try:
             self._backend.add_adapter(model_id, spec)
@@ -278,7 +282,7 @@ class Engine:
         if kind == Kind.SAMPLE:
             return self._backend.sample(commands)
         if kind == Kind.LOAD_WEIGHTS:
-            return [self._backend.load_weights(commands[0])]
+            return [self._backend.load_checkpoint(commands[0])]
         if kind == Kind.REFUSED:
             return [InvalidRequestError(commands[0].payload)]
         raise ValueError(f"Unknown command kind {kind!r}.")
@@ -287,7 +291,7 @@ class Engine:
         command, future = taken
         t0 = self._clock()
         try:
-            captured = self._backend.capture(command)
+            captured = self._backend.capture_checkpoint(command)
         except Exception as error:
             self.observer.span(command.model_id, f"capture:{command.kind}", COMPUTE_LANE, t0, self._clock(),
                                request_ids=[command.request_id], n=1, ok=False)
@@ -323,10 +327,10 @@ class Engine:
             except Exception:
                 logger.exception("persist job failed")
 
-    def _persist(self, command: Command, captured: Any, future: Future) -> None:
+    def _persist(self, command: Command, captured: object, future: Future) -> None:
         t0 = self._clock()
         try:
-            result: Any = self._backend.persist(command, captured)
+            result: Any = self._backend.persist_checkpoint(command, captured)
         except Exception as error:
             result = error
         self.observer.span(command.model_id, f"persist:{command.kind}", PERSIST_LANE, t0, self._clock(),
