@@ -32,7 +32,7 @@ from torch import nn
 from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
 from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
 from lilo.backend.torch_backend import TorchBackend
-from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, Command
+from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
 
 RANK = 8
@@ -86,10 +86,10 @@ def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int
         futures = []
         for model_id in models:
             train = batch(rng, rows, seq, backend.vocab_size)
-            futures.append(engine.submit(Command(model_id, seq_ids[model_id], FORWARD_BACKWARD,
+            futures.append(engine.submit(Command(model_id, seq_ids[model_id], Kind.FORWARD_BACKWARD,
                                                  f"{model_id}:{seq_ids[model_id]}", payload=train,
                                                  tokens=train.tokens)))
-            futures.append(engine.submit(Command(model_id, seq_ids[model_id] + 1, OPTIM_STEP,
+            futures.append(engine.submit(Command(model_id, seq_ids[model_id] + 1, Kind.OPTIM_STEP,
                                                  f"{model_id}:{seq_ids[model_id] + 1}", payload=AdamParams())))
             seq_ids[model_id] += 2
         for future in futures:
@@ -169,7 +169,7 @@ def optim_fused(base: nn.Module, adapters: int, repeats: int = 30) -> tuple[floa
     models = [f"m{i}" for i in range(adapters)]
     for model_id in models:
         backend.add_adapter(model_id, LoraSpec(rank=RANK, seed=1))
-    steps = [Command(m, 1, OPTIM_STEP, f"{m}:1", payload=AdamParams()) for m in models]
+    steps = [Command(m, 1, Kind.OPTIM_STEP, f"{m}:1", payload=AdamParams()) for m in models]
 
     def timed(calls) -> float:
         total = 0.0

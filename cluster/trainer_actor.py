@@ -32,9 +32,7 @@ from lilo.backend.checkpoint_index import (
     read_checkpoint_file, weights_spec,
 )
 from lilo.backend.types import LoadRequest, LoraSpec
-from lilo.engine.commands import (
-    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, SAMPLE, UNLOAD_MODEL, Command,
-)
+from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
 from lilo.errors import NotFoundError, UnavailableError, failure_category
 from lilo.futures.sequences import RecordedSample
@@ -157,7 +155,7 @@ class TrainerActor:
         if model_id in engine.model_ids():
             return
         engine.create_model(model_id, spec).add_done_callback(
-            lambda done: self._finished(CREATE_MODEL, request_id, done))
+            lambda done: self._finished(Kind.CREATE_MODEL, request_id, done))
 
     async def create_model_from_checkpoint(self, model_id: str, spec: LoraSpec, load: Command) -> None:
         """Create a model whose first command, its seq 0, is ``load`` (a load_weights of a checkpoint with
@@ -184,7 +182,7 @@ class TrainerActor:
         # The load runs in the model's order just before the client's next step, under the seq before it.
         await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq - 1))
         try:
-            await self.run(Command(model_id, next_seq - 1, LOAD_WEIGHTS, f"restore-{model_id}",
+            await self.run(Command(model_id, next_seq - 1, Kind.LOAD_WEIGHTS, f"restore-{model_id}",
                                    payload=LoadRequest(path=latest.tinker_path, optimizer=True)))
         except Exception:
             logger.exception("restoring %s from %s failed; it goes on from a fresh adapter", model_id,
@@ -211,7 +209,7 @@ class TrainerActor:
         else:
             unloaded = Future()
             unloaded.set_result(model_id)
-        unloaded.add_done_callback(lambda done: self._finished(UNLOAD_MODEL, request_id, done))
+        unloaded.add_done_callback(lambda done: self._finished(Kind.UNLOAD_MODEL, request_id, done))
 
     # Checkpoints are read and deleted by the trainer that owns their run, where the files were written (see
     # lilo.backend.checkpoint_index for what a multi-node cluster needs).
@@ -243,7 +241,7 @@ class TrainerActor:
         _, backend, _ = await asyncio.wrap_future(self._ready)
         return await asyncio.to_thread(weights_spec, backend.checkpoint_dir, path)
 
-    def _finished(self, kind: str, request_id: str, done: Future,
+    def _finished(self, kind: Kind, request_id: str, done: Future,
                   recorded_prompt: Sequence[int] | None = None) -> None:
         # Runs on the thread that finished the command; the flusher on the event loop writes it, woken at once.
         self._outbox.put(completion_for(kind, int(request_id), done, recorded_prompt))
@@ -333,12 +331,12 @@ def lower_thread_priority(nice: int) -> None:
 
 def recorded_prompt_of(command: Command) -> Sequence[int] | None:
     """The prompt of a sample whose sequences are to be recorded (``record_stability_info``); else None."""
-    if command.kind == SAMPLE and command.payload.record_stability_info:
+    if command.kind == Kind.SAMPLE and command.payload.record_stability_info:
         return command.payload.prompt
     return None
 
 
-def completion_for(kind: str, request_id: int, done: Future,
+def completion_for(kind: Kind, request_id: int, done: Future,
                    recorded_prompt: Sequence[int] | None = None) -> Completion:
     """The stored result of a finished command: protobuf for forward passes and samples (as the SDK demands), JSON
     otherwise; a failure carries its message and whether the client (``user``) or the server caused it. A sample
@@ -347,14 +345,14 @@ def completion_for(kind: str, request_id: int, done: Future,
     if error is not None:
         return Completion.failure(request_id, str(error), failure_category(error), request_type=kind)
     result = done.result()
-    if kind in (FORWARD_BACKWARD, FORWARD):
+    if kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
         body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])
-    elif kind == SAMPLE:
+    elif kind == Kind.SAMPLE:
         body = encode_sample_response(result)
         if recorded_prompt is not None:
             return Completion.success(request_id, body, request_type=kind,
                                       recorded=RecordedSample.of(recorded_prompt, result))
-    elif kind in (CREATE_MODEL, UNLOAD_MODEL):
+    elif kind in (Kind.CREATE_MODEL, Kind.UNLOAD_MODEL):
         body = orjson.dumps({"model_id": result, "type": kind})
     else:
         body = orjson.dumps(result)

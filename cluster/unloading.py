@@ -15,7 +15,7 @@ from typing import AsyncIterator, Sequence
 from ray.actor import ActorHandle
 
 from cluster.placement import named_actor
-from lilo.engine.commands import UNLOAD_MODEL
+from lilo.engine.commands import Kind
 from lilo.errors import failure_category
 from lilo.futures.store import Completion, Submission, unknown_model_error
 
@@ -27,7 +27,7 @@ UNLOAD_SEQ = -1
 
 
 @contextlib.asynccontextmanager
-async def failing_future(futures: ActorHandle, request_id: int, kind: str) -> AsyncIterator[None]:
+async def failing_future(futures: ActorHandle, request_id: int, kind: Kind) -> AsyncIterator[None]:
     """Whatever fails inside also fails the recorded future ``request_id`` (then raises on), so a future is never
     left pending by a step that did not happen."""
     try:
@@ -47,9 +47,9 @@ async def unload_model(futures: ActorHandle, model_id: str, tenant: str | None,
     if trainer is None:
         raise unknown_model_error(model_id)
     outcome = await futures.submit_once.remote(
-        Submission(model_id, UNLOAD_MODEL, {}, seq_id=UNLOAD_SEQ, tenant=tenant, trainer=trainer).prepared())
+        Submission(model_id, Kind.UNLOAD_MODEL, {}, seq_id=UNLOAD_SEQ, tenant=tenant, trainer=trainer).prepared())
     if not outcome.duplicate:
-        async with failing_future(futures, outcome.request_id, UNLOAD_MODEL):
+        async with failing_future(futures, outcome.request_id, Kind.UNLOAD_MODEL):
             await futures.mark_unloaded.remote(model_id, reason)
             await named_actor(trainer).unload_future.remote(model_id, str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": model_id}

@@ -27,7 +27,7 @@ from lilo import __version__
 from lilo.api_keys import ApiKeys
 from lilo.backend.registry import base_model_spec
 from lilo.settings import Settings
-from lilo.engine.commands import SAVE_WEIGHTS, SAVE_WEIGHTS_EXTERNAL, SAVE_WEIGHTS_FOR_SAMPLER
+from lilo.engine.commands import Kind
 from lilo.errors import InvalidRequestError, NotFoundError
 from lilo.backend.checkpoint_paths import TINKER_SCHEME, parse_tinker_path
 from lilo.futures.schema import PENDING
@@ -65,7 +65,7 @@ api.add_middleware(ApiKeyGate)  # added last, so it runs first: nothing of an un
 
 PROTOBUF = "application/x-protobuf"
 # Results the SDK accepts only as protobuf.
-PROTOBUF_RESULTS = {"forward_backward", "forward", "sample"}
+PROTOBUF_RESULTS = {Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.SAMPLE}
 
 
 class Body(BaseModel):
@@ -317,19 +317,20 @@ class LiloIngress:
 
     @api.post("/api/v1/save_weights")
     async def save_weights(self, body: SaveWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
-        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS, tenant=tenant)
+        return await training.submit_save(self._futures, body.model_dump(), Kind.SAVE_WEIGHTS, tenant=tenant)
 
     @api.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(self, body: SaveWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         if body.path is None and body.sampling_session_seq_id is not None:
             return await sampling.submit_ephemeral_save(self._futures, body.model_dump(), tenant=tenant)
-        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_FOR_SAMPLER, tenant=tenant)
+        return await training.submit_save(self._futures, body.model_dump(), Kind.SAVE_WEIGHTS_FOR_SAMPLER,
+                                          tenant=tenant)
 
     @api.post("/api/v1/save_weights_external")
     async def save_weights_external(self, body: SaveWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         """The adapter as a PEFT directory (adapter_config.json, adapter_model.safetensors) to download through
         get_external_weights_urls' signed links."""
-        return await training.submit_save(self._futures, body.model_dump(), SAVE_WEIGHTS_EXTERNAL, tenant=tenant)
+        return await training.submit_save(self._futures, body.model_dump(), Kind.SAVE_WEIGHTS_EXTERNAL, tenant=tenant)
 
     @api.post("/api/v1/create_sampling_session")
     async def create_sampling_session(self, body: CreateSamplingSessionRequest, tenant: str = Depends(caller)) -> dict[str, str]:

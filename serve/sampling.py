@@ -29,7 +29,7 @@ from cluster.placement import choose_sampling_trainer, named_actor
 from lilo.backend.checkpoint_paths import ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
-from lilo.engine.commands import SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command
+from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError, NotFoundError
 from lilo.futures.store import Submission, unknown_sampling_session_error
 from lilo.protocol.sampling import decode_sample_request
@@ -154,8 +154,8 @@ async def submit_ephemeral_save(futures: ActorHandle, body: dict[str, Any], tena
     name = ephemeral_name(seq)
     sampling_session_id = sampling_session_id_for(model_id, seq)
     await futures.add_sampling_session.remote(sampling_session_id, model["session_id"] or "", model["base_model"],
-                                              tinker_path(model_id, SAVE_WEIGHTS_FOR_SAMPLER, name), tenant)
-    return await training.submit(futures, model_id, int(body["seq_id"]), SAVE_WEIGHTS_FOR_SAMPLER,
+                                              tinker_path(model_id, Kind.SAVE_WEIGHTS_FOR_SAMPLER, name), tenant)
+    return await training.submit(futures, model_id, int(body["seq_id"]), Kind.SAVE_WEIGHTS_FOR_SAMPLER,
                                  SaveRequest(name, sampling_session_id),
                                  {"path": name, "sampling_session_id": sampling_session_id}, tenant=tenant)
 
@@ -171,10 +171,10 @@ async def submit_sample(futures: ActorHandle, router: SamplingRouter, body: dict
     seq_id = int(body["seq_id"])
     # The backend samples through the checkpoint named by the command's model id (a base-model sample through
     # none; its id then only labels its timing).
-    command = Command(route.model_path or sampling_session_id, seq_id, SAMPLE, "", payload=request,
+    command = Command(route.model_path or sampling_session_id, seq_id, Kind.SAMPLE, "", payload=request,
                       tokens=request.num_samples * (len(request.prompt) + request.max_tokens))
     request_id = await training.submit_to(
-        futures, Submission(sampling_session_id, SAMPLE, dataclasses.asdict(request), seq_id=seq_id, tenant=tenant,
+        futures, Submission(sampling_session_id, Kind.SAMPLE, dataclasses.asdict(request), seq_id=seq_id, tenant=tenant,
                             trainer=route.trainer), command)
-    return {"request_id": str(request_id), "type": "sample",
+    return {"request_id": str(request_id), "type": Kind.SAMPLE,
             "sample_sequence_ids": [f"{request_id}:{k}" for k in range(request.num_samples)]}

@@ -19,9 +19,7 @@ from lilo.backend.checkpoint_paths import checked_client_name, parse_tinker_path
 from lilo.backend.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
 from lilo.backend.provenance import named_sequences
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
-from lilo.engine.commands import (
-    CREATE_MODEL, FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, Command,
-)
+from lilo.engine.commands import Command, Kind
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError
 from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission
@@ -66,7 +64,8 @@ async def create_model(futures: ActorHandle, trainers: Sequence[str], body: dict
     # skips placement and finds its first future.
     trainer = (None if await futures.trainer_of.remote(model_id, tenant)
                else await place(futures, trainers, body["base_model"]))
-    submission = Submission(model_id, CREATE_MODEL, {"base_model": body["base_model"], "lora": body.get("lora_config")},
+    submission = Submission(model_id, Kind.CREATE_MODEL,
+                            {"base_model": body["base_model"], "lora": body.get("lora_config")},
                             seq_id=0, tenant=tenant, trainer=trainer)
     return await _record_new_model(
         futures, submission, body, body.get("lora_config") or {},
@@ -98,13 +97,13 @@ async def create_model_from_checkpoint(futures: ActorHandle, trainers: Sequence[
         # Placed and checked before anything is recorded: a full cluster or a missing checkpoint is a plain 4xx.
         trainer = await place(futures, trainers, base_model)
         spec = await named_actor(trainer).weights_spec.remote(path)
-    submission = Submission(model_id, LOAD_WEIGHTS, {"path": path, "optimizer": request.optimizer,
+    submission = Submission(model_id, Kind.LOAD_WEIGHTS, {"path": path, "optimizer": request.optimizer,
                                                      "base_model": base_model}, seq_id=0, tenant=tenant,
                             trainer=trainer).prepared()
     return await _record_new_model(
         futures, submission, {**body, "base_model": base_model}, dataclasses.asdict(spec),
         lambda actor, request_id: actor.create_model_from_checkpoint.remote(model_id, spec, Command(
-            model_id, 0, LOAD_WEIGHTS, request_id, payload=request, fingerprint=submission.payload_sha256)))
+            model_id, 0, Kind.LOAD_WEIGHTS, request_id, payload=request, fingerprint=submission.payload_sha256)))
 
 
 async def checkpoint_run(futures: ActorHandle, path: str, tenant: str | None) -> dict[str, Any]:
@@ -152,7 +151,7 @@ async def finish_session(futures: ActorHandle, session_id: str, tenant: str | No
                         f"session {session_id} finished")
 
 
-async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: str, payload: Any, stored: Any,
+async def submit(futures: ActorHandle, model_id: str, seq_id: int, kind: Kind, payload: Any, stored: Any,
                  batch_key: Any = (), tokens: int = 0, tenant: str | None = None) -> dict[str, str]:
     """Record the request (durably, deduplicated by seq) and hand it to the trainer its model is placed on, which
     the futures DB says in the same call (404 unknown or another tenant's, 410 unloaded, 503 while being restored elsewhere)."""
@@ -182,15 +181,15 @@ async def submit_to(futures: ActorHandle, submission: Submission, command: Comma
 async def spending_seq(futures: ActorHandle, model_id: str, seq_id: int, tenant: str | None) -> AsyncIterator[None]:
     """Checks of a seq'd request, refused with a 4xx before anything runs. The tinker SDK has spent ``seq_id`` on the
     request all the same, and sends the model's next one with the next seq_id; so a refusal is recorded under that
-    seq as a ``REFUSED`` command, which the model's trainer fails in its turn, and the next request does not wait for
-    this one forever. (Nothing is recorded when the model is unknown, another tenant's, or unloaded.)"""
+    seq as a ``Kind.REFUSED`` command, which the model's trainer fails in its turn, and the next request does not wait
+    for this one forever. (Nothing is recorded when the model is unknown, another tenant's, or unloaded.)"""
     try:
         yield
     except (InvalidRequestError, NotFoundError, GoneError) as refusal:
         with contextlib.suppress(LiloError, RayActorError):
-            await submit_to(futures, Submission(model_id, REFUSED, {"refused": str(refusal)}, seq_id=seq_id,
+            await submit_to(futures, Submission(model_id, Kind.REFUSED, {"refused": str(refusal)}, seq_id=seq_id,
                                                 tenant=tenant, routed=True),
-                            Command(model_id, seq_id, REFUSED, "", payload=str(refusal)))
+                            Command(model_id, seq_id, Kind.REFUSED, "", payload=str(refusal)))
         raise
 
 
@@ -207,7 +206,7 @@ async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCal
             records = await futures.recorded_sequences.remote(
                 call.model_id, named_sequences(d.provenance for d in train.data), tenant)
             train = with_recorded_inputs(train, records)
-    kind = FORWARD if call.forward_only else FORWARD_BACKWARD
+    kind = Kind.FORWARD if call.forward_only else Kind.FORWARD_BACKWARD
     batch_key = (train.loss_fn, tuple(sorted(train.loss_config.items())))
     return await submit(futures, call.model_id, call.seq_id, kind, train, stored, batch_key, train.tokens, tenant)
 
@@ -215,11 +214,11 @@ async def submit_forward_backward(futures: ActorHandle, call: ForwardBackwardCal
 async def submit_optim_step(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
     async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
         params = adam_params(body.get("adam_params") or {})
-    return await submit(futures, body["model_id"], int(body["seq_id"]), OPTIM_STEP, params, body.get("adam_params"),
-                        tenant=tenant)
+    return await submit(futures, body["model_id"], int(body["seq_id"]), Kind.OPTIM_STEP, params,
+                        body.get("adam_params"), tenant=tenant)
 
 
-async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: str, tenant: str | None) -> dict[str, str]:
+async def submit_save(futures: ActorHandle, body: dict[str, Any], kind: Kind, tenant: str | None) -> dict[str, str]:
     """A named save (``save_weights``, ``save_weights_for_sampler`` or ``save_weights_external``); its ``ttl_seconds``
     (none: never) is recorded as the checkpoint's expiry once the save is accepted."""
     name = body.get("path")
@@ -244,5 +243,5 @@ async def submit_load(futures: ActorHandle, body: dict[str, Any], tenant: str | 
     request = LoadRequest(path=str(body["path"]), optimizer=bool(body.get("optimizer", True)))
     async with spending_seq(futures, body["model_id"], int(body["seq_id"]), tenant):
         await checkpoint_run(futures, request.path, tenant)
-    return await submit(futures, body["model_id"], int(body["seq_id"]), LOAD_WEIGHTS, request,
+    return await submit(futures, body["model_id"], int(body["seq_id"]), Kind.LOAD_WEIGHTS, request,
                         {"path": request.path, "optimizer": request.optimizer}, tenant=tenant)

@@ -1,16 +1,15 @@
 """The engine around a small in-test backend: ordering, coalescing, isolation, lanes, and its telemetry.
 
-The backend here is a stand-in that records what it was asked to run (the torch backend is tested on its own);
-everything else is the real engine, with real threads and the real CriticalPath.
+The backend here is a stand-in that records what it was asked to run (the torch backend is tested on its own), and
+implements the same contract; everything else is the real engine, with real threads and the real CriticalPath.
 """
 
 import threading
 
 import pytest
 
-from lilo.engine.commands import (
-    FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, SAMPLE, SAVE_WEIGHTS, Command,
-)
+from lilo.engine.commands import Command, Kind
+from lilo.engine.contract import Backend, contract_mismatches
 from lilo.engine.engine import Engine, EngineStopped
 from lilo.engine.scheduler import next_batch
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
@@ -47,16 +46,16 @@ class RecordingBackend:
     def sample(self, commands):
         return self._batch("sample", commands)
 
-    def load_weights(self, command):
+    def load_checkpoint(self, command):
         return self._batch("load_weights", [command])[0]
 
-    def capture(self, command):
+    def capture_checkpoint(self, command):
         self.capture_started.set()
         self.capture_gate.wait(10)
         self.calls.append(("capture", [command.request_id]))
         return {"copy": command.request_id}
 
-    def persist(self, command, captured):
+    def persist_checkpoint(self, command, captured):
         self.persist_gate.wait(10)
         self.calls.append(("persist", [command.request_id]))
         return {"path": f"tinker://{command.model_id}/{captured['copy']}"}
@@ -81,8 +80,8 @@ class Recorder:
         self.events.append(("span", name, lane, tuple(attrs.get("request_ids", ())), attrs.get("n"), attrs.get("ok")))
 
 
-def command(model, seq, kind=FORWARD_BACKWARD, fingerprint=None, tokens=128, key=("cross_entropy",)):
-    return Command(model_id=model, seq_id=seq, kind=kind, request_id=f"{model}:{seq}",
+def command(model, seq, kind=Kind.FORWARD_BACKWARD, fingerprint=None, tokens=128, key=("cross_entropy",)):
+    return Command(model_id=model, seq_id=seq, kind=kind, request_id=f"{model}:{seq}", payload=None,
                    fingerprint=fingerprint or f"{model}:{seq}", batch_key=key, tokens=tokens)
 
 
@@ -110,6 +109,26 @@ def paused_engine(backend, models, **options) -> Engine:
     return engine
 
 
+def test_the_recording_backend_implements_the_backend_contract(backend):
+    assert isinstance(backend, Backend)
+    assert contract_mismatches(RecordingBackend) == []
+
+
+def test_a_backend_off_the_contract_is_told_what_differs():
+    class Outdated(RecordingBackend):
+        load_checkpoint = None
+
+        def load_weights(self, command):
+            return {}
+
+        def forward_backward(self, commands):
+            return []
+
+    assert contract_mismatches(Outdated) == [
+        "forward_backward(self, commands) should be forward_backward(self, commands, forward_only)",
+        "load_checkpoint is missing"]
+
+
 def test_ready_steps_of_many_models_share_one_execution(backend):
     engine = paused_engine(backend, ["a", "b", "c", "d"])
     futures = [engine.submit(command(m, 1)) for m in "abcd"]
@@ -133,7 +152,7 @@ def test_out_of_order_arrivals_run_in_seq_order(backend):
 def test_a_refused_request_holds_its_seq_and_fails_in_turn_without_reaching_the_backend(backend):
     engine = ready_engine(backend, ["a"])
     after = engine.submit(command("a", 2))  # the client's next step, sent before the refusal was recorded
-    refused = Command("a", 1, REFUSED, "a:1", payload="weights has 7 entries but the input has 8")
+    refused = Command("a", 1, Kind.REFUSED, "a:1", payload="weights has 7 entries but the input has 8")
     failed = engine.submit(refused)
     with pytest.raises(InvalidRequestError, match="weights has 7 entries"):
         failed.result(timeout=10)
@@ -144,11 +163,11 @@ def test_a_refused_request_holds_its_seq_and_fails_in_turn_without_reaching_the_
 
 def test_a_sample_handed_over_twice_generates_once(backend):
     engine = paused_engine(backend, ["a"])
-    first = engine.submit(command("a", 0, kind=SAMPLE, key=()))
-    assert engine.submit(command("a", 0, kind=SAMPLE, key=())) is first
+    first = engine.submit(command("a", 0, kind=Kind.SAMPLE, key=()))
+    assert engine.submit(command("a", 0, kind=Kind.SAMPLE, key=())) is first
     engine.start()
     assert first.result(timeout=10) == {"ran": "a:0"}
-    assert engine.submit(command("a", 0, kind=SAMPLE, key=())) is first  # still recognised after it ran
+    assert engine.submit(command("a", 0, kind=Kind.SAMPLE, key=())) is first  # still recognised after it ran
     assert [ids for name, ids in backend.calls if name == "sample"] == [["a:0"]]
     engine.stop()
 
@@ -180,7 +199,7 @@ def test_one_bad_command_fails_alone_while_its_batch_mates_succeed(backend):
 
 def test_optimizer_steps_of_several_models_run_as_one_fused_step(backend):
     engine = paused_engine(backend, ["a", "b", "c"])
-    futures = [engine.submit(command(m, 1, kind=OPTIM_STEP, key=())) for m in "abc"]
+    futures = [engine.submit(command(m, 1, kind=Kind.OPTIM_STEP, key=())) for m in "abc"]
     engine.start()
     results(futures)
     assert [call for call in backend.calls if call[0] == "optim_step"] == [("optim_step", ["a:1", "b:1", "c:1"])]
@@ -189,7 +208,7 @@ def test_optimizer_steps_of_several_models_run_as_one_fused_step(backend):
 
 def test_an_optim_step_waits_for_its_models_earlier_work_and_nothing_passes_it(backend):
     engine = paused_engine(backend, ["a"])
-    futures = [engine.submit(command("a", 1)), engine.submit(command("a", 2, kind=OPTIM_STEP, key=())),
+    futures = [engine.submit(command("a", 1)), engine.submit(command("a", 2, kind=Kind.OPTIM_STEP, key=())),
                engine.submit(command("a", 3))]
     engine.start()
     results(futures)
@@ -214,8 +233,8 @@ def test_the_anchor_rotates_so_no_model_starves(backend):
     ({"a": command("a", 1, tokens=6000), "b": command("b", 1, tokens=6000)}, 8192, ["a:1"]),
     ({"a": command("a", 1, tokens=9000)}, 8192, ["a:1"]),
     ({"a": command("a", 1), "b": command("b", 1, key=("ppo",))}, 8192, ["a:1"]),
-    ({"a": command("a", 1, kind=SAVE_WEIGHTS), "b": command("b", 1, kind=SAVE_WEIGHTS)}, 8192, ["a:1"]),
-    ({"b": command("b", 1), "c": command("c", 1, kind=OPTIM_STEP)}, 8192, ["b:1"]),
+    ({"a": command("a", 1, kind=Kind.SAVE_WEIGHTS), "b": command("b", 1, kind=Kind.SAVE_WEIGHTS)}, 8192, ["a:1"]),
+    ({"b": command("b", 1), "c": command("c", 1, kind=Kind.OPTIM_STEP)}, 8192, ["b:1"]),
     ({}, 8192, []),
 ])
 def test_next_batch_table(heads, budget, expected):
@@ -230,7 +249,7 @@ def test_without_coalescing_every_command_runs_alone():
 def test_a_slow_disk_write_never_stalls_compute(backend):
     engine = ready_engine(backend, ["a"])
     backend.persist_gate.clear()
-    saved = engine.submit(command("a", 1, kind=SAVE_WEIGHTS, key=()))
+    saved = engine.submit(command("a", 1, kind=Kind.SAVE_WEIGHTS, key=()))
     step = engine.submit(command("a", 2))
     assert step.result(timeout=10) == {"ran": "a:2"}  # ran while the save was still being written
     assert not saved.done()
@@ -242,7 +261,7 @@ def test_a_slow_disk_write_never_stalls_compute(backend):
 def test_a_save_captured_while_the_engine_stops_is_still_written(backend):
     engine = ready_engine(backend, ["a"])
     backend.capture_gate.clear()
-    saved = engine.submit(command("a", 1, kind=SAVE_WEIGHTS, key=()))
+    saved = engine.submit(command("a", 1, kind=Kind.SAVE_WEIGHTS, key=()))
     assert backend.capture_started.wait(10)
     stopping = threading.Thread(target=engine.stop)
     stopping.start()  # it waits for the compute lane, which is in the middle of the capture
@@ -258,7 +277,8 @@ def test_the_engine_reports_through_the_observer_and_keeps_its_own_timings(backe
     engine = Engine(backend, observer=recorder, start=False)
     engine.create_model("a", spec={"rank": 8})
     engine.create_model("b", spec={"rank": 8})
-    futures = [engine.submit(command(m, 1)) for m in "ab"] + [engine.submit(command("a", 2, kind=SAVE_WEIGHTS, key=()))]
+    futures = [engine.submit(command(m, 1)) for m in "ab"]
+    futures.append(engine.submit(command("a", 2, kind=Kind.SAVE_WEIGHTS, key=())))
     engine.start()
     results(futures)
     engine.stop()
@@ -300,10 +320,10 @@ def test_a_model_that_cannot_be_created_fails_its_future_and_its_queued_work(bac
     engine.stop()
 
 
-def test_removing_a_model_fails_its_queued_commands_with_a_message(backend):
+def test_unloading_a_model_fails_the_commands_held_behind_a_missing_seq_with_a_message(backend):
     engine = ready_engine(backend, ["a"])
     waiting = engine.submit(command("a", 2))  # seq 1 never comes, so this waits
-    assert engine.remove_model("a").result(timeout=10) == "a"
+    assert engine.unload_model("a").result(timeout=10) == "a"
     with pytest.raises(NotFoundError, match="was removed before request a:2 ran"):
         waiting.result(timeout=10)
     engine.stop()
@@ -343,7 +363,7 @@ def test_the_compute_lane_can_run_on_the_callers_thread(backend):
 
 
 def sample(session, seq, tokens=128):
-    return command(session, seq, kind=SAMPLE, tokens=tokens, key=())
+    return command(session, seq, kind=Kind.SAMPLE, tokens=tokens, key=())
 
 
 def test_samples_run_in_any_order_and_a_missing_seq_holds_nothing_up(backend):
@@ -382,7 +402,7 @@ def test_stop_fails_queued_samples_too(backend):
 
 def test_unloading_a_model_runs_what_it_queued_in_order_then_frees_it_and_refuses_more(backend):
     engine = paused_engine(backend, ["a"])
-    queued = [engine.submit(command("a", 1)), engine.submit(command("a", 2, kind=OPTIM_STEP, key=()))]
+    queued = [engine.submit(command("a", 1)), engine.submit(command("a", 2, kind=Kind.OPTIM_STEP, key=()))]
     behind_a_gap = engine.submit(command("a", 4))  # seq 3 never arrives
     unloaded = engine.unload_model("a")
     with pytest.raises(GoneError, match="'a' was unloaded"):
@@ -402,7 +422,7 @@ def test_a_model_created_to_load_a_checkpoint_runs_the_load_as_seq_0_before_its_
     engine = Engine(backend, start=False)
     engine.create_model("a", spec={"rank": 8}, first_seq=0)
     step = engine.submit(command("a", 1))
-    load = engine.submit(command("a", 0, kind=LOAD_WEIGHTS, key=()))
+    load = engine.submit(command("a", 0, kind=Kind.LOAD_WEIGHTS, key=()))
     engine.start()
     results([load, step])
     assert [name for name, _ in backend.calls] == ["add", "load_weights", "forward_backward"]

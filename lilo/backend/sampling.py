@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from lilo.backend.types import PromptTargets, SamplingRequest
+from lilo.engine.contract import AltTokens, SampleResult, TargetLogprobs, TopK
 from lilo.errors import InvalidRequestError
 
 STOP, LENGTH = "stop", "length"
@@ -43,7 +44,6 @@ class Row:
 
 
 Decode = Callable[[Sequence[int]], str]
-TopK = list[tuple[int, float]]  # (token id, logprob), likeliest first
 
 
 def validate(request: SamplingRequest, vocab_size: int, decode: Decode | None) -> None:
@@ -88,7 +88,8 @@ def sample_next(logits: torch.Tensor, settings: SamplingRequest,
 
 
 def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], None],
-             requests: Sequence[SamplingRequest], slots: Sequence[int], decode: Decode | None = None) -> list[dict]:
+             requests: Sequence[SamplingRequest], slots: Sequence[int],
+             decode: Decode | None = None) -> list[SampleResult]:
     """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation."""
     device = next(model.parameters()).device
     rows = [Row(i, slots[i], request, _generator(request.seed, k), stop_reason=None if request.max_tokens else LENGTH)
@@ -135,7 +136,7 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
                 logits, cache = out.logits[:, -1].float().cpu(), out.cache
     finally:
         route(None)
-    results: list[dict] = [{"sequences": []} for _ in requests]
+    results: list[SampleResult] = [{"sequences": []} for _ in requests]
     for row in rows:
         sequence = {"tokens": row.tokens, "logprobs": row.logprobs, "stop_reason": row.stop_reason or LENGTH}
         if row.settings.topk_sample_logprobs:
@@ -205,7 +206,7 @@ def _prompt_scores(logits: torch.Tensor, ids: torch.Tensor, request: SamplingReq
     return scores
 
 
-def _target_logprobs(logprobs: torch.Tensor, targets: PromptTargets) -> dict[str, Any]:
+def _target_logprobs(logprobs: torch.Tensor, targets: PromptTargets) -> TargetLogprobs:
     """The logprobs of ``targets``' tokens (0.0 where -1), in its layout, from the prompt positions' logprobs."""
     ids = torch.as_tensor(np.asarray(targets.values, dtype=np.int64))
     values = logprobs[torch.as_tensor(targets.value_rows()), ids.clamp(min=0)].masked_fill(ids < 0, 0.0)
@@ -213,7 +214,7 @@ def _target_logprobs(logprobs: torch.Tensor, targets: PromptTargets) -> dict[str
             "col_indices": targets.col_indices}
 
 
-def _alt_tokens(logprobs: torch.Tensor, request: SamplingRequest) -> dict[str, Any]:
+def _alt_tokens(logprobs: torch.Tensor, request: SamplingRequest) -> AltTokens:
     """``prompt_alt_tokens_k`` draws with replacement from each prompt position's next-token distribution at the
     request's temperature (0: the likeliest token, k times), with their logprobs under it."""
     k = request.prompt_alt_tokens_k

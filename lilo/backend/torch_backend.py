@@ -1,9 +1,9 @@
 """TorchBackend: many adapters trained on one frozen base model, their steps coalesced into one pass.
 
-Implements the engine's ``Backend`` protocol for training: adapters in slots, ``forward_backward`` over the rows of
-every command in a batch at once (each row routed to its adapter's slot), and ``optim_step`` as one fused AdamW
-over the slots of every model in the call. One request's loss and gradients never depend on its batch mates: a
-row's LoRA delta and gradient touch only its own slot, and losses are per-datum sums.
+Implements the engine's ``Backend`` contract (``lilo.engine.contract``): adapters in slots, ``forward_backward``
+over the rows of every command in a batch at once (each row routed to its adapter's slot), and ``optim_step`` as one
+fused AdamW over the slots of every model in the call. One request's loss and gradients never depend on its batch
+mates: a row's LoRA delta and gradient touch only its own slot, and losses are per-datum sums.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_
 from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import SlotAdamW
-from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest
-from lilo.engine.commands import SAVE_WEIGHTS, Command
+from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
+from lilo.engine.commands import Command, Kind
+from lilo.engine.contract import ForwardBackwardResult, LoadResult, OptimStepResult, SampleResult, SaveResult
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
 DEFAULT_MAX_ADAPTERS = 16
@@ -122,7 +123,8 @@ class TorchBackend:
         return adapter
 
     # --- training ------------------------------------------------------------------------------------------
-    def forward_backward(self, commands: Sequence[Command], forward_only: bool) -> list[Any]:
+    def forward_backward(self, commands: Sequence[Command[TrainInput]],
+                         forward_only: bool) -> list[ForwardBackwardResult | Exception]:
         results: list[Any] = [None] * len(commands)
         valid: list[tuple[int, Command, losses.LossFn, dict]] = []
         for i, command in enumerate(commands):
@@ -189,15 +191,13 @@ class TorchBackend:
         """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none)."""
         self.bank.route(slots, grouped=self._grouped)
 
-    def optim_step(self, commands: Sequence[Command]) -> list[Any]:
+    def optim_step(self, commands: Sequence[Command[AdamParams]]) -> list[OptimStepResult | Exception]:
         adapters = [self._adapter(command.model_id) for command in commands]
-        params = [command.payload if isinstance(command.payload, AdamParams) else AdamParams(**command.payload)
-                  for command in commands]
-        norms = self.optimizer.step([a.slot for a in adapters], params)
+        norms = self.optimizer.step([a.slot for a in adapters], [command.payload for command in commands])
         self.optimizer.zero_grad([a.slot for a in adapters])
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
 
-    def sample(self, commands: Sequence[Command]) -> list[Any]:
+    def sample(self, commands: Sequence[Command[SamplingRequest]]) -> list[SampleResult | Exception]:
         """Every command's samples, each row through its own adapter (``model_id``: a training model, or a sampler
         checkpoint's tinker path) or none (``base_only``): in one batched generation, or in several when the batch
         samples more checkpoints than there are slots to hold them at once."""
@@ -238,10 +238,10 @@ class TorchBackend:
                 yield f"{path}.lora_A", 2 * n, (adapter.slot, slice(0, rank))
                 yield f"{path}.lora_B", 2 * n + 1, (adapter.slot, slice(None), slice(0, rank))
 
-    def capture(self, command: Command) -> tuple[str, AdapterState]:
+    def capture_checkpoint(self, command: Command[SaveRequest]) -> tuple[str, AdapterState]:
         """Copy the adapter (and for save_weights its optimizer state) to CPU; the slot may change right after."""
         name = checked_name(command.payload.name)
-        return name, self._state_of(self._adapter(command.model_id), with_optimizer=command.kind == SAVE_WEIGHTS)
+        return name, self._state_of(self._adapter(command.model_id), with_optimizer=command.kind == Kind.SAVE_WEIGHTS)
 
     def _state_of(self, adapter: Adapter, with_optimizer: bool) -> AdapterState:
         tensors = {}
@@ -254,12 +254,12 @@ class TorchBackend:
         step = self.optimizer.steps(adapter.slot) if with_optimizer else None
         return AdapterState(adapter.spec, tensors, step)
 
-    def persist(self, command: Command, captured: tuple[str, AdapterState]) -> dict[str, str]:
+    def persist_checkpoint(self, command: Command[SaveRequest], captured: tuple[str, AdapterState]) -> SaveResult:
         """Write the captured adapter; returns its ``tinker://`` path (the directory is ``local_directory`` of it)."""
         name, state = captured
         path = tinker_path(command.model_id, command.kind, name)
         directory = local_directory(self.checkpoint_dir, path)
-        if command.kind == SAVE_WEIGHTS:
+        if command.kind == Kind.SAVE_WEIGHTS:
             write_state(state, directory)
         else:
             write_peft(state, directory, self.base_model_name)
@@ -270,10 +270,10 @@ class TorchBackend:
     def save_now(self, model_id: str, name: str) -> str:
         """Capture and write ``model_id``'s adapter and optimizer state as the save_weights checkpoint ``name``
         at once, outside any engine (a trainer saving its models as it stops); returns its tinker path."""
-        command = Command(model_id, 0, SAVE_WEIGHTS, f"save-{model_id}", payload=SaveRequest(name=name))
-        return self.persist(command, self.capture(command))["path"]
+        command = Command(model_id, 0, Kind.SAVE_WEIGHTS, f"save-{model_id}", payload=SaveRequest(name=name))
+        return self.persist_checkpoint(command, self.capture_checkpoint(command))["path"]
 
-    def load_weights(self, command: Command) -> dict[str, str]:
+    def load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:
         """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights. A load
         that fails part-way (a rank over this trainer's maximum, tensors of another base model) leaves the model
         as it was."""

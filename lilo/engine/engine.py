@@ -1,4 +1,5 @@
-"""The Engine: per-model ordered queues, the coalescing scheduler, and two lanes around a backend.
+"""The Engine: per-model ordered queues, the coalescing scheduler, and two lanes around a backend (``contract``
+says how the engine's models map onto the backend's adapters, and what each backend call guarantees).
 
 Plain Python threads, no Ray: the compute lane runs one backend execution at a time (a coalesced batch, a fused
 optimizer step, a capture, an adapter being added), the persist lane writes checkpoints to disk meanwhile. Every
@@ -22,9 +23,9 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from lilo.engine.commands import (
-    FORWARD, FORWARD_BACKWARD, LOAD_WEIGHTS, OPTIM_STEP, REFUSED, SAMPLE, SAVING_KINDS, Backend, Command,
-)
+from lilo.backend.types import LoraSpec
+from lilo.engine.commands import SAVING_KINDS, Command, Kind
+from lilo.engine.contract import Backend
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
@@ -46,7 +47,7 @@ class EngineStopped(RuntimeError):
 
 
 class Engine:
-    def __init__(self, backend: Backend, observer: Observer | None = None, *,
+    def __init__(self, backend: Backend[Any], observer: Observer | None = None, *,
                  token_budget: int = TOKENS_PER_BATCH, first_seq: int = 1, coalesce: bool = True,
                  clock: Callable[[], float] = time.monotonic, start: bool = True) -> None:
         self._backend = backend
@@ -95,10 +96,10 @@ class Engine:
         self._compute_loop()
 
     # --- models --------------------------------------------------------------------------------------------
-    def create_model(self, model_id: str, spec: Any, first_seq: int | None = None) -> Future:
-        """Add an adapter; commands for it may be submitted at once and run once it is in place. ``first_seq``
-        overrides the engine's first seq id for this model (a model created by loading a checkpoint runs that
-        load as its seq 0, before the client's first step)."""
+    def create_model(self, model_id: str, spec: LoraSpec, first_seq: int | None = None) -> Future:
+        """Create a model (the backend adds its adapter); commands for it may be submitted at once and run once
+        the adapter is in place. ``first_seq`` overrides the engine's first seq id for this model (a model created
+        by loading a checkpoint runs that load as its seq 0, before the client's first step)."""
         future: Future = Future()
         with self._cv:
             if model_id in self._queues:
@@ -115,18 +116,10 @@ class Engine:
         with self._cv:
             return set(self._queues)
 
-    def remove_model(self, model_id: str) -> Future:
-        """Drop an adapter after whatever of it is running; its queued commands fail with a message."""
-        future: Future = Future()
-        with self._cv:
-            self._model_queue(model_id)
-            self._lifecycle.append(lambda: self._remove(model_id, future))
-            self._cv.notify_all()
-        return future
-
     def unload_model(self, model_id: str) -> Future:
-        """Drop an adapter once the commands it already holds in seq order have run; commands submitted from now
-        on are refused, and any held behind a seq that never arrived fail with a message when it goes."""
+        """Unload a model once the commands it already holds in seq order have run (then the backend removes its
+        adapter); commands submitted from now on are refused, and any held behind a seq that never arrived fail
+        with a message when it goes."""
         future: Future = Future()
         with self._cv:
             self._model_queue(model_id)
@@ -136,7 +129,7 @@ class Engine:
             self._cv.notify_all()
         return future
 
-    def _accept(self, model_id: str, spec: Any, future: Future) -> None:
+    def _accept(self, model_id: str, spec: LoraSpec, future: Future) -> None:
         t0 = self._clock()
         try:
             self._backend.add_adapter(model_id, spec)
@@ -155,7 +148,7 @@ class Engine:
             self._cv.notify_all()
         future.set_result(model_id)
 
-    def _remove(self, model_id: str, future: Future) -> None:
+    def _unload(self, model_id: str, future: Future) -> None:
         with self._cv:
             if model_id not in self._queues:
                 self._settle(future, NotFoundError(f"Model {model_id!r} was already removed."))
@@ -193,7 +186,7 @@ class Engine:
             if command.model_id in self._unloading or command.model_id in self._unloaded:
                 raise GoneError(f"Model {command.model_id!r} was unloaded; create a new model (or one from a "
                                 "checkpoint) to train again.")
-            if command.kind == SAMPLE:
+            if command.kind == Kind.SAMPLE:
                 # Samples have no seq order to dedupe them: a retry handed over again (its request id known)
                 # gets the first future, not a second generation.
                 accepted = self._sample_futures.setdefault(command.request_id, future)
@@ -204,8 +197,7 @@ class Engine:
             else:
                 accepted = self._model_queue(command.model_id).offer(command, future)
             if accepted is future:
-                submitted = command.submitted_s or self._clock()
-                self.observer.begin(Operation(command.model_id, command.request_id, command.kind, submitted))
+                self.observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock()))
                 self._cv.notify_all()
             return accepted
 
@@ -236,14 +228,14 @@ class Engine:
                 self._unloaded[model_id] = None
                 while len(self._unloaded) > REMEMBERED_UNLOADS:
                     self._unloaded.popitem(last=False)
-                return lambda: self._remove(model_id, unloaded)
+                return lambda: self._unload(model_id, unloaded)
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
         if self._samples:
             heads[SAMPLING_TURN] = self._samples[0][0]
         batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce)
         if not batch:
             return None
-        if batch[0].kind == SAMPLE:
+        if batch[0].kind == Kind.SAMPLE:
             anchor, taken = SAMPLING_TURN, self._take_samples()
         else:
             anchor, taken = batch[0].model_id, [self._queues[command.model_id].take_head() for command in batch]
@@ -277,21 +269,21 @@ class Engine:
         ok = not any(isinstance(result, BaseException) for result in results)
         self.observer.span([c.model_id for c in commands], kind, COMPUTE_LANE, t0, t1,
                            request_ids=[c.request_id for c in commands], n=len(commands), ok=ok)
-        if kind != SAMPLE:  # samples were never any model queue's head
+        if kind != Kind.SAMPLE:  # samples were never any model queue's head
             self._finish_heads(commands)
         for (_, future), result in zip(taken, results):
             self._settle(future, result)
 
-    def _execute(self, kind: str, commands: Sequence[Command]) -> list[Any]:
-        if kind in (FORWARD_BACKWARD, FORWARD):
-            return self._backend.forward_backward(commands, forward_only=kind == FORWARD)
-        if kind == OPTIM_STEP:
+    def _execute(self, kind: Kind, commands: Sequence[Command]) -> list[Any]:
+        if kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
+            return self._backend.forward_backward(commands, forward_only=kind == Kind.FORWARD)
+        if kind == Kind.OPTIM_STEP:
             return self._backend.optim_step(commands)
-        if kind == SAMPLE:
+        if kind == Kind.SAMPLE:
             return self._backend.sample(commands)
-        if kind == LOAD_WEIGHTS:
-            return [self._backend.load_weights(commands[0])]
-        if kind == REFUSED:
+        if kind == Kind.LOAD_WEIGHTS:
+            return [self._backend.load_checkpoint(commands[0])]
+        if kind == Kind.REFUSED:
             return [InvalidRequestError(commands[0].payload)]
         raise ValueError(f"Unknown command kind {kind!r}.")
 
@@ -299,7 +291,7 @@ class Engine:
         command, future = taken
         t0 = self._clock()
         try:
-            captured = self._backend.capture(command)
+            captured = self._backend.capture_checkpoint(command)
         except Exception as error:
             self.observer.span(command.model_id, f"capture:{command.kind}", COMPUTE_LANE, t0, self._clock(),
                                request_ids=[command.request_id], n=1, ok=False)
@@ -335,10 +327,10 @@ class Engine:
             except Exception:
                 logger.exception("persist job failed")
 
-    def _persist(self, command: Command, captured: Any, future: Future) -> None:
+    def _persist(self, command: Command, captured: object, future: Future) -> None:
         t0 = self._clock()
         try:
-            result: Any = self._backend.persist(command, captured)
+            result: Any = self._backend.persist_checkpoint(command, captured)
         except Exception as error:
             result = error
         self.observer.span(command.model_id, f"persist:{command.kind}", PERSIST_LANE, t0, self._clock(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from lilo.engine.commands import COALESCING_KINDS, FORWARD, FORWARD_BACKWARD, Command
+from lilo.engine.commands import COALESCING_KINDS, Command, Kind
 
 TOKENS_PER_BATCH = 8192
 
@@ -22,7 +22,7 @@ def next_batch(heads: Mapping[str, Command], rotation: Sequence[str],
     batch = [anchor]
     if not coalesce or anchor.kind not in COALESCING_KINDS:
         return batch
-    budgeted = anchor.kind in (FORWARD_BACKWARD, FORWARD)
+    budgeted = anchor.kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD)
     tokens = anchor.tokens
     for model in rotation:
         head = heads.get(model)
