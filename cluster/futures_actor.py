@@ -106,7 +106,7 @@ class FuturesActor:
                 continue  # it had failed already (its trainer evacuated): the write kept that, and so do its waiters
             self._waiter.notify(FutureState(
                 completion.request_id, "completed" if completion.ok else "failed", completion.result,
-                completion.error, completion.category, completion.request_type, tenants.get(completion.request_id)))
+                completion.error, completion.category, completion.kind, tenants.get(completion.request_id)))
         return True
 
     def _complete_many(self, completions: list[Completion]) -> dict[int, str | None] | None:

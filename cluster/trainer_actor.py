@@ -343,20 +343,20 @@ def completion_for(kind: Kind, request_id: int, done: Future,
     given ``recorded_prompt`` carries its sequences to be recorded with its result."""
     error = done.exception()
     if error is not None:
-        return Completion.failure(request_id, str(error), failure_category(error), request_type=kind)
+        return Completion.failure(request_id, str(error), failure_category(error), kind=kind)
     result = done.result()
     if kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
         body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])
     elif kind == Kind.SAMPLE:
         body = encode_sample_response(result)
         if recorded_prompt is not None:
-            return Completion.success(request_id, body, request_type=kind,
+            return Completion.success(request_id, body, kind=kind,
                                       recorded=RecordedSample.of(recorded_prompt, result))
     elif kind in (Kind.CREATE_MODEL, Kind.UNLOAD_MODEL):
         body = orjson.dumps({"model_id": result, "type": kind})
     else:
         body = orjson.dumps(result)
-    return Completion.success(request_id, body, request_type=kind)
+    return Completion.success(request_id, body, kind=kind)
 
 
 def start_trainer(index: int, base_model: str, *, num_gpus: float = 0, num_cpus: float = 1,

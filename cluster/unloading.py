@@ -35,7 +35,7 @@ async def failing_future(futures: ActorHandle, request_id: int, kind: Kind) -> A
     except Exception as error:
         cause = getattr(error, "cause", None) or error
         await futures.complete.remote([Completion.failure(request_id, str(cause), failure_category(cause),
-                                                          request_type=kind)])
+                                                          kind=kind)])
         raise
 
 

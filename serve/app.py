@@ -496,7 +496,7 @@ class LiloIngress:
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         if state.status == "failed":
             return {"error": state.error, "category": state.category or "server"}
-        media_type = PROTOBUF if state.request_type in PROTOBUF_RESULTS else "application/json"
+        media_type = PROTOBUF if state.kind in PROTOBUF_RESULTS else "application/json"
         return Response(content=state.result, media_type=media_type)
 
     @api.get("/api/v1/timing")

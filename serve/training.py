@@ -129,7 +129,7 @@ async def _record_new_model(futures: ActorHandle, submission: Submission, body: 
     submission = submission.prepared()
     outcome = await futures.submit_once.remote(submission)
     if not outcome.duplicate or outcome.pending:
-        async with failing_future(futures, outcome.request_id, submission.request_type):
+        async with failing_future(futures, outcome.request_id, submission.kind):
             if not outcome.duplicate and trainer is None:  # it exists, but its seq 0 was pruned long ago
                 raise ConflictError(f"Model {submission.model_id!r} already exists; create each model with the "
                                     "session's next model_seq_id.")

@@ -149,7 +149,7 @@ def test_the_file_records_a_fingerprint_never_the_payload(store):
     assert "payload" not in columns and len(fingerprint) == 64
 
 
-def test_an_old_files_payload_column_and_scheduler_index_are_left_unread(tmp_path):
+def test_an_old_file_is_read_and_written_as_a_ledger(tmp_path):
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as old:  # the table as the payload-keeping releases made it
         old.execute("CREATE TABLE futures (request_id INTEGER PRIMARY KEY AUTOINCREMENT, model_id VARCHAR NOT NULL, "
@@ -163,11 +163,13 @@ def test_an_old_files_payload_column_and_scheduler_index_are_left_unread(tmp_pat
     request_id = reopened.submit(Submission("m", "forward_backward", step(0), seq_id=0))
     reopened.complete_many([Completion.success(request_id, b"ok")])
     assert reopened.lookup(request_id).result == b"ok"
+    assert reopened.lookup(request_id).kind == "forward_backward"
     reopened.close()
     with sqlite3.connect(path) as check:
         names = {row[0] for row in check.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-        (payload,) = check.execute("SELECT payload FROM futures").fetchone()
-    assert "ix_futures_pending_scan" not in names and payload is None
+        (payload, kind) = check.execute("SELECT payload, kind FROM futures").fetchone()
+    # Its payload column is left unread, its scheduler index dropped, request_type is called kind.
+    assert "ix_futures_pending_scan" not in names and payload is None and kind == "forward_backward"
 
 
 def test_create_missing_indexes_backfills_an_old_database(tmp_path):

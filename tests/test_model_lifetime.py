@@ -164,6 +164,6 @@ def test_the_models_of_a_session_that_stops_beating_are_unloaded_and_a_live_clie
             time.sleep(0.5)
         assert left not in restored_models(home)
         with sqlite3.connect(home / "futures.db") as db:
-            (status,) = db.execute("SELECT status FROM futures WHERE model_id = ? AND request_type = 'unload_model'",
+            (status,) = db.execute("SELECT status FROM futures WHERE model_id = ? AND kind = 'unload_model'",
                                    (left,)).fetchone()
         assert status == "completed"  # no trainer held it, so there was nothing to free

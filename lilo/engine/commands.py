@@ -9,7 +9,7 @@ from typing import Generic, Hashable, TypeVar
 
 class Kind(StrEnum):
     """What a request asks for. A member equals its string, which is what the futures DB stores (its
-    ``request_type`` column) and what the wire and the telemetry phases say."""
+    ``kind`` column) and what the wire and the telemetry phases say."""
 
     FORWARD_BACKWARD = "forward_backward"
     FORWARD = "forward"

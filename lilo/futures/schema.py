@@ -16,7 +16,7 @@ futures = Table(
     # AUTOINCREMENT: ids are never reused, so an id below the highest ever allocated that has no row was pruned.
     Column("request_id", Integer, primary_key=True, autoincrement=True),
     Column("model_id", String, nullable=False),
-    Column("request_type", String, nullable=False),
+    Column("kind", String, nullable=False),  # a lilo.engine.commands.Kind (RENAMED_COLUMNS: once request_type)
     Column("seq_id", Integer, nullable=True),
     Column("status", String, nullable=False, default=PENDING),
     # The payload's fingerprint, never the payload (it travels to its trainer directly): a retry with the same one
@@ -41,6 +41,8 @@ STATUS_TRAINER_INDEX = Index("ix_futures_status_trainer", futures.c.status, futu
 # Files written before the ledger kept an index for a payload scheduler that no longer exists; dropped on open, since
 # every insert would keep paying for it.
 RETIRED_INDEXES = ("ix_futures_pending_scan",)
+# Columns an older file names otherwise: (table, old name, name now).
+RENAMED_COLUMNS = (("futures", "request_type", "kind"),)
 FINISHED_INDEX = Index("ix_futures_finished_at", futures.c.finished_at)
 
 models = Table(

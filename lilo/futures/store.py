@@ -38,7 +38,7 @@ from lilo.futures.sequences import RecordedSample
 from lilo.futures.session_queries import SessionQueries, unknown_session_error
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
-    COMPLETED, FAILED, PENDING, RETIRED_INDEXES, futures, metadata, models, sampling_sessions, sessions,
+    COMPLETED, FAILED, PENDING, RENAMED_COLUMNS, RETIRED_INDEXES, futures, metadata, models, sampling_sessions, sessions,
 )
 from lilo.tenants import LOCAL_TENANT, may_see, owner
 
@@ -56,7 +56,7 @@ MAX_REQUEST_ID = (1 << 63) - 1  # SQLite's largest INTEGER
 @dataclasses.dataclass(frozen=True)
 class Submission:
     model_id: str
-    request_type: str
+    kind: str
     payload: Any
     seq_id: int | None = None
     tenant: str | None = None
@@ -110,18 +110,18 @@ class Completion:
     error: str | None = None
     category: str | None = None
     # Known to whoever ran the request; lets a waiter in the writer's process answer without reading the row.
-    request_type: str = ""
+    kind: str = ""
     # A sample taken with record_stability_info: its sequences, recorded with its result.
     recorded: RecordedSample | None = None
 
     @classmethod
-    def success(cls, request_id: int, result: bytes, request_type: str = "",
+    def success(cls, request_id: int, result: bytes, kind: str = "",
                 recorded: RecordedSample | None = None) -> "Completion":
-        return cls(request_id, True, result=result, request_type=request_type, recorded=recorded)
+        return cls(request_id, True, result=result, kind=kind, recorded=recorded)
 
     @classmethod
-    def failure(cls, request_id: int, error: str, category: str = "server", request_type: str = "") -> "Completion":
-        return cls(request_id, False, error=error, category=category, request_type=request_type)
+    def failure(cls, request_id: int, error: str, category: str = "server", kind: str = "") -> "Completion":
+        return cls(request_id, False, error=error, category=category, kind=kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,7 @@ class FutureState:
     result: bytes | None = None
     error: str | None = None
     category: str | None = None
-    request_type: str = ""
+    kind: str = ""
     tenant: str | None = None  # the tenant that submitted it (None: the local one)
 
     @property
@@ -179,6 +179,7 @@ class FuturesStore:
         event.listen(self.engine, "before_cursor_execute", self._count_statement)
         event.listen(self.engine, "commit", self._count_commit)
         metadata.create_all(self.engine)
+        self.rename_old_columns()
         self.create_missing_columns()
         self.create_missing_indexes()
         self.drop_retired_indexes()
@@ -201,6 +202,15 @@ class FuturesStore:
         return (self.path.stat().st_size / 2**20, wal.stat().st_size / 2**20 if wal.exists() else 0.0)
 
     # --- schema --------------------------------------------------------------------------------------------
+    def rename_old_columns(self) -> None:
+        """Give an older file's columns their names now (before missing columns are added, which would otherwise
+        add the new name beside the old)."""
+        with self.engine.begin() as connection:
+            for table, old, new in RENAMED_COLUMNS:
+                existing = {column["name"] for column in inspect(connection).get_columns(table)}
+                if old in existing and new not in existing:
+                    connection.exec_driver_sql(f'ALTER TABLE "{table}" RENAME COLUMN "{old}" TO "{new}"')
+
     def create_missing_columns(self) -> list[str]:
         """Add declared columns a database file created before they existed lacks (only nullable ones are ever
         added to a table). Idempotent; returns ``table.column`` of those it added."""
@@ -269,7 +279,7 @@ class FuturesStore:
                 # The one writer allocates ids itself, consecutively in arrival order, so the whole group is a
                 # single prepared INSERT run many times (no RETURNING round trip per row).
                 first_id = self._highest_request_id(connection) + 1
-                rows = [(first_id + n, submissions[i].model_id, submissions[i].request_type, submissions[i].seq_id,
+                rows = [(first_id + n, submissions[i].model_id, submissions[i].kind, submissions[i].seq_id,
                          PENDING, prints[i], submissions[i].tenant, now, trainers.get(i))
                         for n, i in enumerate(inserting)]
                 connection.exec_driver_sql(_INSERT_FUTURE, rows)
@@ -554,7 +564,7 @@ class FuturesStore:
                     select(futures.c.model_id, func.max(futures.c.seq_id), func.max(futures.c.submitted_at))
                     .where(futures.c.model_id.in_(chunk), futures.c.seq_id >= 0).group_by(futures.c.model_id)))
             connection.execute(update(models).where(displaced_rows).values(trainer=None))
-            failed = connection.execute(select(futures.c.request_id, futures.c.request_type, futures.c.tenant)
+            failed = connection.execute(select(futures.c.request_id, futures.c.kind, futures.c.tenant)
                                         .where(lost)).all()
             connection.execute(update(futures).where(lost).values(
                 status=FAILED, error=error, error_category="server", finished_at=now))
@@ -682,10 +692,10 @@ class FuturesStore:
 
 
 _INSERT_FUTURE = (
-    "INSERT INTO futures (request_id, model_id, request_type, seq_id, status, payload_sha256, tenant, "
+    "INSERT INTO futures (request_id, model_id, kind, seq_id, status, payload_sha256, tenant, "
     "submitted_at, trainer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_STATES = ("SELECT request_id, status, result, error, error_category, request_type, tenant FROM futures "
+_STATES = ("SELECT request_id, status, result, error, error_category, kind, tenant FROM futures "
            "WHERE request_id IN ({marks})")
 _TENANTS = "SELECT request_id, tenant FROM futures WHERE request_id IN ({marks})"
 _PENDING_TENANTS = _TENANTS + f" AND status = '{PENDING}'"
