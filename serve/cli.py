@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--num-cpus", type=int, help="CPUs the local Ray head offers (default: all)")
     up.add_argument("--trainers", type=int, help="trainer actors (default: one per GPU, or one without GPUs)")
     up.add_argument("--max-adapters", type=int, help="adapter slots per trainer: models it holds at once (default 16)")
+    up.add_argument("--max-rank", type=int,
+                    help="largest LoRA rank a model may have; every adapter slot holds memory for this rank "
+                         "(default 32)")
     up.add_argument("--sampler-slots", type=int,
                     help="further slots per trainer for sampler checkpoints only (default 2)")
     up.add_argument(
@@ -124,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
-              "sampler_slots", "base_models",
+              "max_rank", "sampler_slots", "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
