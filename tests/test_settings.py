@@ -68,8 +68,8 @@ def test_the_save_time_at_stop_comes_from_the_environment_or_a_flag_and_sets_how
     import shutil
 
     from cluster.local import read_state
+    from cluster.service import stop_wait_s
     from helpers import short_home
-    from serve.cli import stop_wait_s
 
     assert load_settings(env={}).stop_save_timeout_s == 40
     assert load_settings(env={"LILO_STOP_SAVE_TIMEOUT_S": "0"}).stop_save_timeout_s == 0
