@@ -1,4 +1,4 @@
-"""The trainer actor: one per GPU (a configured number on CPU), owning its adapters, its engine and its timing.
+"""The trainer actor: one per GPU (a configured number on CPU), holding its adapters, its engine and its timing.
 
 All torch work of a trainer happens on one thread of its own: that thread loads the base model, builds the
 backend, then runs the engine's compute lane (on CPU, torch runs in parallel well only from one thread). The
@@ -246,7 +246,7 @@ class TrainerActor:
             unloaded.set_result(model_id)
         self._report(UNLOAD_MODEL, request_id, unloaded)
 
-    # Checkpoints are read and deleted by the trainer that owns their run, where the files were written (see
+    # Checkpoints are read and deleted by the trainer of their run, where the files were written (see
     # lilo.backend.checkpoint_index for what a multi-node cluster needs).
     async def list_checkpoints(self, runs: list[str]) -> dict[str, list[CheckpointEntry]]:
         return await self._in_checkpoint_dir(lambda directory: {run: list_checkpoints(directory, run) for run in runs})
