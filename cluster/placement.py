@@ -22,13 +22,13 @@ def named_actor(name: str) -> ActorHandle:
     return ray.get_actor(name, namespace=NAMESPACE)
 
 
-async def ask_file_keeper(owner: str | None, trainers: Sequence[str], method: str, *args: Any) -> Any:
-    """Call ``method`` on the trainer that owns a run (and wrote its checkpoint files) or, when that one is gone (it
-    died, or the cluster restarted with fewer trainers), on the first trainer there is, which sees the same files on
-    one machine or on shared storage."""
-    if owner is not None and owner != trainers[0]:
+async def ask_file_keeper(trainer: str | None, trainers: Sequence[str], method: str, *args: Any) -> Any:
+    """Call ``method`` on ``trainer``, the trainer of a run (which wrote its checkpoint files) or, when that one is
+    gone (it died, or the cluster restarted with fewer trainers), on the first trainer there is, which sees the same
+    files on one machine or on shared storage."""
+    if trainer is not None and trainer != trainers[0]:
         try:
-            return await getattr(named_actor(owner), method).remote(*args)
+            return await getattr(named_actor(trainer), method).remote(*args)
         except (ValueError, ray.exceptions.RayActorError):  # no actor by that name, or it died
             pass
     return await getattr(named_actor(trainers[0]), method).remote(*args)
@@ -78,13 +78,13 @@ def choose_trainer(free_slots: Mapping[str, int], models_placed: Mapping[str, in
 
 
 def choose_sampling_trainer(sampling_session_id: str, base_model: str, served: Mapping[str, str],
-                            owner: str | None = None) -> str:
-    """The trainer that samples for a session: ``owner`` (the trainer of the training run whose checkpoint it
-    samples, which wrote that checkpoint) when it serves the base model, else one of the trainers serving it,
-    picked by the session id (so a session's samples stay on one trainer and sessions spread over the trainers).
-    ``served``: trainer -> its base model."""
-    if owner is not None and served.get(owner) == base_model:
-        return owner
+                            checkpoint_trainer: str | None = None) -> str:
+    """The trainer that samples for a session: ``checkpoint_trainer`` (the trainer of the training run whose
+    checkpoint it samples, which wrote that checkpoint) when it serves the base model, else one of the trainers
+    serving it, picked by the session id (so a session's samples stay on one trainer and sessions spread over the
+    trainers). ``served``: trainer -> its base model."""
+    if checkpoint_trainer is not None and served.get(checkpoint_trainer) == base_model:
+        return checkpoint_trainer
     candidates = sorted(name for name, model in served.items() if model == base_model)
     if not candidates:
         raise InvalidRequestError(

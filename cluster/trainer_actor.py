@@ -1,4 +1,4 @@
-"""The trainer actor: one per GPU (a configured number on CPU), owning its adapters, its engine and its timing.
+"""The trainer actor: one per GPU (a configured number on CPU), holding its adapters, its engine and its timing.
 
 All torch work of a trainer happens on one thread of its own: that thread loads the base model, builds the
 backend, then runs the engine's compute lane (on CPU, torch runs in parallel well only from one thread). The
@@ -9,6 +9,7 @@ runs. Every trainer keeps its critical path always (``timing``) and pushes it to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import queue
@@ -18,7 +19,7 @@ import uuid
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import orjson
 import ray
@@ -43,6 +44,8 @@ from lilo.telemetry.critical_path import BACKEND_READY, SERVING_READY
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 TRAINER_PREFIX = "lilo-trainer-"
 # How long a failed write of results to the futures DB waits before it is tried again.
 RETRY_WRITE_S = 1.0
@@ -52,63 +55,97 @@ def trainer_name(index: int) -> str:
     return f"{TRAINER_PREFIX}{index}"
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """What every trainer of a service is built with, its name and base model aside: built from the settings once
+    (``from_settings``) and handed to each trainer as it is."""
+
+    max_adapters: int
+    max_rank: int
+    sampler_slots: int
+    # "auto" (CUDA when the trainer has a GPU), "cpu" or "cuda".
+    device: str
+    compute_nice: int
+    # None: the backend's temporary directory (tests), or the default model cache.
+    checkpoint_dir: Path | None = None
+    model_cache_dir: Path | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TrainerConfig:
+        return cls(max_adapters=settings.max_adapters, max_rank=settings.max_rank,
+                   sampler_slots=settings.sampler_slots, device=settings.device, compute_nice=settings.compute_nice,
+                   checkpoint_dir=settings.home / "checkpoints")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What the torch thread builds before the trainer serves."""
+
+    engine: Engine
+    backend: Any  # a TorchBackend: torch is imported on the torch thread only
+    publisher: TimingPublisher
+
+
 # Restarted by Ray when its process dies (on another node if its own is gone); the recovery actor then fails what
 # it had in flight and restores its models (cluster/recovery.py).
+#
+# A command's result goes one of two ways. ``run`` and ``create_model`` return it to their caller (lilo's own
+# calls: a restore's load, tests). ``submit``, ``create_model_future`` and ``unload_future`` take a client's
+# request id and write the result to the futures DB under it (``_report``), in batches with others'.
 @ray.remote(max_restarts=-1, max_concurrency=1000)
 class TrainerActor:
-    def __init__(self, name: str, base_model: str, *, max_adapters: int = 16, max_rank: int = 32,
-                 sampler_slots: int = 2, checkpoint_dir: str | None = None, model_cache_dir: str | None = None,
-                 device: str = "auto", compute_nice: int = 0) -> None:
+    def __init__(self, name: str, base_model: str, config: TrainerConfig) -> None:
         self.name = name
         self.base_model = base_model
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
-        self._ready: Future = Future()
+        self._loading: Future[Loaded] = Future()
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._flusher: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # The futures of submitted commands whose completion is already on its way to the futures DB.
         self._reported: weakref.WeakSet[Future] = weakref.WeakSet()
-        settings = dict(max_adapters=max_adapters, max_rank=max_rank, sampler_slots=sampler_slots,
-                        checkpoint_dir=checkpoint_dir, model_cache_dir=model_cache_dir, device=device,
-                        compute_nice=compute_nice)
-        self._torch_thread = threading.Thread(target=self._run_torch, kwargs=settings, name="lilo-trainer-torch",
+        self._torch_thread = threading.Thread(target=self._run_torch, args=(config,), name="lilo-trainer-torch",
                                               daemon=True)
         self._torch_thread.start()
 
-    def _run_torch(self, max_adapters: int, max_rank: int, sampler_slots: int, checkpoint_dir: str | None,
-                   model_cache_dir: str | None, device: str, compute_nice: int) -> None:
-        lower_thread_priority(compute_nice)
+    def _run_torch(self, config: TrainerConfig) -> None:
+        lower_thread_priority(config.compute_nice)
         try:
             # Torch is imported here, not with this module: Ray imports this module in every process that holds a
             # trainer's handle (the API replicas, the recovery actor), and those need no torch.
             from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
             from lilo.backend.torch_backend import TorchBackend
 
-            directory = model_directory(self.base_model, Path(model_cache_dir) if model_cache_dir else None)
-            backend = TorchBackend(load_base_model(directory, resolve_device(device)), max_adapters=max_adapters,
-                                   max_rank=max_rank, sampler_slots=sampler_slots,
-                                   checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+            directory = model_directory(self.base_model, config.model_cache_dir)
+            backend = TorchBackend(load_base_model(directory, resolve_device(config.device)),
+                                   max_adapters=config.max_adapters, max_rank=config.max_rank,
+                                   sampler_slots=config.sampler_slots, checkpoint_dir=config.checkpoint_dir,
                                    base_model_name=self.base_model, decode=load_decoder(directory))
             engine = Engine(backend, start=False)
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
             publisher = TimingPublisher(engine.timings, self.name, get_timing_actor()).start()
             freeze_startup()
-            self._ready.set_result((engine, backend, publisher))
+            self._loading.set_result(Loaded(engine, backend, publisher))
         except BaseException as error:
-            self._ready.set_exception(error)
+            self._loading.set_exception(error)
             return
         engine.run_compute_lane()
 
-    async def _engine(self) -> Engine:
-        engine, _, _ = await asyncio.wrap_future(self._ready)
-        return engine
+    async def _loaded(self) -> Loaded:
+        """The engine, backend and timing publisher, once the base model is loaded (raises if loading failed)."""
+        return await asyncio.wrap_future(self._loading)
+
+    async def _in_checkpoint_dir(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(checkpoint_dir, *args)``, off the event loop: the checkpoint files' reads and writes."""
+        return await asyncio.to_thread(function, (await self._loaded()).backend.checkpoint_dir, *args)
 
     async def ready(self) -> dict[str, Any]:
         """Waits for the base model; says what this trainer serves."""
-        engine, backend, _ = await asyncio.wrap_future(self._ready)
-        engine.timings.mark(SERVING_READY)
+        loaded = await self._loaded()
+        loaded.engine.timings.mark(SERVING_READY)
+        backend = loaded.backend
         eos = backend.model.config.eos_token_id
         return {"name": self.name, "base_model": self.base_model, "free_slots": backend.free_slots,
                 "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
@@ -116,18 +153,17 @@ class TrainerActor:
 
     async def check_sampler_checkpoint(self, path: str) -> None:
         """Raises, with a message for the client, unless ``path`` is a sampler checkpoint this trainer can load."""
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        backend.sampler_version(path)
+        (await self._loaded()).backend.sampler_version(path)
 
-    async def create_model(self, model_id: str, spec: LoraSpec) -> str:
-        engine = await self._engine()
-        return await asyncio.wrap_future(engine.create_model(model_id, spec))
+    async def run(self, command: Command) -> Any:
+        """Queue a command in its model's order and return its result (or raise its own error)."""
+        engine = (await self._loaded()).engine
+        return await asyncio.wrap_future(engine.submit(command))
 
     async def submit(self, command: Command) -> None:
-        """Queue a command whose request id is a future in the futures DB: its result (or error) is written there
-        when it finishes, in batches with others'. Ordering and seq conflicts raise here, at once."""
-        engine = await self._engine()
-        self._start_flusher()
+        """``run`` for a client's command: its result (or error) goes to the futures DB under its request id.
+        Ordering and seq conflicts raise here, at once."""
+        engine = (await self._loaded()).engine
         try:
             future = engine.submit(command)
         except NotFoundError:
@@ -140,27 +176,25 @@ class TrainerActor:
                 "request did not take effect. The model is being restored from its latest save_weights checkpoint "
                 "(steps after it are lost); send your next request in a few seconds, or load_state your last "
                 "checkpoint first.") from None
-        if future not in self._reported:  # a retry handed over again gets the first future: report it once
-            self._reported.add(future)
-            recorded_prompt = recorded_prompt_of(command)
-            future.add_done_callback(
-                lambda done: self._finished(command.kind, command.request_id, done, recorded_prompt))
+        self._report(command.kind, command.request_id, future, recorded_prompt_of(command))
+
+    async def create_model(self, model_id: str, spec: LoraSpec) -> str:
+        """Create a model; returns its id once it is ready."""
+        engine = (await self._loaded()).engine
+        return await asyncio.wrap_future(engine.create_model(model_id, spec))
 
     async def create_model_future(self, model_id: str, spec: LoraSpec, request_id: str) -> None:
-        """Create a model; the create_model future ``request_id`` completes with ``{"model_id"}`` when it is ready.
-        A model this trainer has already is left alone: it was this same creation, retried, whose first call
-        reports it."""
-        engine = await self._engine()
-        self._start_flusher()
-        if model_id in engine.model_ids():
-            return
-        engine.create_model(model_id, spec).add_done_callback(
-            lambda done: self._finished(Kind.CREATE_MODEL, request_id, done))
+        """``create_model`` for a client: the create_model future ``request_id`` completes with ``{"model_id"}``
+        when the model is ready. A model this trainer has already is left alone: it was this same creation,
+        retried, whose first call reports it."""
+        engine = (await self._loaded()).engine
+        if model_id not in engine.model_ids():
+            self._report(Kind.CREATE_MODEL, request_id, engine.create_model(model_id, spec))
 
     async def create_model_from_checkpoint(self, model_id: str, spec: LoraSpec, load: Command) -> None:
         """Create a model whose first command, its seq 0, is ``load`` (a load_weights of a checkpoint with
         ``spec``): the client's steps (seq 1 on) run after it. ``load``'s future completes when it has run."""
-        engine = await self._engine()
+        engine = (await self._loaded()).engine
         if model_id not in engine.model_ids():  # else this same creation, retried: the load is deduplicated
             engine.create_model(model_id, spec, first_seq=0)
         await self.submit(load)
@@ -171,10 +205,10 @@ class TrainerActor:
         engine's default). Returns the checkpoint's tinker path, or None (a fresh adapter, or the model was here
         already: an earlier call got this far, and the recovery actor failed to record the placement). A model that
         cannot be created here (no free slot any more) raises, for the recovery actor to try again."""
-        engine, backend, _ = await asyncio.wrap_future(self._ready)
+        engine = (await self._loaded()).engine
         if model_id in engine.model_ids():
             return None
-        saved = await asyncio.to_thread(list_checkpoints, backend.checkpoint_dir, model_id)
+        saved = await self._in_checkpoint_dir(list_checkpoints, model_id)
         latest = max((entry for entry in saved if entry.kind == WEIGHTS), key=lambda entry: entry.time_s, default=None)
         if latest is None or next_seq is None:
             await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq))
@@ -202,44 +236,47 @@ class TrainerActor:
         """Free the model's adapter slot once what it queued has run; the unload_model future ``request_id``
         completes with ``{"model_id"}`` then. New commands for it are refused from now on. A model this trainer
         does not hold (it restarted, and nobody restored the model yet) is unloaded at once: nothing to free."""
-        engine = await self._engine()
-        self._start_flusher()
+        engine = (await self._loaded()).engine
         if model_id in engine.model_ids():
             unloaded = engine.unload_model(model_id)
         else:
             unloaded = Future()
             unloaded.set_result(model_id)
-        unloaded.add_done_callback(lambda done: self._finished(Kind.UNLOAD_MODEL, request_id, done))
+        self._report(Kind.UNLOAD_MODEL, request_id, unloaded)
 
-    # Checkpoints are read and deleted by the trainer that owns their run, where the files were written (see
+    # Checkpoints are read and deleted by the trainer of their run, where the files were written (see
     # lilo.backend.checkpoint_index for what a multi-node cluster needs).
     async def list_checkpoints(self, runs: list[str]) -> dict[str, list[CheckpointEntry]]:
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        return await asyncio.to_thread(lambda: {run: list_checkpoints(backend.checkpoint_dir, run) for run in runs})
+        return await self._in_checkpoint_dir(lambda directory: {run: list_checkpoints(directory, run) for run in runs})
 
     async def delete_checkpoint(self, run: str, checkpoint_id: str) -> None:
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        await asyncio.to_thread(delete_checkpoint, backend.checkpoint_dir, run, checkpoint_id)
+        await self._in_checkpoint_dir(delete_checkpoint, run, checkpoint_id)
 
     async def checkpoint_files(self, path: str) -> dict[str, int]:
         """``file -> size`` of the checkpoint ``path``'s files (what its download links serve)."""
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        return await asyncio.to_thread(checkpoint_files, backend.checkpoint_dir, path)
+        return await self._in_checkpoint_dir(checkpoint_files, path)
 
     async def read_checkpoint_file(self, path: str, file: str, offset: int, length: int) -> bytes:
         """One chunk of one of its files: the API replica streams a download a chunk at a time from here, so the
         files need not be on the replica's node."""
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        return await asyncio.to_thread(read_checkpoint_file, backend.checkpoint_dir, path, file, offset, length)
+        return await self._in_checkpoint_dir(read_checkpoint_file, path, file, offset, length)
 
     async def copy_checkpoint(self, source: str, destination: str) -> None:
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        await asyncio.to_thread(copy_checkpoint, backend.checkpoint_dir, source, destination)
+        await self._in_checkpoint_dir(copy_checkpoint, source, destination)
 
     async def weights_spec(self, path: str) -> LoraSpec:
         """The LoRA spec of the weights checkpoint ``path``; raises, with a message for the client, if there is none."""
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        return await asyncio.to_thread(weights_spec, backend.checkpoint_dir, path)
+        return await self._in_checkpoint_dir(weights_spec, path)
+
+    def _report(self, kind: Kind, request_id: str, future: Future,
+                recorded_prompt: Sequence[int] | None = None) -> None:
+        """Write ``future``'s result to the futures DB under ``request_id`` once it finishes: once, however often a
+        retry hands the same command over (the engine gives a retry the first future)."""
+        self._start_flusher()
+        if future in self._reported:
+            return
+        self._reported.add(future)
+        future.add_done_callback(lambda done: self._finished(kind, request_id, done, recorded_prompt))
 
     def _finished(self, kind: Kind, request_id: str, done: Future,
                   recorded_prompt: Sequence[int] | None = None) -> None:
@@ -277,34 +314,29 @@ class TrainerActor:
             await asyncio.sleep(RETRY_WRITE_S)
             self._wake.set()
 
-    async def run(self, command: Command) -> Any:
-        """Queue a command in its model's order and return its result (or raise its own error)."""
-        engine = await self._engine()
-        return await asyncio.wrap_future(engine.submit(command))
-
     async def timing(self, model_id: str | None = None, reset: bool = False, reader: str = "") -> dict | None:
         """This trainer's critical path of one of its models (None if not here), or of all of them."""
-        engine = await self._engine()
+        engine = (await self._loaded()).engine
         if model_id is not None and not await self.has_model(model_id):
             return None
         return engine.timings.snapshot(model_id, reset=reset, reader=reader)
 
     async def model_ids(self) -> list[str]:
         """Every model this trainer holds (a restarted trainer holds none)."""
-        engine = await self._engine()
+        engine = (await self._loaded()).engine
         return sorted(engine.model_ids())
 
     async def has_model(self, model_id: str) -> bool:
-        _, backend, _ = await asyncio.wrap_future(self._ready)
-        return model_id in backend.adapters
+        return model_id in (await self._loaded()).backend.adapters
 
     async def stop(self, save_as: str | None = None) -> list[str]:
         """Stop serving: the execution under way finishes, queued commands fail. With ``save_as``, every training
         model's adapter and optimizer state is then saved as the save_weights checkpoint of that name (replacing
         an older one), so that the next start restores each model exactly where it stopped. Returns the saved
         checkpoints' tinker paths."""
-        engine, backend, publisher = await asyncio.wrap_future(self._ready)
-        publisher.stop()
+        loaded = await self._loaded()
+        engine, backend = loaded.engine, loaded.backend
+        loaded.publisher.stop()
         await asyncio.to_thread(engine.stop)
         if save_as is None:
             return []
@@ -359,13 +391,13 @@ def completion_for(kind: Kind, request_id: int, done: Future,
     return Completion.success(request_id, body, kind=kind)
 
 
-def start_trainer(index: int, base_model: str, *, num_gpus: float = 0, num_cpus: float = 1,
-                  **options: Any) -> ray.actor.ActorHandle:
+def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpus: float = 0,
+                  num_cpus: float = 1) -> ray.actor.ActorHandle:
     """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist."""
     name = trainer_name(index)
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-                                lifetime="detached", scheduling_strategy="SPREAD").remote(name, base_model, **options)
+                                lifetime="detached", scheduling_strategy="SPREAD").remote(name, base_model, config)
 
 
 def start_trainers(settings: Settings) -> list[str]:
@@ -379,10 +411,8 @@ def start_trainers(settings: Settings) -> list[str]:
         served = [models[index % len(models)] for index in range(count)]
     else:
         served = [model for model in models for _ in range(settings.trainers or 1)]
-    handles = [start_trainer(index, model, num_gpus=1 if gpus else 0, num_cpus=1,
-                             checkpoint_dir=str(settings.home / "checkpoints"), device=settings.device,
-                             max_adapters=settings.max_adapters, sampler_slots=settings.sampler_slots,
-                             compute_nice=settings.compute_nice)
+    config = TrainerConfig.from_settings(settings)
+    handles = [start_trainer(index, model, config, num_gpus=1 if gpus else 0, num_cpus=1)
                for index, model in enumerate(served)]
     try:
         infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)

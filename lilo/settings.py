@@ -41,6 +41,10 @@ class Settings:
     trainers: int | None = None
     # Adapter slots per trainer: how many training models one trainer holds at once.
     max_adapters: int = 16
+    # The largest LoRA rank a model may have on a trainer: every adapter slot holds this rank's weights, gradients
+    # and optimizer moments from the start, so memory grows with it as with the slots. A model of a larger rank is
+    # refused, with a message naming this maximum.
+    max_rank: int = 32
     # Further slots per trainer that only sampler checkpoints use (they also use free training slots): sampling
     # a saved checkpoint works while training models fill every training slot.
     sampler_slots: int = 2
@@ -124,6 +128,8 @@ class Settings:
                 "configure keys (LILO_API_KEYS or --api-keys-file) to listen there.")
         if self.max_adapters < 1:
             raise SettingsError(f"--max-adapters must be at least 1, got {self.max_adapters}.")
+        if self.max_rank < 1:
+            raise SettingsError(f"--max-rank must be at least 1, got {self.max_rank}.")
         if self.sampler_slots < 0:
             raise SettingsError(f"--sampler-slots must be 0 or more, got {self.sampler_slots}.")
         if self.trainers is not None and self.trainers < 1:
@@ -161,6 +167,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_NUM_CPUS": ("num_cpus", int),
     "LILO_TRAINERS": ("trainers", int),
     "LILO_MAX_ADAPTERS": ("max_adapters", int),
+    "LILO_MAX_RANK": ("max_rank", int),
     "LILO_SAMPLER_SLOTS": ("sampler_slots", int),
     "LILO_RAY_ADDRESS": ("ray_address", str),
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),

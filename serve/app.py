@@ -521,15 +521,15 @@ class LiloIngress:
 
     async def _timing_snapshot(self, model_id: str | None, reset: bool, reader: str,
                                tenant: str) -> dict[str, Any] | None:
-        """A placed model's timing comes fresh from the trainer that owns it; everything else (the cluster view, a
+        """A placed model's timing comes fresh from the trainer that holds it; everything else (the cluster view, a
         model no trainer holds any more) from the timing actor's merged view. Another tenant's model is one without
         timing."""
         if model_id == ALL_MODELS:
             model_id = None
         if model_id is not None:
             record = timing_record(model_id)
-            owner, trainer = await self._futures.owner_of.remote(record) if record else (None, None)
-            if owner != tenant:
+            record_tenant, trainer = await self._futures.owner_of.remote(record) if record else (None, None)
+            if record_tenant != tenant:
                 return None
             if trainer is not None:
                 with contextlib.suppress(RayActorError):  # its trainer is restarting: the merged view has it

@@ -2,7 +2,7 @@
 publishing, weights info, signed download links and the downloads themselves, and copies.
 
 Who may do what (``lilo.futures.checkpoint_records.access_refusal``): a tenant reads its own checkpoints and
-published ones of other tenants by their path; only the owner changes or deletes one. Another tenant's private
+published ones of other tenants by their path; only its own tenant changes or deletes one. Another tenant's private
 checkpoint answers exactly as one of no run (404). A checkpoint past its TTL answers 410, saying so. The files are
 the trainer's that keeps the run's files (``cluster.placement.ask_file_keeper``); downloads stream from there a
 chunk at a time through this replica.
@@ -36,7 +36,7 @@ COPY_REASON = ("it holds a copy of a checkpoint (copy_weights) and cannot be tra
 
 async def checkpoint_files(futures: ActorHandle, trainers: Sequence[str], path: str, tenant: str,
                            write: bool = False) -> tuple[dict[str, Any], CheckpointRecord | None, dict[str, int]]:
-    """(its run, its record, ``file -> size``) of a checkpoint ``tenant`` may use (``write``: as its owner), or the
+    """(its run, its record, ``file -> size``) of a checkpoint ``tenant`` may use (``write``: as its tenant), or the
     404 of an unknown one (410 when it expired)."""
     run, record = await futures.readable_checkpoint.remote(path, tenant, write)
     files = await ask_file_keeper(run["trainer"], trainers, "checkpoint_files", path)
@@ -134,8 +134,8 @@ async def copy_weights(futures: ActorHandle, trainers: Sequence[str], body: dict
     run, _, _ = await checkpoint_files(futures, trainers, source, tenant)
     copy_run = copy_run_id(tenant, body, idempotency_key)
     destination = f"{TINKER_SCHEME}{copy_run}/{kind}/{name}"
-    owner, _ = await futures.owner_of.remote(copy_run)
-    if owner is None:
+    copy_tenant, _ = await futures.owner_of.remote(copy_run)
+    if copy_tenant is None:
         await futures.add_model.remote(copy_run, run["base_model"], run["lora_config"], tenant=tenant,
                                        session_id=body.get("session_id"), trainer=run["trainer"])
         await futures.mark_unloaded.remote(copy_run, COPY_REASON)

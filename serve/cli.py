@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,28 +20,17 @@ from typing import Iterator, Sequence
 from cluster.local import (
     ClusterError,
     ClusterState,
-    SupervisorLock,
     check_ports_free,
-    connect_existing,
     prepare_environment,
     read_state,
     running_state,
-    start_private_head,
     stop_cluster,
-    write_state,
 )
+from cluster.service import STOP_MARGIN_S, AlreadySupervised, ServeApp, stop_wait_s, supervise
 from lilo.settings import Settings, SettingsError, load_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 DETACHED_CHILD_FLAG = "--detached-child"
-# The save_weights checkpoint every model gets when the service stops; the next start restores models from it.
-SHUTDOWN_CHECKPOINT = "lilo-shutdown"
-# What `lilo down` allows the supervisor beyond the trainers' save time: removing the Serve app, stopping Ray.
-STOP_MARGIN_S = 20.0
-
-
-class StopRequested(Exception):
-    """Raised in the supervisor by SIGINT or SIGTERM."""
 
 
 class Progress:
@@ -74,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--num-cpus", type=int, help="CPUs the local Ray head offers (default: all)")
     up.add_argument("--trainers", type=int, help="trainer actors (default: one per GPU, or one without GPUs)")
     up.add_argument("--max-adapters", type=int, help="adapter slots per trainer: models it holds at once (default 16)")
+    up.add_argument("--max-rank", type=int,
+                    help="largest LoRA rank a model may have; every adapter slot holds memory for this rank "
+                         "(default 32)")
     up.add_argument("--sampler-slots", type=int,
                     help="further slots per trainer for sampler checkpoints only (default 2)")
     up.add_argument(
@@ -124,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
-              "sampler_slots", "base_models",
+              "max_rank", "sampler_slots", "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
@@ -152,148 +143,24 @@ def _print_ready(settings: Settings, startup_s: float, detached: bool) -> None:
     print(stop_hint, flush=True)
 
 
-def _raise_stop(signum: int, _frame: object) -> None:
-    raise StopRequested(signal.Signals(signum).name)
+def _serve_app() -> ServeApp:
+    """The Serve application's deployment, for the supervisor to call once Ray is up: importing it takes seconds."""
+    import serve.deploy
+
+    return serve.deploy
 
 
-def supervise(settings: Settings, detached: bool) -> int:
-    """Start (or join) the Ray cluster, deploy the service, serve until SIGINT/SIGTERM, then take it all down."""
+def _supervise(settings: Settings, detached: bool) -> int:
+    """Run the service in this process (``cluster.service.supervise``), printing its progress and its banner."""
     progress = Progress()
-    lock = SupervisorLock(settings)
-    if not lock.acquire():
-        state = read_state(settings)
-        print(_already_running_message(state) if state else f"Another lilo is starting under {settings.home}.")
+    try:
+        stopped = supervise(settings, _serve_app, progress,
+                            on_ready=lambda: _print_ready(settings, progress.elapsed_s, detached))
+    except AlreadySupervised as busy:
+        starting = f"Another lilo is starting under {settings.home}."
+        print(_already_running_message(busy.state) if busy.state else starting)
         return EXIT_FAILED
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
-    connected = False
-    try:
-        check_ports_free(settings)
-        state = ClusterState(
-            pid=os.getpid(), status="starting", home=str(settings.home), api_url=settings.api_url,
-            dashboard_url=settings.dashboard_url, gcs_address=None, started_at=time.time(),
-            stop_save_timeout_s=settings.stop_save_timeout_s,
-        )
-        write_state(settings, state)
-        if settings.ray_address is None:
-            progress(f"Starting a private Ray head on 127.0.0.1 (temp dir {settings.ray_temp_dir})")
-            gcs_address = start_private_head(settings)
-        else:
-            progress(f"Connecting to the Ray cluster at {settings.ray_address}")
-            gcs_address = connect_existing(settings)
-        connected = True
-        # Ray's driver installs a C-level SIGTERM handler that dumps a stack and re-raises the signal, killing
-        # this process half-way through its shutdown; take the signals back so the shutdown runs to the end.
-        signal.signal(signal.SIGTERM, _raise_stop)
-        signal.signal(signal.SIGINT, _raise_stop)
-        progress(f"Ray is up (GCS {gcs_address})")
-        import ray
-
-        from cluster.futures_actor import get_futures_actor
-        from cluster.recovery import start_recovery
-        from cluster.timing import get_timing_actor
-        from cluster.trainer_actor import start_trainers
-        from serve.deploy import deploy, wait_until_healthy
-
-        # Detached: they outlive this driver and every redeploy of the Serve app.
-        get_timing_actor()
-        orphans = ray.get(get_futures_actor(str(settings.futures_db)).fail_orphans.remote())
-        if orphans:
-            progress(f"Failed {orphans} request(s) a previous run left unfinished (their clients get a message)")
-        progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
-        trainers = start_trainers(settings)
-        start_recovery(trainers, settings.session_timeout_s)
-        progress(f"Trainers ready: {', '.join(trainers)}; deploying the Serve application")
-        deploy(settings, trainers)
-        progress(f"Waiting for {settings.api_url}/api/v1/healthz")
-        wait_until_healthy(settings.api_url, settings.startup_timeout_s)
-        write_state(settings, dataclasses.replace(state, status="ready", gcs_address=gcs_address))
-        _print_ready(settings, progress.elapsed_s, detached)
-        while True:
-            signal.pause()
-    except StopRequested as stop:
-        progress(f"{stop} received; stopping")
-        return EXIT_OK
-    except (ClusterError, TimeoutError) as error:
-        progress(f"error: {error}")
-        return EXIT_FAILED
-    finally:
-        # A second Ctrl-C must not interrupt the shutdown half-way and leave processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if connected:
-            _shut_down(settings, progress)
-        settings.state_file.unlink(missing_ok=True)
-        lock.release()
-
-
-def _shut_down(settings: Settings, progress: Progress) -> None:
-    import ray
-
-    from serve.deploy import undeploy
-
-    progress("Removing the Serve application")
-    try:
-        undeploy()
-        _save_and_stop_trainers(progress, settings.stop_save_timeout_s)
-        if settings.ray_address is not None:  # a shared cluster lives on: take our detached actors with us
-            from cluster.futures_actor import FUTURES_ACTOR_NAME
-            from cluster.local import NAMESPACE
-            from cluster.timing import TIMING_ACTOR_NAME
-
-            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *_trainer_names()):
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-    except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
-        progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
-    if settings.ray_address is None:
-        progress("Stopping the private Ray head")
-    ray.shutdown()
-    progress("Stopped")
-
-
-def _trainer_names() -> list[str]:
-    import ray
-
-    from cluster.local import NAMESPACE
-    from cluster.trainer_actor import TRAINER_PREFIX
-
-    return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-                  if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX))
-
-
-def _save_and_stop_trainers(progress: Progress, timeout_s: float) -> None:
-    """Each trainer finishes the execution under way and saves, within ``timeout_s`` (0: no save), every model it
-    holds as the checkpoint ``SHUTDOWN_CHECKPOINT`` (adapter and optimizer state), from which the next `lilo up` on
-    this home restores them. The recovery actor goes first, or it would take the trainers' shutdown for failures to
-    recover from."""
-    import ray
-
-    from cluster.local import NAMESPACE
-    from cluster.recovery import RECOVERY_ACTOR_NAME
-
-    try:
-        ray.kill(ray.get_actor(RECOVERY_ACTOR_NAME, namespace=NAMESPACE))
-    except ValueError:  # not started (the startup failed before it)
-        pass
-    trainers = _trainer_names()
-    if not trainers or timeout_s == 0:
-        return
-    progress(f"Saving the models of {len(trainers)} trainer(s), if any, as checkpoint {SHUTDOWN_CHECKPOINT!r}")
-    calls = {ray.get_actor(name, namespace=NAMESPACE).stop.remote(save_as=SHUTDOWN_CHECKPOINT): name
-             for name in trainers}
-    done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-    saved = 0
-    for call in done:
-        try:
-            saved += len(ray.get(call))
-        except Exception as error:
-            progress(f"{calls[call]} could not save its models ({str(error).splitlines()[0]}); the next start "
-                     "restores them from their latest checkpoint")
-    for call in late:
-        progress(f"{calls[call]} did not finish saving within {timeout_s:.0f} s; the next start "
-                 "restores its models from their latest complete checkpoint")
-    if saved:
-        progress(f"Saved {saved} model(s); the next `lilo up` on this home resumes each where it stopped")
+    return EXIT_OK if stopped else EXIT_FAILED
 
 
 def _follow(path: Path) -> Iterator[str]:
@@ -371,7 +238,7 @@ def cmd_up(args: argparse.Namespace, argv: Sequence[str]) -> int:
             return EXIT_FAILED
         return up_detached(settings, argv)
     prepare_environment()
-    return supervise(settings, detached=args.detached_child)
+    return _supervise(settings, detached=args.detached_child)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -391,12 +258,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  Dashboard:   {state.dashboard_url}")
         print(f"  Home:        {state.home}")
     return EXIT_OK if state is not None else EXIT_NOT_RUNNING
-
-
-def stop_wait_s(state: ClusterState | None) -> float:
-    """How long to wait for a cluster's supervisor to stop before killing what is left: its trainers' save time plus
-    the rest of its shutdown."""
-    return (state.stop_save_timeout_s if state is not None else 0.0) + STOP_MARGIN_S
 
 
 def cmd_down(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Training runs and their checkpoints, as the SDK's RestClient (and the ``tinker`` CLI) reads them.
 
 A training run is a model in the futures DB (an unloaded one stays a run). Its checkpoints are files the trainer
-that owns the run wrote, so listing and deleting them is asked of that trainer (``TrainerActor.list_checkpoints``,
+of the run wrote, so listing and deleting them is asked of that trainer (``TrainerActor.list_checkpoints``,
 ``delete_checkpoint``), never read from the ingress's disk: on a multi-node cluster the files are on the trainer's
 node unless the checkpoint directory is shared storage (see ``lilo.backend.checkpoint_index``). What the futures DB
 records of each (its expiry, whether it is public: ``lilo.futures.checkpoint_records``) is joined in, and a
@@ -69,13 +69,13 @@ async def checkpoints_of(futures: ActorHandle, runs: Iterable[dict[str, Any]],
                          trainers: Sequence[str]) -> dict[str, list[Listed]]:
     """The unexpired checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all at
     once, with their records."""
-    by_owner: dict[str | None, list[str]] = {}
+    by_trainer: dict[str | None, list[str]] = {}
     for run in runs:
-        by_owner.setdefault(run["trainer"], []).append(run["model_id"])
-    run_ids = [run_id for owned in by_owner.values() for run_id in owned]
+        by_trainer.setdefault(run["trainer"], []).append(run["model_id"])
+    run_ids = [run_id for of_trainer in by_trainer.values() for run_id in of_trainer]
     records, *answers = await asyncio.gather(futures.checkpoint_records.remote(run_ids),
-                                             *(ask_file_keeper(owner, trainers, "list_checkpoints", owned)
-                                               for owner, owned in by_owner.items()))
+                                             *(ask_file_keeper(trainer, trainers, "list_checkpoints", of_trainer)
+                                               for trainer, of_trainer in by_trainer.items()))
     now = time.time()
     return {run: unexpired(found, records, now) for answer in answers for run, found in answer.items()}
 

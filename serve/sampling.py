@@ -40,10 +40,10 @@ from serve import training
 MAX_ROUTES = 100_000
 
 
-def sampling_session_id_for(owner: str, sampling_session_seq_id: int) -> str:
+def sampling_session_id_for(session_id: str, sampling_session_seq_id: int) -> str:
     # The client counts sampling sessions per session, so the id is a function of what it sends: a retried
     # create_sampling_session (or ephemeral save) names the same session.
-    return f"{owner}:sample:{sampling_session_seq_id}"
+    return f"{session_id}:sample:{sampling_session_seq_id}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +75,10 @@ class SamplingRouter:
             self._facts = {fact["name"]: fact for fact in facts}
         return self._facts
 
-    async def trainer_for(self, sampling_session_id: str, base_model: str, owner: str | None) -> str:
+    async def trainer_for(self, sampling_session_id: str, base_model: str, checkpoint_trainer: str | None) -> str:
         facts = await self.trainer_facts()
         served = {name: fact["base_model"] for name, fact in facts.items()}
-        return choose_sampling_trainer(sampling_session_id, base_model, served, owner)
+        return choose_sampling_trainer(sampling_session_id, base_model, served, checkpoint_trainer)
 
     async def route(self, sampling_session_id: str, tenant: str) -> Route:
         """The session's route; 404 unless it is one of ``tenant``'s (checked before its requests are, so another
@@ -87,8 +87,8 @@ class SamplingRouter:
         if route is None:
             session = await self._futures.sampling_session.remote(sampling_session_id, tenant)
             model_path = session["model_path"]
-            owner = await self._futures.trainer_of.remote(sampler_run(model_path)) if model_path else None
-            trainer = await self.trainer_for(sampling_session_id, session["base_model"], owner)
+            checkpoint_trainer = await self._futures.trainer_of.remote(sampler_run(model_path)) if model_path else None
+            trainer = await self.trainer_for(sampling_session_id, session["base_model"], checkpoint_trainer)
             fact = (await self.trainer_facts())[trainer]
             route = Route(trainer, session["tenant"], model_path, fact["vocab_size"],
                           base_model_spec(session["base_model"]).max_context_length, fact["eos_token_ids"])

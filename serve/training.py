@@ -1,5 +1,5 @@
 """The training half of the Tinker API, behind the HTTP routes: sessions, models and their placement, and
-submissions that become futures and commands on the trainer that owns the model."""
+submissions that become futures and commands on the trainer that holds the model."""
 
 from __future__ import annotations
 
@@ -125,20 +125,20 @@ async def _record_new_model(futures: ActorHandle, submission: Submission, body: 
     future. (No trainer: the model exists already.) A retry of a creation still pending finishes it on the trainer
     its first attempt recorded, in case that attempt stopped half-way (its ingress died): the model's record is
     added if it is missing, and starting it again is a no-op on a trainer that has it."""
-    trainer = submission.trainer
+    chosen = submission.trainer
     submission = submission.prepared()
     outcome = await futures.submit_once.remote(submission)
     if not outcome.duplicate or outcome.pending:
         async with failing_future(futures, outcome.request_id, submission.kind):
-            if not outcome.duplicate and trainer is None:  # it exists, but its seq 0 was pruned long ago
+            if not outcome.duplicate and chosen is None:  # it exists, but its seq 0 was pruned long ago
                 raise ConflictError(f"Model {submission.model_id!r} already exists; create each model with the "
                                     "session's next model_seq_id.")
-            owner = outcome.trainer or trainer  # for a retry, the trainer its first attempt recorded
-            if trainer is not None:  # no record of the model yet
+            trainer = outcome.trainer or chosen  # for a retry, the trainer its first attempt recorded
+            if chosen is not None:  # no record of the model yet
                 await futures.add_model.remote(submission.model_id, body["base_model"], lora_config,
                                                tenant=submission.tenant, session_id=body["session_id"],
-                                               trainer=owner, user_metadata=user_metadata(body.get("user_metadata")))
-            await start(named_actor(owner), str(outcome.request_id))
+                                               trainer=trainer, user_metadata=user_metadata(body.get("user_metadata")))
+            await start(named_actor(trainer), str(outcome.request_id))
     return {"request_id": str(outcome.request_id), "model_id": submission.model_id}
 
 

@@ -15,9 +15,9 @@ import pytest
 import tinker
 from tinker import types
 
+from cluster.service import SHUTDOWN_CHECKPOINT
 from helpers import free_port, lilo, retrieve_finished, short_home
 from lilo.backend.models import build_tiny_llama
-from serve.cli import SHUTDOWN_CHECKPOINT
 from test_tinker_sdk import memorize_datum
 
 ADAM = types.AdamParams(learning_rate=5e-3)

@@ -24,13 +24,14 @@ def test_a_full_cluster_is_a_429_that_says_so():
 SERVED = {"t0": "tiny", "t1": "tiny", "t2": "small"}
 
 
-@pytest.mark.parametrize(("owner", "base_model", "expected"), [
+@pytest.mark.parametrize(("checkpoint_trainer", "base_model", "expected"), [
     ("t1", "tiny", "t1"),  # the trainer that wrote the checkpoint samples it
     ("t2", "tiny", None),  # it serves another base model: any trainer serving this one
     (None, "small", "t2"),
 ])
-def test_a_sampling_session_goes_to_its_checkpoints_trainer_or_one_serving_its_base_model(owner, base_model, expected):
-    chosen = choose_sampling_trainer("s:sample:0", base_model, SERVED, owner)
+def test_a_sampling_session_goes_to_its_checkpoints_trainer_or_one_serving_its_base_model(
+        checkpoint_trainer, base_model, expected):
+    chosen = choose_sampling_trainer("s:sample:0", base_model, SERVED, checkpoint_trainer)
     assert chosen == expected if expected else SERVED[chosen] == base_model
 
 

@@ -68,8 +68,8 @@ def test_the_save_time_at_stop_comes_from_the_environment_or_a_flag_and_sets_how
     import shutil
 
     from cluster.local import read_state
+    from cluster.service import stop_wait_s
     from helpers import short_home
-    from serve.cli import stop_wait_s
 
     assert load_settings(env={}).stop_save_timeout_s == 40
     assert load_settings(env={"LILO_STOP_SAVE_TIMEOUT_S": "0"}).stop_save_timeout_s == 0
@@ -107,3 +107,10 @@ def test_sampler_slots_per_trainer_come_from_the_environment_or_a_flag_and_may_b
     assert load_settings(env={"LILO_SAMPLER_SLOTS": "0"}).sampler_slots == 0
     with pytest.raises(SettingsError, match="--sampler-slots must be 0 or more"):
         load_settings(env={}, sampler_slots=-1)
+
+
+def test_the_largest_lora_rank_comes_from_the_environment_or_a_flag_and_must_be_positive():
+    assert load_settings(env={}).max_rank == 32
+    assert load_settings(env={"LILO_MAX_RANK": "64"}).max_rank == 64
+    with pytest.raises(SettingsError, match="--max-rank must be at least 1"):
+        load_settings(env={}, max_rank=0)

@@ -15,18 +15,21 @@ import ray
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
-from cluster.trainer_actor import lower_thread_priority, start_trainer, trainer_name
+from cluster.trainer_actor import TrainerConfig, lower_thread_priority, start_trainer, trainer_name
 from helpers import AUTH
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.errors import SaturatedError, UnavailableError
+from lilo.settings import load_settings
 
 
 @pytest.fixture(scope="module")
 def trainer(ray_driver, tmp_path_factory):
     index = 900 + uuid.uuid4().int % 99
-    actor = start_trainer(index, "lilo/tiny-llama", model_cache_dir=str(tmp_path_factory.mktemp("models")),
-                          checkpoint_dir=str(tmp_path_factory.mktemp("checkpoints")), max_adapters=4, max_rank=8)
+    config = TrainerConfig(max_adapters=4, max_rank=8, sampler_slots=2, device="auto", compute_nice=0,
+                           checkpoint_dir=tmp_path_factory.mktemp("checkpoints"),
+                           model_cache_dir=tmp_path_factory.mktemp("models"))
+    actor = start_trainer(index, "lilo/tiny-llama", config)
     info = ray.get(actor.ready.remote(), timeout=300)
     yield actor, info
     ray.get(actor.stop.remote(), timeout=60)
@@ -153,3 +156,11 @@ def test_a_watch_names_the_process_it_reached_and_then_blocks_on_it(trainer):
     assert ray.get(actor.watch.remote(""), timeout=30) == incarnation
     ready, _ = ray.wait([actor.watch.remote(incarnation)], timeout=1.0)
     assert ready == []  # watching the process it is: the call stays open until that process dies
+
+
+def test_every_trainer_is_built_from_the_settings_of_its_service(tmp_path):
+    settings = load_settings(env={}, home=tmp_path, max_adapters=5, max_rank=64, sampler_slots=1, device="cpu",
+                             compute_nice=3, ray_address="auto")
+    assert TrainerConfig.from_settings(settings) == TrainerConfig(
+        max_adapters=5, max_rank=64, sampler_slots=1, device="cpu", compute_nice=3,
+        checkpoint_dir=tmp_path / "checkpoints")

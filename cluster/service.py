@@ -1,0 +1,217 @@
+"""Start and stop a lilo service: the supervisor behind `lilo up`, which starts (or joins) the Ray cluster, starts
+the actors and the Serve application, serves until SIGINT or SIGTERM, and then takes down everything it started,
+saving every model first so that the next start resumes it.
+
+It says what it is doing through a ``progress`` callable and prints nothing itself. The Serve application comes in
+as a ``ServeApp`` from the caller (``serve.cli`` passes ``serve.deploy``): ``cluster`` must not import ``serve``.
+Ray, the actors' modules and the Serve app are imported only once the Ray cluster is up: Ray reads its
+environment when it is imported (``cluster.local.prepare_environment``), and the Serve app takes seconds to import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Callable, NoReturn, Protocol
+
+from cluster.local import (
+    NAMESPACE,
+    ClusterError,
+    ClusterState,
+    SupervisorLock,
+    check_ports_free,
+    connect_existing,
+    read_state,
+    start_private_head,
+    write_state,
+)
+from lilo.settings import Settings
+
+# The save_weights checkpoint every model gets when the service stops; the next start restores models from it.
+SHUTDOWN_CHECKPOINT = "lilo-shutdown"
+# What `lilo down` allows the supervisor beyond the trainers' save time: removing the Serve app, stopping Ray.
+STOP_MARGIN_S = 20.0
+
+# Takes one line of progress, as it happens.
+Progress = Callable[[str], None]
+
+
+class ServeApp(Protocol):
+    """The Serve application of the service, on the connected Ray cluster (``serve.deploy`` is one)."""
+
+    def deploy(self, settings: Settings, trainers: list[str]) -> None: ...
+
+    def wait_until_healthy(self, api_url: str, timeout_s: float) -> None: ...
+
+    def undeploy(self) -> None: ...
+
+
+class StopRequested(Exception):
+    """Raised in the supervisor by SIGINT or SIGTERM."""
+
+
+class AlreadySupervised(Exception):
+    """Another supervisor holds this home's lock; ``state`` is what it recorded (None while it is starting)."""
+
+    def __init__(self, state: ClusterState | None) -> None:
+        super().__init__("another lilo supervisor holds this home")
+        self.state = state
+
+
+def stop_wait_s(state: ClusterState | None) -> float:
+    """How long to wait for a cluster's supervisor to stop before killing what is left: its trainers' save time plus
+    the rest of its shutdown."""
+    return (state.stop_save_timeout_s if state is not None else 0.0) + STOP_MARGIN_S
+
+
+def _raise_stop(signum: int, _frame: object) -> NoReturn:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def _take_stop_signals() -> None:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+
+
+def supervise(settings: Settings, serve_app: Callable[[], ServeApp], progress: Progress,
+              on_ready: Callable[[], None]) -> bool:
+    """Start (or join) the Ray cluster, deploy the service, call ``on_ready``, serve until SIGINT/SIGTERM, then take
+    it all down. ``serve_app`` gives the Serve application once Ray is up. Returns True when the service stopped on
+    request, False when it could not start (``progress`` said why); raises AlreadySupervised, before anything
+    starts, when another supervisor holds this home."""
+    lock = SupervisorLock(settings)
+    if not lock.acquire():
+        raise AlreadySupervised(read_state(settings))
+    _take_stop_signals()
+    connected = False
+    try:
+        check_ports_free(settings)
+        state = ClusterState(
+            pid=os.getpid(), status="starting", home=str(settings.home), api_url=settings.api_url,
+            dashboard_url=settings.dashboard_url, gcs_address=None, started_at=time.time(),
+            stop_save_timeout_s=settings.stop_save_timeout_s,
+        )
+        write_state(settings, state)
+        if settings.ray_address is None:
+            progress(f"Starting a private Ray head on 127.0.0.1 (temp dir {settings.ray_temp_dir})")
+            gcs_address = start_private_head(settings)
+        else:
+            progress(f"Connecting to the Ray cluster at {settings.ray_address}")
+            gcs_address = connect_existing(settings)
+        connected = True
+        # Ray's driver installs a C-level SIGTERM handler that dumps a stack and re-raises the signal, killing
+        # this process half-way through its shutdown; take the signals back so the shutdown runs to the end.
+        _take_stop_signals()
+        progress(f"Ray is up (GCS {gcs_address})")
+        start_service(settings, serve_app(), progress)
+        write_state(settings, dataclasses.replace(state, status="ready", gcs_address=gcs_address))
+        on_ready()
+        while True:
+            signal.pause()
+    except StopRequested as stop:
+        progress(f"{stop} received; stopping")
+        return True
+    except (ClusterError, TimeoutError) as error:
+        progress(f"error: {error}")
+        return False
+    finally:
+        # A second Ctrl-C must not interrupt the shutdown half-way and leave processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if connected:
+            stop_service(settings, serve_app, progress)
+        settings.state_file.unlink(missing_ok=True)
+        lock.release()
+
+
+def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None:
+    """On the connected Ray cluster: the timing and futures DB actors (failing what a previous run left
+    unfinished), the trainers, the recovery actor and the Serve application; returns once the API answers."""
+    import ray
+
+    from cluster.futures_actor import get_futures_actor
+    from cluster.recovery import start_recovery
+    from cluster.timing import get_timing_actor
+    from cluster.trainer_actor import start_trainers
+
+    # Detached: they outlive this driver and every redeploy of the Serve app.
+    get_timing_actor()
+    orphans = ray.get(get_futures_actor(str(settings.futures_db)).fail_orphans.remote())
+    if orphans:
+        progress(f"Failed {orphans} request(s) a previous run left unfinished (their clients get a message)")
+    progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
+    trainers = start_trainers(settings)
+    start_recovery(trainers, settings.session_timeout_s)
+    progress(f"Trainers ready: {', '.join(trainers)}; deploying the Serve application")
+    app.deploy(settings, trainers)
+    progress(f"Waiting for {settings.api_url}/api/v1/healthz")
+    app.wait_until_healthy(settings.api_url, settings.startup_timeout_s)
+
+
+def stop_service(settings: Settings, serve_app: Callable[[], ServeApp], progress: Progress) -> None:
+    """Remove the Serve application, save and stop the trainers, and leave the Ray cluster: stop the private head,
+    or, on a shared cluster that lives on, kill the detached actors this service started."""
+    import ray
+
+    progress("Removing the Serve application")
+    try:
+        serve_app().undeploy()
+        save_and_stop_trainers(progress, settings.stop_save_timeout_s)
+        if settings.ray_address is not None:
+            from cluster.futures_actor import FUTURES_ACTOR_NAME
+            from cluster.timing import TIMING_ACTOR_NAME
+
+            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *trainer_names()):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
+        progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
+    if settings.ray_address is None:
+        progress("Stopping the private Ray head")
+    ray.shutdown()
+    progress("Stopped")
+
+
+def trainer_names() -> list[str]:
+    """The named trainers of the connected cluster, sorted."""
+    import ray
+
+    from cluster.trainer_actor import TRAINER_PREFIX
+
+    return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                  if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX))
+
+
+def save_and_stop_trainers(progress: Progress, timeout_s: float) -> None:
+    """Each trainer finishes the execution under way and saves, within ``timeout_s`` (0: no save), every model it
+    holds as the checkpoint ``SHUTDOWN_CHECKPOINT`` (adapter and optimizer state), from which the next `lilo up` on
+    this home restores them. The recovery actor goes first, or it would take the trainers' shutdown for failures to
+    recover from."""
+    import ray
+
+    from cluster.recovery import RECOVERY_ACTOR_NAME
+
+    try:
+        ray.kill(ray.get_actor(RECOVERY_ACTOR_NAME, namespace=NAMESPACE))
+    except ValueError:  # not started (the startup failed before it)
+        pass
+    trainers = trainer_names()
+    if not trainers or timeout_s == 0:
+        return
+    progress(f"Saving the models of {len(trainers)} trainer(s), if any, as checkpoint {SHUTDOWN_CHECKPOINT!r}")
+    calls = {ray.get_actor(name, namespace=NAMESPACE).stop.remote(save_as=SHUTDOWN_CHECKPOINT): name
+             for name in trainers}
+    done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    saved = 0
+    for call in done:
+        try:
+            saved += len(ray.get(call))
+        except Exception as error:
+            progress(f"{calls[call]} could not save its models ({str(error).splitlines()[0]}); the next start "
+                     "restores them from their latest checkpoint")
+    for call in late:
+        progress(f"{calls[call]} did not finish saving within {timeout_s:.0f} s; the next start "
+                 "restores its models from their latest complete checkpoint")
+    if saved:
+        progress(f"Saved {saved} model(s); the next `lilo up` on this home resumes each where it stopped")
