@@ -134,8 +134,8 @@ class FuturesActor:
         except TimeoutError:
             return FutureState(request_id, PENDING)
 
-    async def add_model(self, model_id: str, base_model: str, lora_config: dict, **owner: Any) -> None:
-        await self._run(lambda: self._store.add_model(model_id, base_model, lora_config, **owner))
+    async def add_model(self, model_id: str, base_model: str, lora_config: dict, **record: Any) -> None:
+        await self._run(lambda: self._store.add_model(model_id, base_model, lora_config, **record))
 
     async def place_model(self, model_id: str, trainer: str) -> None:
         await self._run(self._store.place_model, model_id, trainer)
@@ -147,8 +147,8 @@ class FuturesActor:
     async def trainer_of(self, model_id: str, tenant: str | None = None) -> str | None:
         return await self._run(self._store.trainer_of, model_id, tenant)
 
-    async def owner_of(self, record_id: str) -> tuple[str | None, str | None]:
-        return await self._run(self._store.owner_of, record_id)
+    async def tenant_and_trainer_of(self, record_id: str) -> tuple[str | None, str | None]:
+        return await self._run(self._store.tenant_and_trainer_of, record_id)
 
     async def model(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
         return await self._run(self._store.model, model_id, tenant)
@@ -182,8 +182,8 @@ class FuturesActor:
     async def training_run(self, model_id: str, tenant: str | None = None) -> dict[str, Any]:
         return await self._run(self._store.training_run, model_id, tenant)
 
-    async def add_session(self, session_id: str, **owner: Any) -> None:
-        await self._run(lambda: self._store.add_session(session_id, **owner))
+    async def add_session(self, session_id: str, **record: Any) -> None:
+        await self._run(lambda: self._store.add_session(session_id, **record))
 
     async def note_heartbeats(self, beats: dict[str, float]) -> None:
         """Sessions' latest heartbeat times, as an API replica noted them (``serve.heartbeats``); written with the

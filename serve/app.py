@@ -528,7 +528,7 @@ class LiloIngress:
             model_id = None
         if model_id is not None:
             record = timing_record(model_id)
-            record_tenant, trainer = await self._futures.owner_of.remote(record) if record else (None, None)
+            record_tenant, trainer = await self._futures.tenant_and_trainer_of.remote(record) if record else (None, None)
             if record_tenant != tenant:
                 return None
             if trainer is not None:

@@ -134,7 +134,7 @@ async def copy_weights(futures: ActorHandle, trainers: Sequence[str], body: dict
     run, _, _ = await checkpoint_files(futures, trainers, source, tenant)
     copy_run = copy_run_id(tenant, body, idempotency_key)
     destination = f"{TINKER_SCHEME}{copy_run}/{kind}/{name}"
-    copy_tenant, _ = await futures.owner_of.remote(copy_run)
+    copy_tenant, _ = await futures.tenant_and_trainer_of.remote(copy_run)
     if copy_tenant is None:
         await futures.add_model.remote(copy_run, run["base_model"], run["lora_config"], tenant=tenant,
                                        session_id=body.get("session_id"), trainer=run["trainer"])

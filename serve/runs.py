@@ -24,7 +24,7 @@ from lilo.backend.checkpoint_index import (
 )
 from lilo.futures.checkpoint_records import CheckpointRecord
 from lilo.session_search import user_urn
-from lilo.tenants import owner
+from lilo.tenants import tenant_of
 
 CHECKPOINT_TYPES = {WEIGHTS: "training", SAMPLER_WEIGHTS: "sampler", EXTERNAL_WEIGHTS: "external"}
 # A checkpoint's files and what the futures DB records of it (None: nothing, so private and never expiring).
@@ -57,7 +57,7 @@ def training_run_json(run: dict[str, Any], checkpoints: Iterable[Listed]) -> dic
     for checkpoint in sorted(checkpoints, key=lambda listed: listed[0].time_s):
         newest[checkpoint[0].kind] = checkpoint
     return {"training_run_id": run["model_id"], "base_model": run["base_model"],
-            "model_owner": owner(run["tenant"]), "is_lora": True, "corrupted": False,
+            "model_owner": tenant_of(run["tenant"]), "is_lora": True, "corrupted": False,
             "lora_rank": run["lora_config"].get("rank"), "last_request_time": timestamp(run["last_request_time"]),
             "last_checkpoint": checkpoint_json(newest[WEIGHTS]) if WEIGHTS in newest else None,
             "last_sampler_checkpoint": (checkpoint_json(newest[SAMPLER_WEIGHTS]) if SAMPLER_WEIGHTS in newest

@@ -55,10 +55,10 @@ def test_training_runs_list_only_the_callers_and_old_records_are_the_local_tenan
     assert ([run["model_id"] for run in runs], total) == (["old:train:0"], 1)
     assert store.training_runs(None, 0, "beta") == ([], 0)
     assert store.training_runs(None, 0)[1] == 2
-    assert store.owner_of("old:train:0") == (LOCAL_TENANT, None)
-    assert store.owner_of("s-alpha:train:0") == ("alpha", "lilo-trainer-0")
-    assert store.owner_of("s-alpha:sample:0") == ("alpha", None)
-    assert store.owner_of("nothing") == (None, None)
+    assert store.tenant_and_trainer_of("old:train:0") == (LOCAL_TENANT, None)
+    assert store.tenant_and_trainer_of("s-alpha:train:0") == ("alpha", "lilo-trainer-0")
+    assert store.tenant_and_trainer_of("s-alpha:sample:0") == ("alpha", None)
+    assert store.tenant_and_trainer_of("nothing") == (None, None)
 
 
 def test_a_submission_for_another_tenants_model_is_refused_before_a_retry_could_find_the_first(store):

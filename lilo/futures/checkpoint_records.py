@@ -5,7 +5,7 @@ when each expires and whether other tenants may read it. The rules are pure func
 ``due_for_deletion``); ``CheckpointRecords`` reads and writes the rows on the futures DB's thread.
 
 Public means readable by its tinker path: another tenant may read its info, get download links, sample it or load
-it into a model of their own, but it is never listed to them, and only its owner may delete it, set its TTL or
+it into a model of their own, but it is never listed to them, and only its tenant may delete it, set its TTL or
 unpublish it.
 """
 
@@ -102,7 +102,7 @@ class CheckpointRecords:
         self._upsert(path, tenant, public=int(public))
 
     def forget(self, path: str) -> None:
-        """The checkpoint was deleted by its owner: nothing about it is kept."""
+        """The checkpoint was deleted by its tenant: nothing about it is kept."""
         with self._engine.begin() as connection:
             connection.execute(checkpoints.delete().where(checkpoints.c.tinker_path == path))
 

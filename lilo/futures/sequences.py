@@ -40,16 +40,16 @@ class RecordedSample:
 def insert_records(connection: Any, recorded: dict[int, RecordedSample], now: float) -> None:
     """Record the sequences of these finished samples (request id -> what it sampled), owned by the session and
     tenant of each sample's sampling session."""
-    owners = dict(connection.execute(
+    sessions_of = dict(connection.execute(
         select(futures.c.request_id, sampling_sessions.c.session_id)
         .join(sampling_sessions, sampling_sessions.c.sampling_session_id == futures.c.model_id)
         .where(futures.c.request_id.in_(list(recorded)))).all())
     tenants = dict(connection.execute(select(futures.c.request_id, futures.c.tenant)
                                       .where(futures.c.request_id.in_(list(recorded)))).all())
-    rows = [{"sequence_id": f"{request_id}:{k}", "session_id": owners[request_id], "tenant": tenants[request_id],
+    rows = [{"sequence_id": f"{request_id}:{k}", "session_id": sessions_of[request_id], "tenant": tenants[request_id],
              "prompt": _int32(sample.prompt), "tokens": _int32(tokens),
              "logprobs": np.asarray(logprobs, dtype="<f4").tobytes(), "created_at": now, "expires_at": now + RECORD_TTL_S}
-            for request_id, sample in recorded.items() if request_id in owners
+            for request_id, sample in recorded.items() if request_id in sessions_of
             for k, (tokens, logprobs) in enumerate(sample.sequences)]
     if rows:
         connection.execute(sampled_sequences.insert().prefix_with("OR REPLACE"), rows)

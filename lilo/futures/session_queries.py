@@ -11,7 +11,7 @@ from sqlalchemy import Engine, and_, func, or_, select, true, update
 from lilo.errors import NotFoundError
 from lilo.futures.schema import models, sampling_sessions, sessions
 from lilo.session_search import SessionRow, matches
-from lilo.tenants import LOCAL_TENANT, may_see, owner
+from lilo.tenants import LOCAL_TENANT, may_see, tenant_of
 
 SCAN_CHUNK = 500  # sessions read per query while a search fills its page
 
@@ -91,6 +91,6 @@ def _mine(tenant: str | None) -> Any:
 
 
 def _row(row: Any) -> SessionRow:
-    return SessionRow(row["session_id"], owner(row["tenant"]), row["created_at"], row["last_heartbeat_at"],
+    return SessionRow(row["session_id"], tenant_of(row["tenant"]), row["created_at"], row["last_heartbeat_at"],
                       orjson.loads(row["metadata"] or "{}"),
                       None if row["finished"] is None else orjson.loads(row["finished"]))

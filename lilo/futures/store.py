@@ -40,7 +40,7 @@ from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
     COMPLETED, FAILED, PENDING, RENAMED_COLUMNS, RETIRED_INDEXES, futures, metadata, models, sampling_sessions, sessions,
 )
-from lilo.tenants import LOCAL_TENANT, may_see, owner
+from lilo.tenants import LOCAL_TENANT, may_see, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -511,8 +511,8 @@ class FuturesStore:
                 models.c.model_id == model_id)).first()
         return row.trainer if row is not None and may_see(tenant, row.tenant) else None
 
-    def owner_of(self, record_id: str) -> tuple[str | None, str | None]:
-        """(the tenant owning the model or sampling session ``record_id``, None when there is none; the trainer
+    def tenant_and_trainer_of(self, record_id: str) -> tuple[str | None, str | None]:
+        """(the tenant of the model or sampling session ``record_id``, None when there is none; the trainer
         it is a model on, else None)."""
         with self.engine.connect() as connection:
             row = connection.execute(select(models.c.tenant, models.c.trainer).where(
@@ -520,7 +520,7 @@ class FuturesStore:
             if row is None:
                 row = connection.execute(select(sampling_sessions.c.tenant, literal(None)).where(
                     sampling_sessions.c.sampling_session_id == record_id)).first()
-        return (None, None) if row is None else (owner(row[0]), row[1])
+        return (None, None) if row is None else (tenant_of(row[0]), row[1])
 
     def route(self, model_id: str, tenant: str | None = None) -> str:
         """The trainer that takes new requests for a model; NotFoundError when unknown or another tenant's,
