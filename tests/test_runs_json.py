@@ -3,14 +3,15 @@
 from tinker import types
 
 from lilo.backend.checkpoint_index import CheckpointEntry
-from serve.runs import checkpoint_json, timestamp, training_run_json
+from serve.runs import Listed, checkpoint_json, timestamp, training_run_json
 
 RUN = {"model_id": "s:train:0", "base_model": "lilo/tiny-llama", "tenant": None, "lora_config": {"rank": 8},
        "last_request_time": 1_700_000_100.5, "user_metadata": {"k": "v"}, "trainer": "lilo-trainer-0"}
 
 
-def entry(kind: str, name: str, time_s: float) -> CheckpointEntry:
-    return CheckpointEntry("s:train:0", kind, name, time_s, 123)
+def entry(kind: str, name: str, time_s: float) -> Listed:
+    """A checkpoint's files, and no record of it in the futures DB (private, never expiring)."""
+    return CheckpointEntry("s:train:0", kind, name, time_s, 123), None
 
 
 def test_a_checkpoint_has_exactly_the_fields_of_the_sdks_checkpoint():
