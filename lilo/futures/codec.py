@@ -28,27 +28,28 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _packed(values: list) -> tuple[str, bytes] | None:
-    """(dtype code, bytes) for a list of only ints (no bools) or only floats, in the narrowest exact type."""
+    """(dtype code, bytes) for a flat list of numbers, in the narrowest exact type: integers (a boolean among them
+    counts as 0 or 1) as int32 or int64, else floats as float32 or float64. Anything else stays JSON. The types are
+    read by numpy in one pass, not per element in Python: this runs on every request's fingerprint."""
     if len(values) < MIN_PACKED_LEN:
         return None
-    kinds = set(map(type, values))  # exact types: a bool is not an int here, and a mixed list stays JSON
-    if kinds == {int}:
-        try:
-            wide = np.asarray(values, dtype=_DTYPES["i8"])
-        except OverflowError:  # beyond int64: leave it to JSON
-            return None
-        if _INT32_MIN <= wide.min() and wide.max() <= _INT32_MAX:
-            return "i4", wide.astype(_DTYPES["i4"]).tobytes()
-        return "i8", wide.tobytes()
-    if kinds == {float}:
-        wide = np.asarray(values, dtype=_DTYPES["f8"])
-        with np.errstate(over="ignore"):  # a value too large for float32 just fails the exactness check below
-            narrow = wide.astype(_DTYPES["f4"])
-        # Exact only where every value survives float32 (NaN never compares equal, so it stays float64).
-        if np.array_equal(narrow.astype(_DTYPES["f8"]), wide):
-            return "f4", narrow.tobytes()
-        return "f8", wide.tobytes()
-    return None
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError):  # ragged nesting, or an integer beyond 64 bits
+        return None
+    if array.ndim != 1 or array.dtype.kind not in "if":  # nested lists, all booleans, text, None: JSON
+        return None
+    if array.dtype.kind == "i":
+        if _INT32_MIN <= array.min() and array.max() <= _INT32_MAX:
+            return "i4", array.astype(_DTYPES["i4"]).tobytes()
+        return "i8", array.astype(_DTYPES["i8"]).tobytes()
+    wide = array.astype(_DTYPES["f8"])
+    with np.errstate(over="ignore"):  # a value too large for float32 just fails the exactness check below
+        narrow = wide.astype(_DTYPES["f4"])
+    # Exact only where every value survives float32 (NaN never compares equal, so it stays float64).
+    if np.array_equal(narrow.astype(_DTYPES["f8"]), wide):
+        return "f4", narrow.tobytes()
+    return "f8", wide.tobytes()
 
 
 def _packed_array(array: np.ndarray) -> tuple[str, bytes] | None:
