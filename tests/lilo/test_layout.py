@@ -1,48 +1,41 @@
-"""The package split (docs/design.md): ``lilo`` imports neither ``cluster`` nor ``serve`` (nor Ray); ``cluster`` not ``serve``."""
+"""The package split (docs/design.md): ``lilo`` imports neither ``cluster`` nor ``serve`` (nor Ray), and neither do
+its tests, so tests/lilo runs without Ray (the Ray side: tests/cluster/test_control_plane_imports.py)."""
 
-import pkgutil
-import subprocess
-import sys
+import ast
+from pathlib import Path
 
-import cluster
 import lilo
+from helpers import imported_top_levels, modules_of
 
-
-def imported_top_levels(packages: list[str]) -> set[str]:
-    script = (
-        "import importlib, sys\n"
-        f"for name in {packages!r}: importlib.import_module(name)\n"
-        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    return set(out.split())
-
-
-def modules_of(package) -> list[str]:
-    return [package.__name__] + [m.name for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}.")]
+HERE = Path(__file__).resolve().parent
+RAY_SIDE = {"cluster", "serve", "ray"}
 
 
 def test_the_library_imports_neither_the_actors_nor_the_serve_app_nor_ray():
     modules = modules_of(lilo)
     assert {"lilo.engine.engine", "lilo.futures.store", "lilo.telemetry.critical_path", "lilo.timing"} <= set(modules)
     loaded = imported_top_levels(modules)
-    assert not loaded & {"cluster", "serve", "ray"}, loaded & {"cluster", "serve", "ray"}
+    assert not loaded & RAY_SIDE, loaded & RAY_SIDE
 
 
-def test_the_actors_do_not_import_the_serve_app():
-    assert "serve" not in imported_top_levels(modules_of(cluster))
+def imports_in(path: Path) -> set[str]:
+    """The top-level names a file imports anywhere: at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
 
 
-def test_the_control_plane_loads_no_torch():
-    """The API replicas, the futures DB and recovery actors, and every process holding a trainer's handle (Ray
-    imports the trainer's module there) start without torch, or the tinker SDK's package, which imports torch
-    (its protobuf schema alone is loaded, as ``tinker.proto.tinker_public_pb2``)."""
-    script = (
-        "import importlib, sys\n"
-        "for name in ['serve.app', 'serve.deploy', 'cluster.recovery', 'cluster.futures_actor',\n"
-        "             'cluster.trainer_actor', 'cluster.timing']: importlib.import_module(name)\n"
-        "print(' '.join(sorted(sys.modules)))\n"
-    )
-    loaded = set(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split())
-    assert "tinker.proto.tinker_public_pb2" in loaded  # the schema the API decodes with
-    assert not loaded & {"torch", "tinker", "transformers", "safetensors"}, loaded & {"torch", "tinker"}
+def test_the_library_tests_import_neither_ray_nor_the_actors_nor_the_serve_app():
+    """Importing every module of tests/lilo, as pytest does, loads none of them (nor do the shared helpers those
+    modules import), and no test imports one later, inside a function."""
+    files = sorted(HERE.glob("test_*.py"))
+    assert len(files) > 20
+    loaded = imported_top_levels([path.stem for path in files],
+                                 search_path=(str(HERE.parents[1]), str(HERE.parent), str(HERE)))
+    assert "lilo" in loaded and not loaded & RAY_SIDE, loaded & RAY_SIDE
+    later = {f"{path.name} imports {name}" for path in files for name in imports_in(path) & RAY_SIDE}
+    assert later == set()
