@@ -101,7 +101,8 @@ def pending_requests(db_path: Path, model_id: str) -> int:
 
 
 def heartbeat_written(db_path: str | Path, session_id: str, since: float, timeout_s: float = 30.0) -> bool:
-    """Whether, within ``timeout_s``, the futures DB file records a heartbeat of ``session_id`` at ``since`` or later."""
+    """Whether, within ``timeout_s``, the futures DB file records a heartbeat of ``session_id`` at ``since`` or
+    later."""
     deadline = time.monotonic() + timeout_s
     while True:
         with sqlite3.connect(db_path) as reader:

@@ -22,6 +22,7 @@ def test_the_control_plane_loads_no_torch():
         "             'cluster.trainer_actor', 'cluster.timing']: importlib.import_module(name)\n"
         "print(' '.join(sorted(sys.modules)))\n"
     )
-    loaded = set(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split())
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    loaded = set(out.split())
     assert "tinker.proto.tinker_public_pb2" in loaded  # the schema the API decodes with
     assert not loaded & {"torch", "tinker", "transformers", "safetensors"}, loaded & {"torch", "tinker"}

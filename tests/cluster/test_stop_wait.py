@@ -1,4 +1,5 @@
-"""How long `lilo down` waits: the trainers' save time at stop, from the settings and the running cluster's state file."""
+"""How long `lilo down` waits: the trainers' save time at stop, from the settings and the running cluster's state
+file."""
 
 import json
 import shutil

@@ -1,4 +1,5 @@
-"""API keys: where they come from and which tenant each is (the gate that answers 401: tests/serve/test_api_key_gate.py)."""
+"""API keys: where they come from and which tenant each is (the gate that answers 401:
+tests/serve/test_api_key_gate.py)."""
 
 import pytest
 
