@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast bench clean
 
 $(INSTALLED): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
@@ -22,7 +22,12 @@ demo: $(INSTALLED)
 	$(VENV)/bin/lilo demo
 
 test: $(INSTALLED)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest
+
+# The library's tests alone: no Ray, no cluster, under a minute.
+test-fast: $(INSTALLED)
+	$(VENV)/bin/python -m pytest tests/lilo
 
 bench: $(INSTALLED)
 	@for script in benchmarks/bench_*.py; do $(VENV)/bin/python $$script || exit 1; done

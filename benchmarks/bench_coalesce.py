@@ -4,10 +4,11 @@ For each N: (a) the engine coalescing all N adapters' steps, (b) the same engine
 (c) what a user has without us: peft with N adapters on one base (``add_adapter``/``set_adapter``) stepped one
 after another, each with its own AdamW. A step is forward + backward + optimizer step, ``--rows`` sequences of
 ``--seq`` tokens per adapter. Each figure is the median of ``--steps`` timed steps; the three variants take turns
-``--rounds`` times and each keeps its best round (the machine may be shared). MFU = 4 x (matmul weights, output head included) x tokens/s / the fp32 FLOP/s of a
-2048x2048 matmul measured in the same run. ``optim_fused_speedup``: one fused AdamW step for N adapters against N
-separate ones; ``optim_ms``: that fused step's time. ``base_only_tok_s``: forward + backward of the same tokens
-through the frozen base alone, the ceiling of any LoRA method here; ``of_base_only``: coalesced over it. Prints one JSON line:
+``--rounds`` times and each keeps its best round (the machine may be shared). MFU = 4 x (matmul weights, output
+head included) x tokens/s / the fp32 FLOP/s of a 2048x2048 matmul measured in the same run.
+``optim_fused_speedup``: one fused AdamW step for N adapters against N separate ones; ``optim_ms``: that fused
+step's time. ``base_only_tok_s``: forward + backward of the same tokens through the frozen base alone, the ceiling
+of any LoRA method here; ``of_base_only``: coalesced over it. Prints one JSON line:
 {"bench": "coalesce", "model": .., "results": [{"adapters": N, "coalesced_tok_s": .., "serial_tok_s": ..,
  "peft_tok_s": .., "speedup_vs_serial": .., "speedup_vs_peft": .., "mfu": .., "base_only_tok_s": .., "of_base_only": ..,
  "optim_fused_speedup": .., "optim_ms": ..},

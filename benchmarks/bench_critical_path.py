@@ -6,7 +6,8 @@ behind the four before it (so every span also records a queue wait and its self/
 ``ns_per_span`` and ``ns_per_begin`` are what the engine's thread pays per call; ``drain_ns_per_span`` is the cost
 of folding one span (and its begin) into the stats, which the background drainer (or a reader) pays. The bench
 drains every 256 spans itself, as the drainer would, and times that apart. Prints one JSON line:
-{"bench": "critical_path", "ns_per_span": .., "ns_per_begin": .., "drain_ns_per_span": .., "snapshot_ms_512_models": .., ...}
+{"bench": "critical_path", "ns_per_span": .., "ns_per_begin": .., "drain_ns_per_span": ..,
+ "snapshot_ms_512_models": .., ...}
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     prepare_environment()  # the environment `lilo up` gives Ray, for the clusters this starts
     result = measure(args.num_cpus, args.base_model)
-    print(json.dumps({"bench": "startup", "base_model": args.base_model, **{k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}}))
+    rounded = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
+    print(json.dumps({"bench": "startup", "base_model": args.base_model, **rounded}))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,6 @@ def choose_sampling_trainer(sampling_session_id: str, base_model: str, served: M
         return checkpoint_trainer
     candidates = sorted(name for name, model in served.items() if model == base_model)
     if not candidates:
-        raise InvalidRequestError(
-            f"No trainer serves base model {base_model!r}; sample from one of {', '.join(sorted(set(served.values())))}.")
+        raise InvalidRequestError(f"No trainer serves base model {base_model!r}; "
+                                  f"sample from one of {', '.join(sorted(set(served.values())))}.")
     return candidates[zlib.crc32(sampling_session_id.encode()) % len(candidates)]

@@ -148,7 +148,8 @@ class TrainerActor:
         backend = loaded.backend
         eos = backend.model.config.eos_token_id
         return {"name": self.name, "base_model": self.base_model, "free_slots": backend.free_slots,
-                "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(),
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
 
     async def check_sampler_checkpoint(self, path: str) -> None:

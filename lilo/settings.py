@@ -141,7 +141,8 @@ class Settings:
         if not 0 <= self.compute_nice <= 19:
             raise SettingsError(f"--compute-nice must be between 0 and 19, got {self.compute_nice}.")
         if self.stop_save_timeout_s < 0:
-            raise SettingsError(f"--stop-save-timeout must be 0 (no save) or more seconds, got {self.stop_save_timeout_s}.")
+            raise SettingsError(
+                f"--stop-save-timeout must be 0 (no save) or more seconds, got {self.stop_save_timeout_s}.")
         if self.session_timeout_s < 0:
             raise SettingsError(f"--session-timeout must be 0 (never) or more seconds, got {self.session_timeout_s}.")
         if self.max_body_mb < 1:

@@ -25,7 +25,7 @@ TINY_DIRECTORY = Path(tempfile.gettempdir()) / f"lilo-tiny-dir-{os.getpid()}"
 BASE_MODELS = ("lilo/tiny-llama", str(TINY_DIRECTORY))
 # The session cluster runs with API keys: the tests' and the demo's keys are the tenant "local" (so they work as in
 # local mode), and two more tenants try each other's things (test_tenants.py). Local mode itself is tested without
-# a cluster (test_api_keys.py) and by the two-node cluster (test_two_nodes.py), which runs without keys.
+# a cluster (test_api_key_gate.py) and by the two-node cluster (test_two_nodes.py), which runs without keys.
 TENANT_KEYS = {"alpha": "tml-tenant-alpha", "beta": "tml-tenant-beta"}
 API_KEYS_FILE = "\n".join(["# key=tenant", "tml-local-test=local", "tml-local-demo=local",
                            *(f"{key}={tenant}" for tenant, key in TENANT_KEYS.items())]) + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import pkgutil
 import socket
 import sqlite3
 import subprocess
@@ -34,6 +35,24 @@ def short_home() -> Path:
 
 def lilo(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([LILO, *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def modules_of(package) -> list[str]:
+    """A package's name and the names of all its modules, subpackages' included."""
+    return [package.__name__] + [m.name for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}.")]
+
+
+def imported_top_levels(modules: list[str], search_path: tuple[str, ...] = ()) -> set[str]:
+    """The top-level names in ``sys.modules`` of a fresh interpreter once it imported these modules (with these
+    directories first on its path)."""
+    script = (
+        "import importlib, sys\n"
+        f"sys.path[:0] = {list(search_path)!r}\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    return set(out.split())
 
 
 def tcp_listeners(processes: list[psutil.Process]) -> list[tuple[str, int, str]]:
@@ -82,7 +101,8 @@ def pending_requests(db_path: Path, model_id: str) -> int:
 
 
 def heartbeat_written(db_path: str | Path, session_id: str, since: float, timeout_s: float = 30.0) -> bool:
-    """Whether, within ``timeout_s``, the futures DB file records a heartbeat of ``session_id`` at ``since`` or later."""
+    """Whether, within ``timeout_s``, the futures DB file records a heartbeat of ``session_id`` at ``since`` or
+    later."""
     deadline = time.monotonic() + timeout_s
     while True:
         with sqlite3.connect(db_path) as reader:

@@ -1,10 +1,11 @@
 """Checkpoints on disk as clients see them: a training run's list, deleting one, and the LoRA spec of a weights
 checkpoint (to create a model from it).
 
-Layout (``checkpoint_paths.local_directory``): ``<root>/<run>/{weights|sampler_weights}/<name>/``, written by the trainer
-that owns the run. These functions run on that trainer too (``TrainerActor.list_checkpoints`` and friends), so they
-see the files wherever they are; on a multi-node cluster, loading or sampling a checkpoint on a different trainer
-than the one that wrote it needs ``root`` on storage every node mounts (the cluster home on a shared filesystem).
+Layout (``checkpoint_paths.local_directory``): ``<root>/<run>/{weights|sampler_weights}/<name>/``, written by the
+trainer that owns the run. These functions run on that trainer too (``TrainerActor.list_checkpoints`` and
+friends), so they see the files wherever they are; on a multi-node cluster, loading or sampling a checkpoint on a
+different trainer than the one that wrote it needs ``root`` on storage every node mounts (the cluster home on a
+shared filesystem).
 Nothing a client sends reaches outside ``root``: run ids and names are checked, and every directory is resolved and
 checked to lie under it.
 """

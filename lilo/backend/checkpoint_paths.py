@@ -1,8 +1,8 @@
 """Where checkpoints live and how clients name them, without torch (the API front needs these too).
 
 A checkpoint is ``tinker://<run>/{weights|sampler_weights|external_weights}/<name>`` to clients and
-``<root>/<run>/{weights|sampler_weights|external_weights}/<name>/`` on disk. Names are plain file names; nothing a client sends can
-point outside the checkpoint directory.
+``<root>/<run>/{weights|sampler_weights|external_weights}/<name>/`` on disk. Names are plain file names; nothing a
+client sends can point outside the checkpoint directory.
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 random generator, over one shared KV cache.
 
 Rows are left-padded prompts; each step runs one token per row through the model with per-row adapters (or none:
-``BASE_SLOT``), then samples per row: ``temperature`` (0: greedy), ``top_k``, ``top_p``, seeded by ``seed`` and the sample's index, so
-the same request gives the same tokens whatever else shares the batch. Reported logprobs are those of the sampled
-tokens under the temperature-scaled distribution, and so are the k likeliest tokens of each sampled position
-(``topk_sample_logprobs``); ``prompt_logprobs`` those of each prompt token given the ones before it, and
-``topk_prompt_logprobs`` the k likeliest there (None for the first, and for those before the last
+``BASE_SLOT``), then samples per row: ``temperature`` (0: greedy), ``top_k``, ``top_p``, seeded by ``seed`` and the
+sample's index, so the same request gives the same tokens whatever else shares the batch. Reported logprobs are
+those of the sampled tokens under the temperature-scaled distribution, and so are the k likeliest tokens of each
+sampled position (``topk_sample_logprobs``); ``prompt_logprobs`` those of each prompt token given the ones before
+it, and ``topk_prompt_logprobs`` the k likeliest there (None for the first, and for those before the last
 ``prompt_logprobs_last_n`` when that is set); ``target_prompt_logprobs`` the logprobs of given tokens at each prompt
 position after the first, and ``prompt_alt_tokens`` k draws there at the request's temperature (seeded like the
-samples). A sample ends at ``max_tokens`` (stop reason ``length``; 0 tokens: the prompt is only scored) or once its tokens end
-with a stop token sequence or their text contains a stop string (``stop``, the stop included).
+samples). A sample ends at ``max_tokens`` (stop reason ``length``; 0 tokens: the prompt is only scored) or once its
+tokens end with a stop token sequence or their text contains a stop string (``stop``, the stop included).
 """
 
 from __future__ import annotations

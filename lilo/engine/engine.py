@@ -302,7 +302,10 @@ class Engine:
                            request_ids=[command.request_id], n=1, ok=True)
         # The state is copied out: the model's next command may run while the disk write goes on.
         self._finish_heads([command])
-        job = lambda: self._persist(command, captured, future)
+
+        def job() -> None:
+            self._persist(command, captured, future)
+
         with self._cv:
             # Once stop() has begun, the persist lane may be past its last job: write it here, or it is never written.
             writing_here = self._stopped

@@ -123,7 +123,8 @@ class CheckpointRecords:
                 found.update((row["tinker_path"], _record(row)) for row in rows)
         return found
 
-    def readable(self, path: str, tenant: str | None, write: bool = False) -> tuple[dict[str, Any], CheckpointRecord | None]:
+    def readable(self, path: str, tenant: str | None,
+                 write: bool = False) -> tuple[dict[str, Any], CheckpointRecord | None]:
         """(the run's model row, the checkpoint's record) when ``tenant`` may use the checkpoint ``path`` (to read,
         or with ``write`` to change or delete it); else the run's not-found error, or GoneError once it expired."""
         model_id, _, _ = parse_tinker_path(path)

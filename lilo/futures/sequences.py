@@ -48,7 +48,8 @@ def insert_records(connection: Any, recorded: dict[int, RecordedSample], now: fl
                                       .where(futures.c.request_id.in_(list(recorded)))).all())
     rows = [{"sequence_id": f"{request_id}:{k}", "session_id": sessions_of[request_id], "tenant": tenants[request_id],
              "prompt": _int32(sample.prompt), "tokens": _int32(tokens),
-             "logprobs": np.asarray(logprobs, dtype="<f4").tobytes(), "created_at": now, "expires_at": now + RECORD_TTL_S}
+             "logprobs": np.asarray(logprobs, dtype="<f4").tobytes(),
+             "created_at": now, "expires_at": now + RECORD_TTL_S}
             for request_id, sample in recorded.items() if request_id in sessions_of
             for k, (tokens, logprobs) in enumerate(sample.sequences)]
     if rows:

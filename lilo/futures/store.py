@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import orjson
-from sqlalchemy import Engine, bindparam, create_engine, event, func, inspect, literal, select, true, tuple_, union_all, update
+from sqlalchemy import (
+    Engine, bindparam, create_engine, event, func, inspect, literal, select, true, tuple_, union_all, update,
+)
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -38,7 +40,8 @@ from lilo.futures.sequences import RecordedSample
 from lilo.futures.session_queries import SessionQueries, unknown_session_error
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
-    COMPLETED, FAILED, PENDING, RENAMED_COLUMNS, RETIRED_INDEXES, futures, metadata, models, sampling_sessions, sessions,
+    COMPLETED, FAILED, PENDING, RENAMED_COLUMNS, RETIRED_INDEXES, futures, metadata, models, sampling_sessions,
+    sessions,
 )
 from lilo.tenants import LOCAL_TENANT, may_see, tenant_of
 
@@ -148,7 +151,8 @@ def parse_request_id(raw: str | int) -> int:
     try:
         request_id = int(raw)
     except (TypeError, ValueError):
-        raise InvalidRequestError(f"request_id {raw!r} is not a request id; pass the id a submission returned.") from None
+        raise InvalidRequestError(
+            f"request_id {raw!r} is not a request id; pass the id a submission returned.") from None
     if not 1 <= request_id <= MAX_REQUEST_ID:  # a larger one would fail every SQLite query it joins
         raise InvalidRequestError(f"request_id {raw!r} is not a request id; ids are positive integers up to "
                                   f"{MAX_REQUEST_ID}.")
@@ -495,7 +499,8 @@ class FuturesStore:
 
     def place_model(self, model_id: str, trainer: str) -> None:
         with self.engine.begin() as connection:
-            if connection.execute(update(models).where(models.c.model_id == model_id).values(trainer=trainer)).rowcount == 0:
+            placed = connection.execute(update(models).where(models.c.model_id == model_id).values(trainer=trainer))
+            if placed.rowcount == 0:
                 raise NotFoundError(f"Unknown model_id {model_id!r}; create the model first.")
 
     def placement(self) -> dict[str, str | None]:
@@ -551,7 +556,8 @@ class FuturesStore:
         return self._displace(models.c.trainer.is_(None) | models.c.trainer.not_in(live),
                               futures.c.trainer.is_not(None) & futures.c.trainer.not_in(live), error)
 
-    def _displace(self, model_rows: Any, future_rows: Any, error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
+    def _displace(self, model_rows: Any, future_rows: Any,
+                  error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
         now = self._clock()
         displaced_rows = model_rows & models.c.unloaded_at.is_(None)
         lost = future_rows & (futures.c.status == PENDING)
@@ -573,7 +579,8 @@ class FuturesStore:
         displaced = [DisplacedModel(row.model_id, row.base_model, orjson.loads(row.lora_config),
                                     _next_seq(last.get(row.model_id, (None, 0.0))[0], row.pruned_seq))
                      for row in rows]
-        return displaced, [FutureState(rid, FAILED, None, error, "server", kind, tenant) for rid, kind, tenant in failed]
+        return displaced, [FutureState(rid, FAILED, None, error, "server", kind, tenant)
+                           for rid, kind, tenant in failed]
 
     def mark_unloaded(self, model_id: str, reason: str | None = None) -> None:
         """From now on ``route`` refuses the model (its row stays: it is a training run with checkpoints), saying
@@ -668,7 +675,8 @@ class FuturesStore:
                 sampling_sessions.c.sampling_session_id == sampling_session_id)).mappings().one()
         if (row["session_id"], row["base_model"], row["model_path"]) != (session_id, base_model, model_path):
             raise ConflictError(
-                f"Sampling session {sampling_session_id!r} already exists for {row['model_path'] or row['base_model']!r};"
+                f"Sampling session {sampling_session_id!r} already exists for "
+                f"{row['model_path'] or row['base_model']!r};"
                 " create each sampling client with the session's next sampling_session_seq_id.")
 
     def sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> dict[str, Any]:

@@ -21,7 +21,8 @@ def load() -> ModuleType:
         return sys.modules[MODULE]
     package = importlib.util.find_spec("tinker")  # finds the SDK without importing it
     if package is None or not package.submodule_search_locations:
-        raise ImportError("The tinker SDK is not installed; lilo takes its protobuf schema from it (pip install tinker).")
+        raise ImportError(
+            "The tinker SDK is not installed; lilo takes its protobuf schema from it (pip install tinker).")
     spec = importlib.util.spec_from_file_location(
         MODULE, Path(package.submodule_search_locations[0]) / "proto" / "tinker_public_pb2.py")
     module = importlib.util.module_from_spec(spec)

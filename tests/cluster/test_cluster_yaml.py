@@ -7,7 +7,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).resolve().parents[2] / "cluster.yaml"
 
 
 def load() -> dict:

@@ -92,7 +92,8 @@ def test_loss_falls_when_an_adapter_memorizes_a_sequence(base):
     sequence[0].loss_inputs["weights"][:] = [1.0] * 32
     losses = []
     for seq in range(1, 80, 2):
-        losses.append(backend.forward_backward([step("m", seq, sequence)], forward_only=False)[0]["metrics"]["loss:sum"])
+        out = backend.forward_backward([step("m", seq, sequence)], forward_only=False)[0]
+        losses.append(out["metrics"]["loss:sum"])
         backend.optim_step([Command("m", seq + 1, Kind.OPTIM_STEP, f"m:{seq + 1}",
                                     payload=AdamParams(learning_rate=1e-2))])
     assert losses[-1] < 0.5 * losses[0]

@@ -72,7 +72,8 @@ def test_a_restarted_service_resumes_every_model_where_it_stopped(home):
         stopped = lilo("down", "--home", str(home))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert "Saved 2 model(s)" in stopped.stdout, stopped.stdout
-        meta = json.loads((home / "checkpoints" / resumed.model_id / "weights" / SHUTDOWN_CHECKPOINT / "meta.json").read_text())
+        saved = home / "checkpoints" / resumed.model_id / "weights" / SHUTDOWN_CHECKPOINT
+        meta = json.loads((saved / "meta.json").read_text())
         assert meta["step"] == 2  # the optimizer's state went along, not just the adapter
 
         up(home, http_port)

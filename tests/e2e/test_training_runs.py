@@ -68,7 +68,8 @@ def test_a_training_client_from_state_resumes_the_saved_adapter_with_or_without_
     fresh_optimizer = service.create_training_client_from_state(path).result(timeout=TIMEOUT_S)
     assert resumed.model_id != original.model_id and resumed.model_id.endswith(f":train:{resumed._training_client_id}")
     assert resumed.get_info().lora_rank == 4 and resumed.get_info().model_data.model_name == TINY
-    assert loss(resumed) == pytest.approx(at_save, rel=1e-6) and loss(fresh_optimizer) == pytest.approx(at_save, rel=1e-6)
+    assert loss(resumed) == pytest.approx(at_save, rel=1e-6)
+    assert loss(fresh_optimizer) == pytest.approx(at_save, rel=1e-6)
 
     # One step from the checkpoint: with its Adam moments it is the step the original took; without them, another.
     step(resumed)
@@ -91,7 +92,8 @@ def test_create_via_load_retried_is_one_model_and_bad_paths_are_refused_with_a_m
     other = api.post("/load_weights", json={**body, "path": path.replace("for-retries", "other")})
     assert other.status_code == 409 and "seq_id 0" in other.json()["detail"]
     refusals = [
-        ({**body, "model_seq_id": 1, "path": path.replace("for-retries", "never-saved")}, 404, "No training checkpoint"),
+        ({**body, "model_seq_id": 1, "path": path.replace("for-retries", "never-saved")}, 404,
+         "No training checkpoint"),
         ({**body, "model_seq_id": 1, "path": "tinker://no-such-run/weights/x"}, 404, "No training run"),
         ({**body, "model_seq_id": 1, "path": path.replace("/weights/", "/sampler_weights/")}, 422,
          "not a training checkpoint"),
@@ -186,6 +188,7 @@ def test_unload_runs_what_was_queued_then_frees_the_slot_and_later_requests_are_
     restarted = service.create_training_client_from_state(saved, user_metadata={"from": "before-unload"})
     restarted = restarted.result(timeout=TIMEOUT_S)
     assert loss(restarted) > 0
-    assert rest.get_training_run(restarted.model_id).result(timeout=TIMEOUT_S).user_metadata == {"from": "before-unload"}
+    run = rest.get_training_run(restarted.model_id).result(timeout=TIMEOUT_S)
+    assert run.user_metadata == {"from": "before-unload"}
     missing = api.post("/unload_model", json={"model_id": "no-such-model"})
     assert missing.status_code == 404 and "Unknown model_id" in missing.json()["detail"]

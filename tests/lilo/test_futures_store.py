@@ -12,7 +12,6 @@ from sqlalchemy import event
 
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError, UnavailableError
 from lilo.futures import codec, paths
-from lilo.futures import store as store_module
 from lilo.futures.store import Completion, FuturesStore, Submission, parse_request_id
 
 

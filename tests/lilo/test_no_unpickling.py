@@ -4,7 +4,7 @@ futures' payloads orjson with packed arrays, checkpoints safetensors and JSON). 
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNPICKLING = re.compile(r"\bimport (c?pickle|dill|shelve|marshal)\b|\bfrom (c?pickle|dill|shelve|marshal) import"
                         r"|\btorch\.load\(|\bnp\.load\(|\bnumpy\.load\(|allow_pickle|\bjoblib\b")
 

@@ -105,7 +105,8 @@ def test_a_waiter_times_out_and_several_waiters_share_one_id(store):
             assert waiter.parked == 0
             waits = [asyncio.create_task(waiter.wait(ids[1], timeout_s=10)) for _ in range(5)]
             await asyncio.sleep(0.05)
-            await asyncio.get_running_loop().run_in_executor(db, store.complete_many, [Completion.success(ids[1], b"x")])
+            await asyncio.get_running_loop().run_in_executor(db, store.complete_many,
+                                                             [Completion.success(ids[1], b"x")])
             return await asyncio.gather(*waits)
 
     assert [s.result for s in asyncio.run(scenario())] == [b"x"] * 5

@@ -3,7 +3,6 @@ cluster: downloads through signed links (a PEFT directory that peft loads, with 
 TTLs and their expiry, publishing across tenants, weights info, copies, sessions, and the calls a self-hosted
 service answers with a 404 that says why."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -49,7 +48,8 @@ def trained(service, base_model: str = TINY, rank: int = 4):
     return training
 
 
-def tinker_cli(local_cluster, *args: str, api_key: str = API_KEY, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def tinker_cli(local_cluster, *args: str, api_key: str = API_KEY,
+               cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The real ``tinker`` command, pointed at the session cluster the way its users point it: the environment."""
     env = {**os.environ, "TINKER_BASE_URL": local_cluster.api_url, "TINKER_API_KEY": api_key, "TINKER_TELEMETRY": "0"}
     return subprocess.run([TINKER_CLI, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
@@ -176,7 +176,7 @@ def test_download_links_are_signed_expire_and_serve_only_what_they_name(alpha_se
     for file in ("../../../url-signing-secret", "../../outside.txt", "..", "meta.json", "a/../../outside.txt"):
         status, body = fetch(link(local_cluster, DownloadGrant("alpha", path, file, int(time.time()) + 60), secret))
         assert status in (404, 422) and b"content outside" not in body and secret.hex().encode() not in body, file
-    for escaping in (f"tinker://../external_weights/export", f"tinker://{training.model_id}/external_weights/.."):
+    for escaping in ("tinker://../external_weights/export", f"tinker://{training.model_id}/external_weights/.."):
         grant = DownloadGrant("alpha", escaping, "adapter_config.json", int(time.time()) + 60)
         status, _ = fetch(link(local_cluster, grant, secret))
         assert status in (404, 422), escaping
@@ -207,8 +207,9 @@ def test_a_checkpoint_past_its_ttl_is_refused_saying_so_and_swept_from_disk(serv
 
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
     ray.get(futures.set_checkpoint_expiry.remote(path, "local", time.time() - 1))  # as if an hour had passed
-    assert path not in {c.tinker_path for c in rest.list_checkpoints(training.model_id).result(timeout=TIMEOUT_S).checkpoints}
-    assert path not in {c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result(timeout=TIMEOUT_S).checkpoints}
+    run_paths = {c.tinker_path for c in rest.list_checkpoints(training.model_id).result(timeout=TIMEOUT_S).checkpoints}
+    user_paths = {c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result(timeout=TIMEOUT_S).checkpoints}
+    assert path not in run_paths and path not in user_paths
     refusals = (lambda: rest.get_weights_info_by_tinker_path(path),
                 lambda: rest.set_checkpoint_ttl_from_tinker_path(path, None),
                 lambda: rest.publish_checkpoint_from_tinker_path(path),
@@ -275,7 +276,8 @@ def test_weights_info_and_copies(service, local_cluster):
     path = training.save_state("original").result(timeout=TIMEOUT_S).path
     rest = rest_client(local_cluster)
     info = rest.get_weights_info_by_tinker_path(path).result(timeout=TIMEOUT_S)
-    assert (info.base_model, info.is_lora, info.lora_rank, info.train_mlp, info.train_attn) == (TINY, True, 8, False, True)
+    assert (info.base_model, info.is_lora, info.lora_rank, info.train_mlp, info.train_attn) == (
+        TINY, True, 8, False, True)
 
     copied = rest.copy_weights(path, "proj-archive", ttl_seconds=7200).result(timeout=TIMEOUT_S)
     run, kind, name = copied[len("tinker://"):].split("/")
@@ -372,7 +374,8 @@ def test_bad_input_to_the_new_routes_is_a_4xx_with_a_sentence(local_cluster):
         cases = [
             (api.put("/training_runs/r/checkpoints/weights/x/ttl", json={"ttl_seconds": "soon"}), 422, "ttl_seconds"),
             (api.put("/training_runs/r/checkpoints/weights/x/ttl", json={"ttl_seconds": 10}), 422, "out of range"),
-            (api.put("/training_runs/r/checkpoints/elsewhere/x/ttl", json={"ttl_seconds": None}), 422, "not of the form"),
+            (api.put("/training_runs/r/checkpoints/elsewhere/x/ttl", json={"ttl_seconds": None}), 422,
+             "not of the form"),
             (api.post("/training_runs/r/checkpoints/weights/..%2F..%2Fx/publish"), 422, "heckpoint"),
             (api.post("/weights_info", json={"tinker_path": "file:///etc/passwd"}), 422, "not a tinker:// path"),
             (api.post("/weights_info", json={}), 422, "tinker_path"),

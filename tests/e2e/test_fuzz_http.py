@@ -258,7 +258,8 @@ def assert_answered_well(label: str, status: int, content_type: str, text: str, 
     if 400 <= status < 500:
         assert content_type.startswith("application/json"), f"{label} {status} as {content_type}: {text[:500]}"
         detail = json.loads(text).get("detail")
-        assert isinstance(detail, str) and len(detail.split()) >= 3, f"{label} {status} without a sentence: {text[:500]}"
+        assert isinstance(detail, str) and len(detail.split()) >= 3, (
+            f"{label} {status} without a sentence: {text[:500]}")
 
 
 def test_the_fuzzing_recorded_nothing(local_cluster, records_before):

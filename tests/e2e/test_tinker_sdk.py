@@ -75,7 +75,8 @@ def test_a_retried_request_that_was_recorded_but_never_handed_over_runs(local_cl
     futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
     with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service, \
             httpx.Client(headers=AUTH, timeout=60) as http:
-        model_id = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120).model_id
+        created = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4)
+        model_id = created.result(timeout=120).model_id
         ray.get(futures.submit_once.remote(Submission(model_id, "optim_step", adam, seq_id=1, tenant="local",
                                                       routed=True)))
         # The client's retry of it, then its next step: both run.

@@ -46,7 +46,8 @@ def test_execute_is_credited_to_every_model_of_a_batch_and_to_the_aggregate(timi
         assert (stats["count"], stats["total_s"], stats["mean_batch"]) == (1, pytest.approx(2.0), 3)
     # Every per-model record also credits the aggregate: there the batch counts once per model in it.
     aggregate = timings.snapshot()["phases"]["forward_backward.execute"]
-    assert (aggregate["count"], aggregate["total_s"], aggregate["mean_s"]) == (2, pytest.approx(4.0), pytest.approx(2.0))
+    assert (aggregate["count"], aggregate["total_s"], aggregate["mean_s"]) == (
+        2, pytest.approx(4.0), pytest.approx(2.0))
 
 
 def test_stats_are_count_total_mean_max_and_mean_batch(timings):

@@ -5,8 +5,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from lilo.errors import (
-    ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, UnavailableError,
-    failure_category,
+    ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, TooLargeError,
+    UnavailableError, failure_category,
 )
 from serve.errors import install_error_handlers
 
@@ -17,6 +17,7 @@ from serve.errors import install_error_handlers
     (GoneError("Request 3 finished more than 24 h ago and its result was pruned."), 410),
     (ConflictError("seq_id 4 of model 'm' was already submitted (request 7) with a different payload."), 409),
     (SaturatedError("Every trainer is full; retry later."), 429),
+    (TooLargeError("The zstd body inflates past this server's limit of 1048576 bytes; send a smaller batch."), 413),
     (LiloError("Something else the client can fix."), 400),
 ])
 def test_each_error_maps_to_its_status_with_its_message(error, status):

@@ -161,8 +161,8 @@ def test_a_malformed_training_batch_is_a_422_at_once_and_the_next_seq_still_runs
     accepted = post(local_cluster, "forward_backward", forward_backward_body(model_id, seq_id=5), PROTOBUF)
     assert accepted.status_code == 200, accepted.text
     with httpx.Client(headers=JSON, timeout=60) as http:
-        result = retrieve_finished(http, f"{local_cluster.api_url}/api/v1/retrieve_future", accepted.json()["request_id"],
-                                   polls=2)
+        result = retrieve_finished(http, f"{local_cluster.api_url}/api/v1/retrieve_future",
+                                   accepted.json()["request_id"], polls=2)
     assert "protobuf" in result.headers["content-type"], result.text
     # A refused seq is spent: sending a step under it again is a conflict that says to use the next seq_id.
     again = post(local_cluster, "forward_backward", forward_backward_body(model_id, seq_id=1), PROTOBUF)

@@ -1,0 +1,41 @@
+"""The package split (docs/design.md): ``lilo`` imports neither ``cluster`` nor ``serve`` (nor Ray), and neither do
+its tests, so tests/lilo runs without Ray (the Ray side: tests/cluster/test_control_plane_imports.py)."""
+
+import ast
+from pathlib import Path
+
+import lilo
+from helpers import imported_top_levels, modules_of
+
+HERE = Path(__file__).resolve().parent
+RAY_SIDE = {"cluster", "serve", "ray"}
+
+
+def test_the_library_imports_neither_the_actors_nor_the_serve_app_nor_ray():
+    modules = modules_of(lilo)
+    assert {"lilo.engine.engine", "lilo.futures.store", "lilo.telemetry.critical_path", "lilo.timing"} <= set(modules)
+    loaded = imported_top_levels(modules)
+    assert not loaded & RAY_SIDE, loaded & RAY_SIDE
+
+
+def imports_in(path: Path) -> set[str]:
+    """The top-level names a file imports anywhere: at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_library_tests_import_neither_ray_nor_the_actors_nor_the_serve_app():
+    """Importing every module of tests/lilo, as pytest does, loads none of them (nor do the shared helpers those
+    modules import), and no test imports one later, inside a function."""
+    files = sorted(HERE.glob("test_*.py"))
+    assert len(files) > 20
+    loaded = imported_top_levels([path.stem for path in files],
+                                 search_path=(str(HERE.parents[1]), str(HERE.parent), str(HERE)))
+    assert "lilo" in loaded and not loaded & RAY_SIDE, loaded & RAY_SIDE
+    later = {f"{path.name} imports {name}" for path in files for name in imports_in(path) & RAY_SIDE}
+    assert later == set()
