@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-from lilo.telemetry.critical_path import CriticalPath, Operation
+from lilo.timing.critical_path import CriticalPath, Operation
 
 MODELS = 512
 PIPELINE = 4

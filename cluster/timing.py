@@ -18,8 +18,8 @@ import ray
 from ray.util import metrics
 
 from cluster.local import NAMESPACE
-from lilo.telemetry.critical_path import LOG_EVENT, LOG_EVERY_S, CriticalPath
-from lilo.telemetry.phase_stats import ALL_MODELS, DEFAULT_READER, PhaseStats, Row, parts_of
+from lilo.timing.critical_path import LOG_EVENT, LOG_EVERY_S, CriticalPath
+from lilo.timing.phase_stats import ALL_MODELS, DEFAULT_READER, PhaseStats, Row, parts_of
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from lilo.futures.sequences import RecordedSample
 from lilo.futures.store import Completion
 from lilo.protocol.proto import encode_forward_backward_output, encode_sample_response
 from lilo.settings import Settings
-from lilo.telemetry.critical_path import BACKEND_READY, SERVING_READY
+from lilo.timing.critical_path import BACKEND_READY, SERVING_READY
 
 logger = logging.getLogger(__name__)
 

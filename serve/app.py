@@ -32,7 +32,7 @@ from lilo.errors import InvalidRequestError, NotFoundError
 from lilo.backend.checkpoint_paths import TINKER_SCHEME, parse_tinker_path
 from lilo.futures.schema import PENDING
 from lilo.futures.store import FutureState, unloaded_error
-from lilo.telemetry.phase_stats import ALL_MODELS
+from lilo.timing.phase_stats import ALL_MODELS
 from lilo.protocol.proto import decode_forward_backward, inflate
 from lilo.signed_urls import DownloadGrant, read_secret, secret_file
 from serve import checkpoints, runs, sampling, sessions, training

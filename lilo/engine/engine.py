@@ -29,7 +29,7 @@ from lilo.engine.contract import Backend
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
-from lilo.telemetry.critical_path import CriticalPath, Observer, Observers, Operation
+from lilo.timing.critical_path import CriticalPath, Observer, Observers, Operation
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.timing import TimingPublisher, get_timing_actor
 from helpers import AUTH
-from lilo.telemetry.critical_path import CriticalPath, Operation
+from lilo.timing.critical_path import CriticalPath, Operation
 
 
 def recorded_steps(model_id: str, steps: int) -> CriticalPath:

@@ -5,11 +5,11 @@ import time
 
 import pytest
 
-from lilo.telemetry import critical_path as cp
-from lilo.telemetry.critical_path import (
+from lilo.timing import critical_path as cp
+from lilo.timing.critical_path import (
     ALL_MODELS, FIRST_MODEL_READY, CriticalPath, Observers, Operation, flatten, phase_of, split_wait,
 )
-from lilo.telemetry.phase_stats import PhaseStats
+from lilo.timing.phase_stats import PhaseStats
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ RAY_SIDE = {"cluster", "serve", "ray"}
 
 def test_the_library_imports_neither_the_actors_nor_the_serve_app_nor_ray():
     modules = modules_of(lilo)
-    assert {"lilo.engine.engine", "lilo.futures.store", "lilo.telemetry.critical_path", "lilo.timing"} <= set(modules)
+    assert {"lilo.engine.engine", "lilo.futures.store", "lilo.timing.critical_path", "lilo.timing"} <= set(modules)
     loaded = imported_top_levels(modules)
     assert not loaded & RAY_SIDE, loaded & RAY_SIDE
 

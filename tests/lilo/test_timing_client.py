@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lilo import timing
-from lilo.telemetry.critical_path import CriticalPath, Operation
+from lilo.timing.critical_path import CriticalPath, Operation
 from wandb_records import has_exit_record, history_rows, metric_definitions
 
 
@@ -119,7 +119,7 @@ def test_metrics_land_in_an_offline_wandb_run_against_lilo_step(server, tmp_path
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = wandb.init(project="lilo-test", mode="offline", dir=str(tmp_path))
-    assert timing._active_wandb_run() is run  # found the way log_critical_path finds it
+    assert timing.client._active_wandb_run() is run  # found the way log_critical_path finds it
     try:
         for step in range(3):
             for i in range(step + 1):

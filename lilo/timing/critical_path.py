@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence
 import orjson
 import psutil
 
-from lilo.telemetry.phase_stats import ALL_MODELS, DEFAULT_READER, QUEUE_WAIT, PhaseStats
+from lilo.timing.phase_stats import ALL_MODELS, DEFAULT_READER, QUEUE_WAIT, PhaseStats
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, TextIO
 
-from lilo.telemetry.critical_path import LOG_EVENT, flatten
+from lilo.timing.critical_path import LOG_EVENT, flatten
 
 logger = logging.getLogger(__name__)
 

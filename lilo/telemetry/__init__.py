@@ -1,1 +1,0 @@
-"""Always-on telemetry: the critical-path observer and its bounded accumulator."""
