@@ -164,7 +164,7 @@ class LiloIngress:
     async def load_weights(self, body: LoadWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         return await self._control.training.load_weights(body, tenant)
 
-    # --- training runs, checkpoints and unloading (RestClient / CLI; serve/runs.py) -----------------------
+    # --- training runs, checkpoints and unloading (RestClient / CLI; serve/runs.py, serve/checkpoints.py) ------
     @api.get("/api/v1/training_runs")
     async def list_training_runs(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
                                  # SQLite's OFFSET takes 64-bit integers (JSON bodies: serve/json_body.py)

@@ -36,7 +36,7 @@ class CreateModelRequest(Body):
     model_seq_id: int = Field(ge=0)
     base_model: str = Field(max_length=MAX_ID_CHARS)
     lora_config: dict[str, Any] | None = None
-    # Checked by the control plane (serve.training.user_metadata), whose refusal says what to send.
+    # Checked when the model is recorded (serve.submissions.metadata_strings), whose refusal says what to send.
     user_metadata: Any = None
 
 

@@ -23,9 +23,7 @@ import asyncio
 import dataclasses
 from typing import Any, Sequence
 
-from ray.actor import ActorHandle
-
-from cluster.placement import choose_sampling_trainer, named_actor
+from cluster.placement import choose_sampling_trainer
 from lilo.backend.checkpoint_paths import ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
@@ -63,17 +61,17 @@ class Route:
 class SamplingRouter:
     """Routes sampling sessions to trainers. Trainer facts are asked once; a session's route is kept."""
 
-    def __init__(self, futures: ActorHandle, trainers: Sequence[str]) -> None:
-        self._futures = futures
-        self._trainers = list(trainers)
+    def __init__(self, actors: Actors) -> None:
+        self._actors = actors
+        self._futures = actors.futures
         self._facts: dict[str, dict[str, Any]] | None = None
         self._routes: dict[str, Route] = {}
 
     async def trainer_facts(self) -> dict[str, dict[str, Any]]:
         """Per trainer: what ``TrainerActor.ready`` says (its base model, vocabulary size, end-of-sequence ids)."""
         if self._facts is None:
-            facts = await asyncio.gather(*(named_actor(name).ready.remote()
-                                           for name in self._trainers))
+            facts = await asyncio.gather(*(self._actors.trainer(name).ready.remote()
+                                           for name in self._actors.trainers))
             self._facts = {fact["name"]: fact for fact in facts}
         return self._facts
 
@@ -109,7 +107,7 @@ class Sampling:
         self._actors = actors
         self._futures = actors.futures
         self._submissions = submissions
-        self._router = SamplingRouter(actors.futures, actors.trainers)
+        self._router = SamplingRouter(actors)
 
     async def create_session(self, request: CreateSamplingSessionRequest, tenant: str) -> dict[str, str]:
         """A session sampling ``model_path`` (a sampler checkpoint of the caller's, or a published one) or, without

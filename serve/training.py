@@ -50,17 +50,6 @@ def adam_params(raw: dict[str, Any]) -> AdamParams:
         raise InvalidRequestError("adam_params values must be numbers.") from None
 
 
-async def checkpoint_run(futures: ActorHandle, path: str, tenant: str | None) -> dict[str, Any]:
-    """The training run (model row) that saved the checkpoint ``path``: 404 unless ``tenant`` may read it (one of
-    its own, or a published one), 410 once it expired."""
-    run, _, _ = parse_tinker_path(path)
-    try:
-        return (await futures.readable_checkpoint.remote(path, tenant))[0]
-    except NotFoundError:
-        raise NotFoundError(f"No training run {run!r} here, so no checkpoint {path!r}; pass a path save_state "
-                            "returned.") from None
-
-
 class Training:
     """Sessions, models and training steps of the caller's tenant (another tenant's answer 404 like unknown ones)."""
 
@@ -142,7 +131,7 @@ class Training:
             raise InvalidRequestError(f"{path!r} is not a training checkpoint; create a training client from a path "
                                       "save_state (save_weights) returned: tinker://<run>/weights/<name>.")
         await self._futures.check_session.remote(request.session_id, tenant)
-        base_model = (await checkpoint_run(self._futures, path, tenant))["base_model"]
+        base_model = (await self._checkpoint_run(path, tenant))["base_model"]
         if request.base_model not in (None, base_model):
             raise InvalidRequestError(f"{path!r} was trained on {base_model!r}; leave base_model out or pass that "
                                       "one.")
@@ -171,10 +160,20 @@ class Training:
         assert request.model_id is not None and request.seq_id is not None  # loads_into_model says so
         load = LoadRequest(path=request.path, optimizer=request.optimizer)
         async with self._submissions.spending_seq(request.model_id, request.seq_id, tenant):
-            await checkpoint_run(self._futures, load.path, tenant)
+            await self._checkpoint_run(load.path, tenant)
         return await self._submissions.submit(
             Command(request.model_id, request.seq_id, Kind.LOAD_WEIGHTS, "", payload=load),
             {"path": load.path, "optimizer": load.optimizer}, tenant)
+
+    async def _checkpoint_run(self, path: str, tenant: str) -> dict[str, Any]:
+        """The training run (model row) that saved the checkpoint ``path``: 404 unless ``tenant`` may read it (one of
+        its own, or a published one), 410 once it expired."""
+        run, _, _ = parse_tinker_path(path)
+        try:
+            return (await self._futures.readable_checkpoint.remote(path, tenant))[0]
+        except NotFoundError:
+            raise NotFoundError(f"No training run {run!r} here, so no checkpoint {path!r}; pass a path save_state "
+                                "returned.") from None
 
     async def forward_backward(self, call: ForwardBackwardCall, tenant: str) -> dict[str, str]:
         train = call.train
