@@ -28,7 +28,7 @@ from lilo.backend.checkpoint_paths import ephemeral_name, sampler_run, tinker_pa
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import Command, Kind
-from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.errors import InvalidRequestError
 from lilo.futures.store import Submission, unknown_sampling_session_error
 from lilo.protocol.sampling import decode_sample_request
 from lilo.tenants import may_see
@@ -134,14 +134,9 @@ class Sampling:
         return {"sampling_session_id": sampling_session_id, "type": "create_sampling_session"}
 
     async def _training_run(self, model_path: str, tenant: str) -> dict[str, Any]:
-        """The training model that saved the sampler checkpoint ``model_path``, if ``tenant`` may read it (its own,
-        or a published one; 410 once it expired)."""
         run = sampler_run(model_path)
-        try:
-            return (await self._futures.readable_checkpoint.remote(model_path, tenant))[0]
-        except NotFoundError:
-            raise NotFoundError(f"No training run {run!r} saved {model_path!r}; pass a path "
-                                "save_weights_for_sampler returned.") from None
+        return await self._actors.readable_run(model_path, tenant, f"No training run {run!r} saved {model_path!r}; "
+                                                                   "pass a path save_weights_for_sampler returned.")
 
     async def sampler(self, sampling_session_id: str, tenant: str) -> dict[str, Any]:
         """The SDK's ``GetSamplerResponse``."""

@@ -17,7 +17,7 @@ from lilo.backend.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_r
 from lilo.backend.provenance import named_sequences
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
-from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.errors import InvalidRequestError
 from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission, unloaded_error
 from lilo.protocol.proto import ForwardBackwardCall
@@ -166,14 +166,9 @@ class Training:
             {"path": load.path, "optimizer": load.optimizer}, tenant)
 
     async def _checkpoint_run(self, path: str, tenant: str) -> dict[str, Any]:
-        """The training run (model row) that saved the checkpoint ``path``: 404 unless ``tenant`` may read it (one of
-        its own, or a published one), 410 once it expired."""
         run, _, _ = parse_tinker_path(path)
-        try:
-            return (await self._futures.readable_checkpoint.remote(path, tenant))[0]
-        except NotFoundError:
-            raise NotFoundError(f"No training run {run!r} here, so no checkpoint {path!r}; pass a path save_state "
-                                "returned.") from None
+        return await self._actors.readable_run(path, tenant, f"No training run {run!r} here, so no checkpoint "
+                                                             f"{path!r}; pass a path save_state returned.")
 
     async def forward_backward(self, call: ForwardBackwardCall, tenant: str) -> dict[str, str]:
         train = call.train
