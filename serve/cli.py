@@ -248,7 +248,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = running_state(settings)
     healthy = state is not None and healthz(state.api_url)
     if args.json:
-        print(json.dumps({"running": state is not None, "healthy": healthy, **(dataclasses.asdict(state) if state else {})}))
+        details = dataclasses.asdict(state) if state else {}
+        print(json.dumps({"running": state is not None, "healthy": healthy, **details}))
     elif state is None:
         print(f"lilo is not running (home {settings.home}). Start it with `lilo up`.")
     else:

@@ -16,8 +16,8 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lilo.errors import (
-    ConflictError, ForbiddenError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, TooLargeError,
-    UnavailableError,
+    ConflictError, ForbiddenError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError,
+    TooLargeError, UnavailableError,
 )
 
 STATUS_BY_ERROR: dict[type[LiloError], int] = {

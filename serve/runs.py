@@ -14,17 +14,15 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
-from ray.actor import ActorHandle
-
-from cluster.placement import ask_file_keeper
 from lilo.backend.checkpoint_index import (
     EXTERNAL_WEIGHTS, SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry, checkpoint_path,
 )
 from lilo.futures.checkpoint_records import CheckpointRecord
 from lilo.session_search import user_urn
 from lilo.tenants import tenant_of
+from serve.actors import Actors
 
 CHECKPOINT_TYPES = {WEIGHTS: "training", SAMPLER_WEIGHTS: "sampler", EXTERNAL_WEIGHTS: "external"}
 # A checkpoint's files and what the futures DB records of it (None: nothing, so private and never expiring).
@@ -65,68 +63,66 @@ def training_run_json(run: dict[str, Any], checkpoints: Iterable[Listed]) -> dic
             "user_metadata": run["user_metadata"]}
 
 
-async def checkpoints_of(futures: ActorHandle, runs: Iterable[dict[str, Any]],
-                         trainers: Sequence[str]) -> dict[str, list[Listed]]:
-    """The unexpired checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all at
-    once, with their records."""
-    by_trainer: dict[str | None, list[str]] = {}
-    for run in runs:
-        by_trainer.setdefault(run["trainer"], []).append(run["model_id"])
-    run_ids = [run_id for of_trainer in by_trainer.values() for run_id in of_trainer]
-    records, *answers = await asyncio.gather(futures.checkpoint_records.remote(run_ids),
-                                             *(ask_file_keeper(trainer, trainers, "list_checkpoints", of_trainer)
-                                               for trainer, of_trainer in by_trainer.items()))
-    now = time.time()
-    return {run: unexpired(found, records, now) for answer in answers for run, found in answer.items()}
+class Runs:
+    """The caller's training runs and their checkpoints: another tenant's runs are not listed, and answer 404 like
+    unknown ones."""
 
+    def __init__(self, actors: Actors) -> None:
+        self._actors = actors
+        self._futures = actors.futures
 
-# Each takes the caller's tenant: another tenant's runs are not listed, and answer 404 like unknown ones.
-async def list_training_runs(futures: ActorHandle, trainers: Sequence[str], limit: int, offset: int,
-                             tenant: str) -> dict[str, Any]:
-    runs, total = await futures.training_runs.remote(limit, offset, tenant)
-    checkpoints = await checkpoints_of(futures, runs, trainers)
-    return {"training_runs": [training_run_json(run, checkpoints.get(run["model_id"], [])) for run in runs],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+    async def checkpoints_of(self, runs: Iterable[dict[str, Any]]) -> dict[str, list[Listed]]:
+        """The unexpired checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all
+        at once, with their records."""
+        by_trainer: dict[str | None, list[str]] = {}
+        for run in runs:
+            by_trainer.setdefault(run["trainer"], []).append(run["model_id"])
+        run_ids = [run_id for of_trainer in by_trainer.values() for run_id in of_trainer]
+        records, *answers = await asyncio.gather(
+            self._futures.checkpoint_records.remote(run_ids),
+            *(self._actors.ask_file_keeper(trainer, "list_checkpoints", of_trainer)
+              for trainer, of_trainer in by_trainer.items()))
+        now = time.time()
+        return {run: unexpired(found, records, now) for answer in answers for run, found in answer.items()}
 
+    async def training_runs(self, limit: int, offset: int, tenant: str) -> dict[str, Any]:
+        runs, total = await self._futures.training_runs.remote(limit, offset, tenant)
+        checkpoints = await self.checkpoints_of(runs)
+        return {"training_runs": [training_run_json(run, checkpoints.get(run["model_id"], [])) for run in runs],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
-async def get_training_run(futures: ActorHandle, trainers: Sequence[str], run_id: str, tenant: str) -> dict[str, Any]:
-    run = await futures.training_run.remote(run_id, tenant)
-    return training_run_json(run, (await checkpoints_of(futures, [run], trainers)).get(run_id, []))
+    async def training_run(self, run_id: str, tenant: str) -> dict[str, Any]:
+        run = await self._futures.training_run.remote(run_id, tenant)
+        return training_run_json(run, (await self.checkpoints_of([run])).get(run_id, []))
 
+    async def checkpoints(self, run_id: str, tenant: str) -> dict[str, Any]:
+        run = await self._futures.training_run.remote(run_id, tenant)
+        checkpoints = (await self.checkpoints_of([run])).get(run_id, [])
+        return {"checkpoints": [checkpoint_json(checkpoint) for checkpoint in checkpoints], "cursor": None}
 
-async def list_checkpoints(futures: ActorHandle, trainers: Sequence[str], run_id: str, tenant: str) -> dict[str, Any]:
-    run = await futures.training_run.remote(run_id, tenant)
-    checkpoints = (await checkpoints_of(futures, [run], trainers)).get(run_id, [])
-    return {"checkpoints": [checkpoint_json(checkpoint) for checkpoint in checkpoints], "cursor": None}
+    async def user_checkpoints(self, limit: int, offset: int, tenant: str) -> dict[str, Any]:
+        """Every one of the tenant's runs' checkpoints, newest first, one page of them."""
+        runs, _ = await self._futures.training_runs.remote(None, 0, tenant)
+        checkpoints = await self.checkpoints_of(runs)
+        newest_first = sorted((c for found in checkpoints.values() for c in found), key=lambda c: -c[0].time_s)
+        return {"checkpoints": [checkpoint_json(c) for c in newest_first[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(newest_first)}}
 
+    async def delete_checkpoint(self, run_id: str, checkpoint_id: str, tenant: str) -> None:
+        """Delete one of the tenant's checkpoints (410 once past its TTL: the expiry sweep deletes it) and what the
+        futures DB records of it."""
+        run = await self._futures.training_run.remote(run_id, tenant)
+        path = checkpoint_path(run_id, checkpoint_id)
+        await self._futures.readable_checkpoint.remote(path, tenant, write=True)
+        await self._actors.ask_file_keeper(run["trainer"], "delete_checkpoint", run_id, checkpoint_id)
+        await self._futures.forget_checkpoint.remote(path)
 
-async def list_user_checkpoints(futures: ActorHandle, trainers: Sequence[str], limit: int, offset: int,
-                                tenant: str) -> dict[str, Any]:
-    """Every one of the tenant's runs' checkpoints, newest first, one page of them."""
-    runs, _ = await futures.training_runs.remote(None, 0, tenant)
-    checkpoints = await checkpoints_of(futures, runs, trainers)
-    newest_first = sorted((c for found in checkpoints.values() for c in found), key=lambda c: -c[0].time_s)
-    return {"checkpoints": [checkpoint_json(c) for c in newest_first[offset:offset + limit]],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(newest_first)}}
-
-
-async def delete_checkpoint(futures: ActorHandle, trainers: Sequence[str], run_id: str, checkpoint_id: str,
-                            tenant: str) -> None:
-    """Delete one of the tenant's checkpoints (410 once past its TTL: the expiry sweep deletes it) and what the
-    futures DB records of it."""
-    run = await futures.training_run.remote(run_id, tenant)
-    path = checkpoint_path(run_id, checkpoint_id)
-    await futures.readable_checkpoint.remote(path, tenant, write=True)
-    await ask_file_keeper(run["trainer"], trainers, "delete_checkpoint", run_id, checkpoint_id)
-    await futures.forget_checkpoint.remote(path)
-
-
-async def storage_usage(futures: ActorHandle, trainers: Sequence[str], tenant: str) -> dict[str, Any]:
-    """The SDK's ``CurrentCheckpointStorageUsageResponse`` for the caller: its unexpired checkpoints' count and bytes,
-    measured now, as one row (lilo has no projects, and puts no price on storage)."""
-    runs, _ = await futures.training_runs.remote(None, 0, tenant)
-    held = [listed for found in (await checkpoints_of(futures, runs, trainers)).values() for listed in found]
-    size = sum(entry.size_bytes for entry, _ in held)
-    return {"effective_rate_usd_per_gigabyte_month": None,
-            "data": [{"project_id": None, "org_user_urn": user_urn(tenant), "checkpoint_count": len(held),
-                      "size_bytes": size, "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None}]}
+    async def storage_usage(self, tenant: str) -> dict[str, Any]:
+        """The SDK's ``CurrentCheckpointStorageUsageResponse`` for the caller: its unexpired checkpoints' count and
+        bytes, measured now, as one row (lilo has no projects, and puts no price on storage)."""
+        runs, _ = await self._futures.training_runs.remote(None, 0, tenant)
+        held = [listed for found in (await self.checkpoints_of(runs)).values() for listed in found]
+        size = sum(entry.size_bytes for entry, _ in held)
+        return {"effective_rate_usd_per_gigabyte_month": None,
+                "data": [{"project_id": None, "org_user_urn": user_urn(tenant), "checkpoint_count": len(held),
+                          "size_bytes": size, "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None}]}

@@ -23,18 +23,18 @@ import asyncio
 import dataclasses
 from typing import Any, Sequence
 
-from ray.actor import ActorHandle
-
-from cluster.placement import choose_sampling_trainer, named_actor
+from cluster.placement import choose_sampling_trainer
 from lilo.backend.checkpoint_paths import ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import Command, Kind
-from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.errors import InvalidRequestError
 from lilo.futures.store import Submission, unknown_sampling_session_error
 from lilo.protocol.sampling import decode_sample_request
 from lilo.tenants import may_see
-from serve import training
+from serve.actors import Actors
+from serve.requests import CreateSamplingSessionRequest, SampleRequest, SaveWeightsRequest
+from serve.submissions import Submissions
 
 # Routes of this many sessions are remembered per ingress replica (they never change; past it, all are dropped).
 MAX_ROUTES = 100_000
@@ -61,17 +61,17 @@ class Route:
 class SamplingRouter:
     """Routes sampling sessions to trainers. Trainer facts are asked once; a session's route is kept."""
 
-    def __init__(self, futures: ActorHandle, trainers: Sequence[str]) -> None:
-        self._futures = futures
-        self._trainers = list(trainers)
+    def __init__(self, actors: Actors) -> None:
+        self._actors = actors
+        self._futures = actors.futures
         self._facts: dict[str, dict[str, Any]] | None = None
         self._routes: dict[str, Route] = {}
 
     async def trainer_facts(self) -> dict[str, dict[str, Any]]:
         """Per trainer: what ``TrainerActor.ready`` says (its base model, vocabulary size, end-of-sequence ids)."""
         if self._facts is None:
-            facts = await asyncio.gather(*(named_actor(name).ready.remote()
-                                           for name in self._trainers))
+            facts = await asyncio.gather(*(self._actors.trainer(name).ready.remote()
+                                           for name in self._actors.trainers))
             self._facts = {fact["name"]: fact for fact in facts}
         return self._facts
 
@@ -100,81 +100,84 @@ class SamplingRouter:
         return route
 
 
-async def create_sampling_session(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any],
-                                  tenant: str) -> dict:
-    """A session sampling ``model_path`` (a sampler checkpoint of the caller's, or a published one) or, without one,
-    the bare ``base_model``."""
-    sampling_session_id = sampling_session_id_for(body["session_id"], body["sampling_session_seq_id"])
-    model_path, base_model = body.get("model_path"), body.get("base_model")
-    await futures.check_session.remote(body["session_id"], tenant)
-    if model_path:
-        run = await training_run(futures, model_path, tenant)
-        if base_model and base_model != run["base_model"]:
-            raise InvalidRequestError(f"{model_path!r} was trained on {run['base_model']!r}, not {base_model!r}; "
-                                      "leave base_model out or pass that one.")
-        base_model = run["base_model"]
-        trainer = await router.trainer_for(sampling_session_id, base_model, run["trainer"])
-        await named_actor(trainer).check_sampler_checkpoint.remote(model_path)
-    elif base_model:
-        await router.trainer_for(sampling_session_id, base_model, None)  # refuses a base model no trainer serves
-    else:
-        raise InvalidRequestError("create_sampling_session needs a model_path (a sampler checkpoint) or a "
-                                  "base_model.")
-    await futures.add_sampling_session.remote(sampling_session_id, body["session_id"], base_model, model_path,
-                                              tenant)
-    return {"sampling_session_id": sampling_session_id, "type": "create_sampling_session"}
+class Sampling:
+    """Sampling sessions of the caller's tenant, their samples, and the sampler saves that open one."""
 
+    def __init__(self, actors: Actors, submissions: Submissions) -> None:
+        self._actors = actors
+        self._futures = actors.futures
+        self._submissions = submissions
+        self._router = SamplingRouter(actors)
 
-async def training_run(futures: ActorHandle, model_path: str, tenant: str) -> dict[str, Any]:
-    """The training model that saved the sampler checkpoint ``model_path``, if ``tenant`` may read it (its own, or a
-    published one; 410 once it expired)."""
-    run = sampler_run(model_path)
-    try:
-        return (await futures.readable_checkpoint.remote(model_path, tenant))[0]
-    except NotFoundError:
-        raise NotFoundError(f"No training run {run!r} saved {model_path!r}; pass a path save_weights_for_sampler "
-                            "returned.") from None
+    async def create_session(self, request: CreateSamplingSessionRequest, tenant: str) -> dict[str, str]:
+        """A session sampling ``model_path`` (a sampler checkpoint of the caller's, or a published one) or, without
+        one, the bare ``base_model``."""
+        sampling_session_id = sampling_session_id_for(request.session_id, request.sampling_session_seq_id)
+        model_path, base_model = request.model_path, request.base_model
+        await self._futures.check_session.remote(request.session_id, tenant)
+        if model_path:
+            run = await self._training_run(model_path, tenant)
+            if base_model and base_model != run["base_model"]:
+                raise InvalidRequestError(f"{model_path!r} was trained on {run['base_model']!r}, not {base_model!r}; "
+                                          "leave base_model out or pass that one.")
+            base_model = run["base_model"]
+            trainer = await self._router.trainer_for(sampling_session_id, base_model, run["trainer"])
+            await self._actors.trainer(trainer).check_sampler_checkpoint.remote(model_path)
+        elif base_model:
+            # Refuses a base model no trainer serves.
+            await self._router.trainer_for(sampling_session_id, base_model, None)
+        else:
+            raise InvalidRequestError("create_sampling_session needs a model_path (a sampler checkpoint) or a "
+                                      "base_model.")
+        await self._futures.add_sampling_session.remote(sampling_session_id, request.session_id, base_model,
+                                                        model_path, tenant)
+        return {"sampling_session_id": sampling_session_id, "type": "create_sampling_session"}
 
+    async def _training_run(self, model_path: str, tenant: str) -> dict[str, Any]:
+        run = sampler_run(model_path)
+        return await self._actors.readable_run(model_path, tenant, f"No training run {run!r} saved {model_path!r}; "
+                                                                   "pass a path save_weights_for_sampler returned.")
 
-async def sampler(futures: ActorHandle, sampling_session_id: str, tenant: str) -> dict[str, Any]:
-    session = await futures.sampling_session.remote(sampling_session_id, tenant)
-    return {"sampler_id": sampling_session_id, "base_model": session["base_model"],
-            "model_path": session["model_path"]}
+    async def sampler(self, sampling_session_id: str, tenant: str) -> dict[str, Any]:
+        """The SDK's ``GetSamplerResponse``."""
+        session = await self._futures.sampling_session.remote(sampling_session_id, tenant)
+        return {"sampler_id": sampling_session_id, "base_model": session["base_model"],
+                "model_path": session["model_path"]}
 
+    async def save_opening_session(self, request: SaveWeightsRequest, tenant: str) -> dict[str, str]:
+        """``save_weights_for_sampler`` without a name: a sampler checkpoint whose future answers with the sampling
+        session that samples it. ``kind`` ``inflight`` is saved as a snapshot too.
 
-async def submit_ephemeral_save(futures: ActorHandle, body: dict[str, Any], tenant: str | None) -> dict[str, str]:
-    """``save_weights_for_sampler`` without a name: a sampler checkpoint whose future answers with the sampling
-    session that samples it. ``kind`` ``inflight`` is saved as a snapshot too.
+        Both are named after the request's ``seq_id``, not its ``sampling_session_seq_id``: the SDK counts the
+        latter up on every attempt, so a retry of a request already recorded would otherwise differ from it, a 409
+        that the SDK retries (counting up again) until it gives up."""
+        model_id, seq = request.model_id, request.seq_id
+        model = await self._futures.model.remote(model_id, tenant)
+        name = ephemeral_name(seq)
+        sampling_session_id = sampling_session_id_for(model_id, seq)
+        await self._futures.add_sampling_session.remote(
+            sampling_session_id, model["session_id"] or "", model["base_model"],
+            tinker_path(model_id, Kind.SAVE_WEIGHTS_FOR_SAMPLER, name), tenant)
+        return await self._submissions.submit(
+            Command(model_id, seq, Kind.SAVE_WEIGHTS_FOR_SAMPLER, "", payload=SaveRequest(name, sampling_session_id)),
+            {"path": name, "sampling_session_id": sampling_session_id}, tenant)
 
-    Both are named after the request's ``seq_id``, not its ``sampling_session_seq_id``: the SDK counts the latter up
-    on every attempt, so a retry of a request already recorded would otherwise differ from it, a 409 that the SDK
-    retries (counting up again) until it gives up."""
-    model_id, seq = body["model_id"], int(body["seq_id"])
-    model = await futures.model.remote(model_id, tenant)
-    name = ephemeral_name(seq)
-    sampling_session_id = sampling_session_id_for(model_id, seq)
-    await futures.add_sampling_session.remote(sampling_session_id, model["session_id"] or "", model["base_model"],
-                                              tinker_path(model_id, Kind.SAVE_WEIGHTS_FOR_SAMPLER, name), tenant)
-    return await training.submit(futures, model_id, int(body["seq_id"]), Kind.SAVE_WEIGHTS_FOR_SAMPLER,
-                                 SaveRequest(name, sampling_session_id),
-                                 {"path": name, "sampling_session_id": sampling_session_id}, tenant=tenant)
-
-
-async def submit_sample(futures: ActorHandle, router: SamplingRouter, body: dict[str, Any],
-                        tenant: str) -> dict[str, Any]:
-    sampling_session_id = body.get("sampling_session_id")
-    if not sampling_session_id:
-        raise InvalidRequestError("asample needs the sampling_session_id that create_sampling_session returned.")
-    route = await router.route(sampling_session_id, tenant)
-    request = decode_sample_request(body, vocab_size=route.vocab_size, max_context_length=route.max_context_length,
-                                    eos_token_ids=route.eos_token_ids, base_only=route.model_path is None)
-    seq_id = int(body["seq_id"])
-    # The backend samples through the checkpoint named by the command's model id (a base-model sample through
-    # none; its id then only labels its timing).
-    command = Command(route.model_path or sampling_session_id, seq_id, Kind.SAMPLE, "", payload=request,
-                      tokens=request.num_samples * (len(request.prompt) + request.max_tokens))
-    request_id = await training.submit_to(
-        futures, Submission(sampling_session_id, Kind.SAMPLE, dataclasses.asdict(request), seq_id=seq_id, tenant=tenant,
-                            trainer=route.trainer), command)
-    return {"request_id": str(request_id), "type": Kind.SAMPLE,
-            "sample_sequence_ids": [f"{request_id}:{k}" for k in range(request.num_samples)]}
+    async def sample(self, request: SampleRequest, tenant: str) -> dict[str, Any]:
+        sampling_session_id = request.sampling_session_id
+        if not sampling_session_id:
+            raise InvalidRequestError("asample needs the sampling_session_id that create_sampling_session returned.")
+        route = await self._router.route(sampling_session_id, tenant)
+        # Decoded from the SDK's JSON as sent: the scoring fields newer SDKs add (topk_prompt_logprobs, ...) are
+        # extras of SampleRequest, which lilo.protocol.sampling reads with the rest.
+        sample = decode_sample_request(request.model_dump(), vocab_size=route.vocab_size,
+                                       max_context_length=route.max_context_length,
+                                       eos_token_ids=route.eos_token_ids, base_only=route.model_path is None)
+        # The backend samples through the checkpoint named by the command's model id (a base-model sample through
+        # none; its id then only labels its timing).
+        command = Command(route.model_path or sampling_session_id, request.seq_id, Kind.SAMPLE, "", payload=sample,
+                          tokens=sample.num_samples * (len(sample.prompt) + sample.max_tokens))
+        request_id = await self._submissions.submit_to(
+            Submission(sampling_session_id, Kind.SAMPLE, dataclasses.asdict(sample), seq_id=request.seq_id,
+                       tenant=tenant, trainer=route.trainer), command)
+        return {"request_id": str(request_id), "type": Kind.SAMPLE,
+                "sample_sequence_ids": [f"{request_id}:{k}" for k in range(sample.num_samples)]}

@@ -1,0 +1,85 @@
+"""The control plane behind the HTTP routes: one object per ingress replica, holding the futures DB actor's handle,
+the trainers' names and the sampling router, whose parts take each route's typed request and the caller's tenant.
+
+- ``training``: sessions, models, training steps and named saves (serve.training)
+- ``sampling``: sampling sessions and samples (serve.sampling)
+- ``runs`` and ``checkpoints``: training runs and checkpoints as the RestClient reads and changes them
+- ``sessions`` and ``heartbeats``: sessions as the RestClient reads them, and their heartbeats
+- ``timing``: the critical path of a model or of the cluster
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fastapi import Response
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+
+from cluster.futures_actor import RETRIEVE_TIMEOUT_S
+from lilo.backend.registry import base_model_spec
+from lilo.engine.commands import Kind
+from lilo.futures.schema import PENDING
+from lilo.futures.store import FutureState
+from serve.actors import Actors
+from serve.checkpoints import Checkpoints
+from serve.heartbeats import SessionBeats
+from serve.requests import PROTOBUF, RetrieveFutureRequest, SaveWeightsRequest
+from serve.runs import Runs
+from serve.sampling import Sampling
+from serve.sessions import Sessions
+from serve.submissions import Submissions
+from serve.timing import Timing
+from serve.training import Training
+
+# Results the SDK accepts only as protobuf.
+PROTOBUF_RESULTS = {Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.SAMPLE}
+
+
+def server_capabilities(base_models: Sequence[str]) -> dict[str, Any]:
+    """The SDK's ``GetServerCapabilitiesResponse``: every base model is trainable and sampleable here."""
+    return {"supported_models": [{"model_name": name, "max_context_length": base_model_spec(name).max_context_length,
+                                  "trainable": True, "sampleable": True} for name in base_models]}
+
+
+def future_response(request_id: str, state: FutureState) -> Response | dict[str, Any]:
+    """What retrieve_future answers for a future in ``state``: ``try_again`` (the SDK re-polls at once) while it is
+    pending, its error once failed, else its result in the format the SDK reads it in."""
+    if state.status == "pending":
+        return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    if state.status == "failed":
+        return {"error": state.error, "category": state.category or "server"}
+    media_type = PROTOBUF if state.kind in PROTOBUF_RESULTS else "application/json"
+    return Response(content=state.result, media_type=media_type)
+
+
+class ControlPlane:
+    def __init__(self, futures: ActorHandle, base_models: Sequence[str], trainers: Sequence[str],
+                 url_secret: bytes) -> None:
+        actors = Actors(futures, tuple(trainers))
+        submissions = Submissions(futures)
+        self._futures = futures
+        self.capabilities = server_capabilities(base_models)
+        self.training = Training(actors, submissions, base_models)
+        self.sampling = Sampling(actors, submissions)
+        self.runs = Runs(actors)
+        self.checkpoints = Checkpoints(actors, url_secret)
+        self.sessions = Sessions(actors, self.runs)
+        self.heartbeats = SessionBeats(futures)
+        self.timing = Timing(actors)
+
+    async def save_weights_for_sampler(self, request: SaveWeightsRequest, tenant: str) -> dict[str, str]:
+        """A named sampler checkpoint, or without a name one that opens a sampling session (the SDK's
+        save_weights_and_get_sampling_client)."""
+        if request.opens_sampling_session:
+            return await self.sampling.save_opening_session(request, tenant)
+        return await self.training.save(request, Kind.SAVE_WEIGHTS_FOR_SAMPLER, tenant)
+
+    async def retrieve_future(self, request: RetrieveFutureRequest, tenant: str) -> Response | dict[str, Any]:
+        """Long-poll one future: its result once finished, else ``try_again``."""
+        try:
+            state = await self._futures.retrieve.remote(request.request_id, RETRIEVE_TIMEOUT_S, tenant)
+        except RayActorError:
+            # The futures DB is restarting (its file keeps every result): the client polls again, as for pending.
+            state = FutureState(0, PENDING)
+        return future_response(request.request_id, state)
