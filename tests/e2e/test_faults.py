@@ -134,7 +134,9 @@ def test_a_trainer_killed_mid_step_fails_its_in_flight_futures_and_its_models_co
 
 
 def recovery_actor_pid() -> int:
-    (actor,) = list_actors(filters=[("class_name", "=", "RecoveryActor"), ("state", "=", "ALIVE")])
+    # The session cluster's own address: another Ray instance on the machine must not make the lookup ambiguous.
+    (actor,) = list_actors(address=ray.get_runtime_context().gcs_address,
+                           filters=[("class_name", "=", "RecoveryActor"), ("state", "=", "ALIVE")])
     return actor.pid
 
 
