@@ -127,6 +127,9 @@ def test_a_joined_gpu_node_gets_a_trainer_that_takes_models(service, sdk):
                            .metrics["loss:sum"])
     (trainer,) = trainers_on(service.trainers(), node)
     assert trainer["models"] == SLOTS and trainer["free_slots"] == 0
+    # The cluster's timing view counts the trainers (gauges the reconciler sets every second).
+    gauges = httpx.get(f"{service.api_url}/api/v1/timing", headers={"X-API-Key": "tml-local-test"}).json()["gauges"]
+    assert gauges["trainers.ready"] == 1 and gauges["trainers.idle"] == 0 and gauges["trainers.starting"] == 0
     service.clients = clients
     print(f"\n[follow-gpus] {json.dumps(service.figures)}")
 
