@@ -1,5 +1,6 @@
 """Which trainer a new model goes to, and which one a sampling session samples on: the choices are pure
-functions; ``place`` asks the trainers and the futures DB what they need."""
+functions; ``trainer_facts`` and ``models_placed`` ask the trainers and the futures DB what they need
+(``serve.actors.Actors.place`` puts them together)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cluster.local import NAMESPACE
-from lilo.errors import InvalidRequestError, SaturatedError
+from lilo.errors import InvalidRequestError, SaturatedError, UnavailableError
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,6 +27,9 @@ async def ask_file_keeper(trainer: str | None, trainers: Sequence[str], method: 
     """Call ``method`` on ``trainer``, the trainer of a run (which wrote its checkpoint files) or, when that one is
     gone (it died, or the cluster restarted with fewer trainers), on the first trainer there is, which sees the same
     files on one machine or on shared storage."""
+    if not trainers:
+        raise UnavailableError("No trainer is ready yet (they are starting as the cluster's GPU nodes join); retry "
+                               "in a minute.")
     if trainer is not None and trainer != trainers[0]:
         try:
             return await getattr(named_actor(trainer), method).remote(*args)
@@ -60,11 +64,6 @@ async def models_placed(futures: ActorHandle) -> dict[str, int]:
 
 def free_slots(facts: Mapping[str, dict], base_model: str) -> dict[str, int]:
     return {name: info["free_slots"] for name, info in facts.items() if info["base_model"] == base_model}
-
-
-async def place(futures: ActorHandle, trainers: Sequence[str], base_model: str) -> str:
-    """A trainer for a new model: of those serving its base model, the least loaded with a free slot."""
-    return choose_trainer(free_slots(await trainer_facts(trainers), base_model), await models_placed(futures))
 
 
 def choose_trainer(free_slots: Mapping[str, int], models_placed: Mapping[str, int]) -> str:

@@ -1,21 +1,27 @@
 """The recovery actor: notices a trainer's death the moment it happens and makes its clients whole again.
 
-When a trainer's process dies (killed, out of memory, its node gone), Ray restarts it, empty, on whatever node has
-room. This actor (``lilo-recovery`` in namespace ``lilo``) keeps one never-returning ``watch`` call open per trainer;
-that call fails as soon as the trainer dies, and then, for that trainer:
+When a trainer's process dies (killed, out of memory), Ray restarts it, empty (on whatever node has room; a GPU
+trainer on its own node); when its node leaves, a GPU trainer leaves the service with it (``cluster.reconciler``).
+This actor (``lilo-recovery`` in namespace ``lilo``) keeps one never-returning ``watch`` call open per trainer of
+the registry (the reconciler's, read every second, so a trainer that joins is watched at once); that call fails as
+soon as the trainer dies, and then, for that trainer:
 
 1. In one futures-DB transaction, every request handed to it that had not finished fails (category ``server``,
    with a message saying what was lost) and its models are taken off it: their new requests answer 503, which the
    SDK retries by itself.
 2. Each model is placed again on a live trainer serving its base model (the restarted one included, once it is up)
    and restored there from its latest ``save_weights`` checkpoint, or from a fresh adapter when it has none, ready
-   for its client's next seq id. Then its requests flow again, without the client restarting.
+   for its client's next seq id. Then its requests flow again, without the client restarting. (No trainer of its
+   base model yet, as while a GPU cluster's trainers start: it is tried again every few seconds until there is.)
+
+A trainer that left the registry (its node left, or it was let go for idleness) is watched no more once recovered.
 
 When this actor starts (with the service, or again after its own death) it catches up: a trainer without the
 models placed on it (the whole service restarted, or the trainer died while nobody watched) is recovered as above,
 and so are the models on none of the service's trainers (a previous run had more, or a restore was cut short). So a
 restarted service takes back every model, from the ``lilo-shutdown`` checkpoint ``lilo down`` saved. A model whose
-base model no trainer serves any more is unloaded instead, with a reason its client's next request gets (410).
+base model the service does not serve any more is unloaded instead, with a reason its client's next request gets
+(410).
 
 It also unloads the models of sessions that sent no heartbeat for the session timeout (their client died without
 closing), so that their adapter slots are not taken forever; closing a client unloads its models at once. And it
@@ -38,6 +44,7 @@ from cluster.checkpoint_expiry import SWEEP_EVERY_S, sweep_expired_checkpoints
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
+from cluster.reconciler import RECONCILER_ACTOR_NAME, REGISTRY_REFRESH_S
 from cluster.unloading import unload_models
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError, LiloError
@@ -81,17 +88,45 @@ def idle_reason(idle_s: float) -> str:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class RecoveryActor:
-    def __init__(self, trainers: Sequence[str], session_timeout_s: float = 0.0) -> None:
-        self._trainers = list(trainers)
+    def __init__(self, base_models: Sequence[str], session_timeout_s: float = 0.0) -> None:
+        self._base_models = list(base_models)
+        self._trainers: list[str] = []  # the registry, as last read
+        self._watched: set[str] = set()
         self._session_timeout_s = session_timeout_s
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         self.recoveries: list[dict] = []
+        self._registry_read = asyncio.Event()
         # The watches wait until the strays are taken: a model a watch displaces must not look like a stray too.
         self._strays_taken = asyncio.Event()
         loop = asyncio.get_event_loop()
-        self._tasks = [loop.create_task(self._start())]
-        self._tasks += [loop.create_task(self._watch(name)) for name in self._trainers]
-        self._tasks.append(loop.create_task(self._sweep_forever()))
+        self._tasks = [loop.create_task(self._follow_registry()), loop.create_task(self._start()),
+                       loop.create_task(self._sweep_forever())]
+
+    async def _read_registry(self) -> list[str]:
+        """The registry's trainers now (waiting while the reconciler restarts)."""
+        while True:
+            try:
+                self._trainers = await named_actor(RECONCILER_ACTOR_NAME).trainers.remote()
+                return self._trainers
+            except ray.exceptions.RayActorError:
+                await asyncio.sleep(RETRY_PLACEMENT_S)
+
+    async def _follow_registry(self) -> None:
+        """Watch every trainer of the registry, a joining one within REGISTRY_REFRESH_S."""
+        while True:
+            try:
+                for name in await self._read_registry():
+                    if name not in self._watched:
+                        self._watched.add(name)
+                        self._spawn(self._watch(name))
+            except Exception:
+                logger.exception("reading the trainer registry failed; trying again")
+            self._registry_read.set()
+            await asyncio.sleep(REGISTRY_REFRESH_S)
+
+    def _spawn(self, coroutine) -> None:
+        self._tasks = [task for task in self._tasks if not task.done()]
+        self._tasks.append(asyncio.get_running_loop().create_task(coroutine))
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -109,6 +144,7 @@ class RecoveryActor:
         """First the models of sessions idle past the timeout (a previous run's abandoned clients) are unloaded,
         so that they are not restored into slots nobody will use; then the strays are recovered; then, every so
         often, idle sessions are looked for again."""
+        await self._registry_read.wait()
         if self._session_timeout_s > 0:
             await self._unload_idle_sessions()
         await self._recover_strays()
@@ -175,6 +211,10 @@ class RecoveryActor:
             # Back to watching at once, the restore going on meanwhile: the models it puts back onto this trainer
             # land on the incarnation this next watch reaches, so a death of that one is seen too.
             await self._recover(trainer)
+            if trainer not in await self._read_registry():  # it left with its node, or was let go
+                self._watched.discard(trainer)
+                logger.warning("trainer %s left the service; watching it no more", trainer)
+                return
             watched = None
 
     async def _incarnation(self, trainer: str) -> str | None:
@@ -194,6 +234,11 @@ class RecoveryActor:
                 placed = {model for model, on in (await self._futures.placement.remote()).items() if on == trainer}
                 break
             except ray.exceptions.RayActorError:
+                if trainer not in await self._read_registry():
+                    held = set()
+                    placed = {model for model, on in (await self._futures.placement.remote()).items()
+                              if on == trainer}
+                    break
                 await asyncio.sleep(RETRY_PLACEMENT_S)
         if placed - held:
             logger.warning("trainer %s lost %d model(s) while it was not watched; recovering them", trainer,
@@ -211,8 +256,7 @@ class RecoveryActor:
             except ray.exceptions.RayActorError:
                 await asyncio.sleep(RETRY_PLACEMENT_S)
         if displaced:
-            self._tasks = [task for task in self._tasks if not task.done()]
-            self._tasks.append(asyncio.get_running_loop().create_task(self._restore(trainer, displaced)))
+            self._spawn(self._restore(trainer, displaced))
 
     async def _restore(self, trainer: str, displaced: Sequence[DisplacedModel]) -> None:
         """Restore every displaced model of ``trainer``, round after round until each is placed (or unloaded,
@@ -235,10 +279,9 @@ class RecoveryActor:
         """Place and restore each model on the least loaded live trainer serving its base model, asking the
         trainers once for the round (a dead one would cost a timeout per model); ``restored`` gains, per model
         restored, its trainer and the checkpoint it was restored from (None: a fresh adapter). A model whose base
-        model no trainer serves (every trainer answered), or whose record holds no valid LoRA config, is unloaded,
+        model the service does not serve, or whose record holds no valid LoRA config, is unloaded,
         saying why: ``unloaded`` gains it."""
         facts = await trainer_facts(self._trainers, ANSWER_WITHIN_S)
-        served = {info["base_model"] for info in facts.values()}
         placed = await models_placed(self._futures)
         for model in models:
             try:
@@ -246,8 +289,8 @@ class RecoveryActor:
             except InvalidRequestError as error:  # a record no trainer could ever restore
                 await self._unload(model, f"its record cannot be restored: {error}", unloaded)
                 continue
-            if len(facts) == len(self._trainers) and model.base_model not in served:
-                await self._unload(model, unservable_reason(model.base_model, served), unloaded)
+            if model.base_model not in self._base_models:
+                await self._unload(model, unservable_reason(model.base_model, self._base_models), unloaded)
                 continue
             try:
                 trainer = choose_trainer(free_slots(facts, model.base_model), placed)
@@ -274,11 +317,12 @@ class RecoveryActor:
         return self.recoveries
 
 
-def start_recovery(trainers: Sequence[str], session_timeout_s: float = 0.0) -> ray.actor.ActorHandle:
-    """The cluster's recovery actor, watching ``trainers`` (and unloading the models of sessions idle for
-    ``session_timeout_s``; 0: never), on this driver's node (the head, with the futures DB actor), so that a worker
-    node leaving does not take it along; if it dies anyway, it catches up on restart."""
+def start_recovery(base_models: Sequence[str], session_timeout_s: float = 0.0) -> ray.actor.ActorHandle:
+    """The cluster's recovery actor, watching the reconciler's trainers, which serve ``base_models`` (and unloading
+    the models of sessions idle for ``session_timeout_s``; 0: never), on this driver's node (the head, with the
+    futures DB actor), so that a worker node leaving does not take it along; if it dies anyway, it catches up on
+    restart."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
     return RecoveryActor.options(name=RECOVERY_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                                 get_if_exists=True, scheduling_strategy=here).remote(list(trainers),
+                                 get_if_exists=True, scheduling_strategy=here).remote(list(base_models),
                                                                                       session_timeout_s)

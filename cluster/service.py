@@ -41,7 +41,7 @@ Progress = Callable[[str], None]
 class ServeApp(Protocol):
     """The Serve application of the service, on the connected Ray cluster (``serve.deploy`` is one)."""
 
-    def deploy(self, settings: Settings, trainers: list[str]) -> None: ...
+    def deploy(self, settings: Settings) -> None: ...
 
     def wait_until_healthy(self, api_url: str, timeout_s: float) -> None: ...
 
@@ -128,10 +128,13 @@ def supervise(settings: Settings, serve_app: Callable[[], ServeApp], progress: P
 
 def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None:
     """On the connected Ray cluster: the timing and futures DB actors (failing what a previous run left
-    unfinished), the trainers, the recovery actor and the Serve application; returns once the API answers."""
+    unfinished), the trainers, the reconciler (their registry), the recovery actor and the Serve application;
+    returns once the API answers. When the trainers follow the GPUs (``cluster.reconciler``), none is started here:
+    the reconciler starts them as GPU nodes join, and the API answers before the first is ready."""
     import ray
 
     from cluster.futures_actor import get_futures_actor
+    from cluster.reconciler import follows_gpus, scaling_config, start_reconciler
     from cluster.recovery import start_recovery
     from cluster.timing import get_timing_actor
     from cluster.trainer_actor import start_trainers
@@ -141,11 +144,19 @@ def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None
     orphans = ray.get(get_futures_actor(str(settings.futures_db)).fail_orphans.remote())
     if orphans:
         progress(f"Failed {orphans} request(s) a previous run left unfinished (their clients get a message)")
-    progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
-    trainers = start_trainers(settings)
-    start_recovery(trainers, settings.session_timeout_s)
-    progress(f"Trainers ready: {', '.join(trainers)}; deploying the Serve application")
-    app.deploy(settings, trainers)
+    follow = follows_gpus(settings)
+    if follow:
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        progress(f"Trainers follow the cluster's GPUs ({gpus} so far): one per GPU as GPU nodes join, more on demand "
+                 f"up to {settings.max_trainers}, idle ones let go after {settings.trainer_idle_timeout_s:.0f} s "
+                 f"(never below {settings.min_trainers})")
+    else:
+        progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
+        progress(f"Trainers ready: {', '.join(start_trainers(settings))}")
+    start_reconciler(scaling_config(settings, follow))
+    start_recovery(settings.base_models, settings.session_timeout_s)
+    progress("Deploying the Serve application")
+    app.deploy(settings)
     progress(f"Waiting for {settings.api_url}/api/v1/healthz")
     app.wait_until_healthy(settings.api_url, settings.startup_timeout_s)
 
@@ -186,16 +197,18 @@ def trainer_names() -> list[str]:
 def save_and_stop_trainers(progress: Progress, timeout_s: float) -> None:
     """Each trainer finishes the execution under way and saves, within ``timeout_s`` (0: no save), every model it
     holds as the checkpoint ``SHUTDOWN_CHECKPOINT`` (adapter and optimizer state), from which the next `lilo up` on
-    this home restores them. The recovery actor goes first, or it would take the trainers' shutdown for failures to
-    recover from."""
+    this home restores them. The reconciler and the recovery actor go first, or the one would start trainers anew
+    and the other would take the trainers' shutdown for failures to recover from."""
     import ray
 
+    from cluster.reconciler import RECONCILER_ACTOR_NAME
     from cluster.recovery import RECOVERY_ACTOR_NAME
 
-    try:
-        ray.kill(ray.get_actor(RECOVERY_ACTOR_NAME, namespace=NAMESPACE))
-    except ValueError:  # not started (the startup failed before it)
-        pass
+    for name in (RECONCILER_ACTOR_NAME, RECOVERY_ACTOR_NAME):
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:  # not started (the startup failed before it)
+            pass
     trainers = trainer_names()
     if not trainers or timeout_s == 0:
         return

@@ -38,6 +38,8 @@ class TimingActor:
         self._cluster = PhaseStats()
         self._per_trainer: dict[str, PhaseStats] = {}
         self._gauges: dict[str, dict[str, float]] = {}
+        # The cluster's own gauges (the reconciler's trainer counts), in the cluster-wide view.
+        self._cluster_gauges: dict[str, float] = {}
         self._started = time.time()
         self._log_every_s = log_every_s
         self._last_aggregate_read = time.monotonic()
@@ -82,11 +84,15 @@ class TimingActor:
             "gauges": self._merged_gauges(trainer),
         }
 
+    def set_cluster_gauges(self, gauges: dict[str, float]) -> None:
+        """Gauges of the cluster as a whole (trainers starting, ready, idle), replacing the previous ones."""
+        self._cluster_gauges = dict(gauges)
+
     def _merged_gauges(self, trainer: str | None) -> dict[str, float]:
-        """One trainer's gauges, or cluster-wide the slowest trainer's value of each."""
+        """One trainer's gauges, or cluster-wide the slowest trainer's value of each and the cluster's own."""
         if trainer is not None:
             return dict(self._gauges.get(trainer, {}))
-        merged: dict[str, float] = {}
+        merged: dict[str, float] = dict(self._cluster_gauges)
         for gauges in self._gauges.values():
             for name, value in gauges.items():
                 merged[name] = max(value, merged.get(name, value))

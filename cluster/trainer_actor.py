@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import orjson
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE, ClusterError
@@ -140,6 +141,11 @@ class TrainerActor:
     async def _in_checkpoint_dir(self, function: Callable[..., T], *args: Any) -> T:
         """``function(checkpoint_dir, *args)``, off the event loop: the checkpoint files' reads and writes."""
         return await asyncio.to_thread(function, (await self._loaded()).backend.checkpoint_dir, *args)
+
+    async def describe(self) -> dict[str, str]:
+        """Its name, base model and node, at once (``ready`` waits for the base model to load): the reconciler
+        learns from this where Ray placed a trainer it started."""
+        return {"name": self.name, "base_model": self.base_model, "node_id": ray.get_runtime_context().get_node_id()}
 
     async def ready(self) -> dict[str, Any]:
         """Waits for the base model; says what this trainer serves."""
@@ -393,12 +399,15 @@ def completion_for(kind: Kind, request_id: int, done: Future,
 
 
 def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpus: float = 0,
-                  num_cpus: float = 1) -> ray.actor.ActorHandle:
-    """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist."""
+                  num_cpus: float = 1, node_id: str | None = None) -> ray.actor.ActorHandle:
+    """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist. With
+    ``node_id`` it lives on that node only: Ray restarts it there if its process dies, and it dies with the node
+    (the reconciler starts trainers on the nodes that are left or join)."""
     name = trainer_name(index)
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
+    strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-                                lifetime="detached", scheduling_strategy="SPREAD").remote(name, base_model, config)
+                                lifetime="detached", scheduling_strategy=strategy).remote(name, base_model, config)
 
 
 def start_trainers(settings: Settings) -> list[str]:

@@ -9,7 +9,7 @@ import dataclasses
 import ipaddress
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from lilo.api_keys import ApiKeyConfigError, load_key_digests
 from lilo.backend.registry import DEFAULT_BASE_MODEL, is_servable, unservable_message
@@ -70,6 +70,19 @@ class Settings:
     # mode, which accepts any ``tml-`` key and listens on loopback only.
     api_keys: str | None = dataclasses.field(default=None, repr=False)
     api_keys_file: Path | None = None
+    # Trainers follow the cluster's GPUs (cluster.reconciler): one per GPU on every GPU node, as nodes join; one
+    # more asked of the autoscaler when every trainer of a base model is full; idle ones let go. None: when the
+    # cluster (--address) has GPUs or its `ray up` config has GPU workers, and --trainers is not given.
+    follow_gpus: bool | None = None
+    # Following the GPUs: trainers never let go below this, and never asked for beyond that.
+    min_trainers: int = 1
+    max_trainers: int = 8
+    # Following the GPUs: a trainer with no model for this long is stopped (its node then idles out under the
+    # autoscaler's idle_timeout_minutes). 0: never.
+    trainer_idle_timeout_s: float = 600.0
+    # Following the GPUs: how long a create_model that found every trainer full waits for the trainer it asked
+    # for, before its 429 (under the SDK's 60 s request timeout).
+    trainer_wait_s: float = 30.0
 
     @property
     def ray_temp_dir(self) -> Path:
@@ -134,6 +147,22 @@ class Settings:
             raise SettingsError(f"--sampler-slots must be 0 or more, got {self.sampler_slots}.")
         if self.trainers is not None and self.trainers < 1:
             raise SettingsError(f"--trainers must be at least 1, got {self.trainers}.")
+        if self.min_trainers < 0:
+            raise SettingsError(f"--min-trainers must be 0 or more, got {self.min_trainers}.")
+        if self.max_trainers < max(1, self.min_trainers):
+            raise SettingsError(f"--max-trainers must be at least 1 and at least --min-trainers ({self.min_trainers}), "
+                                f"got {self.max_trainers}.")
+        if self.trainer_idle_timeout_s < 0:
+            raise SettingsError("--trainer-idle-timeout must be 0 (never) or more seconds, got "
+                                f"{self.trainer_idle_timeout_s}.")
+        if self.trainer_wait_s < 0:
+            raise SettingsError(f"--trainer-wait must be 0 or more seconds, got {self.trainer_wait_s}.")
+        if self.follow_gpus and self.trainers is not None:
+            raise SettingsError("--trainers fixes how many trainers run, so they cannot follow the GPUs; leave "
+                                "--trainers out, or pass --no-follow-gpus.")
+        if self.follow_gpus and self.ray_address is None:
+            raise SettingsError("--follow-gpus needs a cluster whose GPU nodes come and go (--address auto on a "
+                                "`ray up` head); a private head has this machine's GPUs only, one trainer each.")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise SettingsError(f"--num-cpus must be at least 1, got {self.num_cpus}.")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -160,7 +189,16 @@ class Settings:
         return self
 
 
-_ENV_FIELDS: dict[str, tuple[str, type]] = {
+def flag(raw: str) -> bool:
+    """An on/off environment variable: 1, true or yes; 0, false or no."""
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(raw)
+
+
+_ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_HOME": ("home", Path),
     "LILO_HTTP_HOST": ("http_host", str),
     "LILO_HTTP_PORT": ("http_port", int),
@@ -179,7 +217,13 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "LILO_STOP_SAVE_TIMEOUT_S": ("stop_save_timeout_s", float),
     "LILO_API_KEYS": ("api_keys", str),
     "LILO_API_KEYS_FILE": ("api_keys_file", Path),
+    "LILO_FOLLOW_GPUS": ("follow_gpus", flag),
+    "LILO_MIN_TRAINERS": ("min_trainers", int),
+    "LILO_MAX_TRAINERS": ("max_trainers", int),
+    "LILO_TRAINER_IDLE_TIMEOUT_S": ("trainer_idle_timeout_s", float),
+    "LILO_TRAINER_WAIT_S": ("trainer_wait_s", float),
 }
+
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> Settings:

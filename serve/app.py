@@ -67,7 +67,7 @@ GIL_SWITCH_INTERVAL_S = 0.001
 class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
-    def __init__(self, base_models: list[str], trainers: list[str], max_body_bytes: int,
+    def __init__(self, base_models: list[str], trainer_wait_s: float, max_body_bytes: int,
                  api_key_digests: dict[str, str], url_secret_file: str) -> None:
         reuse_listening_address()  # before Serve binds lilo's port in this replica
         # Serve's HTTP loop, the loop running these routes and Ray's threads hand each request to one another; a
@@ -76,8 +76,10 @@ class LiloIngress:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         BodyLimit.limit_bytes = max_body_bytes
         ApiKeyGate.keys = ApiKeys(api_key_digests)
-        self._control = ControlPlane(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE), base_models, trainers,
-                                     read_secret(Path(url_secret_file)))
+        # The trainers come from the reconciler's registry (cluster.reconciler), not from these arguments: they
+        # follow the cluster's GPU nodes as they come and go.
+        self._control = ControlPlane(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE), base_models,
+                                     read_secret(Path(url_secret_file)), trainer_wait_s)
         freeze_startup()
 
     @api.get("/api/v1/healthz")
@@ -304,9 +306,9 @@ class LiloIngress:
         return await self._control.timing.snapshot(model_id, reset, reader, tenant)
 
 
-def build_application(settings: Settings, trainers: list[str]) -> serve.Application:
-    """The Serve application for these settings, routing to these trainer actors; it gets the API keys (their
-    digests) read now, and the path of the download links' signing secret (made now if missing; the secret itself
-    never travels as a deployment argument)."""
-    return LiloIngress.bind(list(settings.base_models), trainers, settings.max_body_mb << 20,
+def build_application(settings: Settings) -> serve.Application:
+    """The Serve application for these settings, routing to the trainers of the registry; it gets the API keys
+    (their digests) read now, and the path of the download links' signing secret (made now if missing; the secret
+    itself never travels as a deployment argument)."""
+    return LiloIngress.bind(list(settings.base_models), settings.trainer_wait_s, settings.max_body_mb << 20,
                             settings.api_key_digests(), str(secret_file(settings.home)))

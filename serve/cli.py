@@ -75,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
         "--address", dest="ray_address",
         help="deploy onto this existing Ray cluster (\"auto\" on a `ray up` head) instead of starting one",
     )
+    up.add_argument("--follow-gpus", action=argparse.BooleanOptionalAction, default=None,
+                    help="trainers follow the cluster's GPUs: one per GPU as GPU nodes join, more on demand, idle ones "
+                         "let go (default: on with --address when the cluster has GPUs or its `ray up` config has "
+                         "GPU workers, and --trainers is not given)")
+    up.add_argument("--min-trainers", type=int,
+                    help="following the GPUs: never let idle trainers go below this many (default 1)")
+    up.add_argument("--max-trainers", type=int,
+                    help="following the GPUs: ask the autoscaler for trainers up to this many (default 8)")
+    up.add_argument("--trainer-idle-timeout", type=float, dest="trainer_idle_timeout_s", metavar="SECONDS",
+                    help="following the GPUs: stop a trainer that held no model this long; 0: never (default 600)")
+    up.add_argument("--trainer-wait", type=float, dest="trainer_wait_s", metavar="SECONDS",
+                    help="following the GPUs: how long a create_model that found every trainer full waits for the "
+                         "one more it asked for, before its 429 (default 30)")
     up.add_argument("--device", help="where trainers compute: auto (CUDA when a trainer has a GPU), cpu or cuda")
     up.add_argument("--compute-nice", type=int,
                     help="how much nicer the trainers' compute threads run, 0-19: steps yield the CPU to the "
@@ -117,7 +130,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
               "max_rank", "sampler_slots", "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
-              "compute_nice", "session_timeout_s", "stop_save_timeout_s")
+              "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",
+              "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
 
 
@@ -241,15 +255,53 @@ def cmd_up(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return _supervise(settings, detached=args.detached_child)
 
 
+def _trainer_status(settings: Settings) -> dict | None:
+    """The reconciler's view of the trainers (``ReconcilerActor.status``), or None when it cannot be asked."""
+    prepare_environment()
+    import ray
+
+    from cluster.local import connect_driver, NAMESPACE
+    from cluster.reconciler import RECONCILER_ACTOR_NAME
+
+    try:
+        connect_driver(settings)
+        return ray.get(ray.get_actor(RECONCILER_ACTOR_NAME, namespace=NAMESPACE).status.remote(), timeout=15)
+    except Exception:  # the cluster is starting or stopping: status says what it can without the trainers
+        return None
+    finally:
+        ray.shutdown()
+
+
+def trainer_lines(status: dict) -> list[str]:
+    """``lilo status``'s trainers: counts, then per node each trainer with its base model, state, models and
+    free adapter slots."""
+    counts = status["counts"]
+    mode = "following the cluster's GPUs" if status["follow_gpus"] else "a fixed set"
+    lines = [f"  Trainers:    {counts['ready']} ready ({counts['idle']} idle), {counts['starting']} starting, "
+             f"{counts['pending']} waiting for a GPU node; {status['gpus']} GPU(s) in the cluster ({mode})"]
+    by_node: dict[str, list[dict]] = {}
+    for trainer in status["trainers"]:
+        by_node.setdefault(trainer["node_ip"] or trainer["node_id"] or "no node yet", []).append(trainer)
+    for node, trainers in by_node.items():
+        node_id = trainers[0]["node_id"]
+        lines.append(f"    node {node}" + (f" ({node_id[:12]})" if node_id else ""))
+        for trainer in trainers:
+            slots = "" if trainer["free_slots"] is None else f", {trainer['free_slots']} free slot(s)"
+            lines.append(f"      {trainer['name']}: {trainer['base_model']}, {trainer['state']}, "
+                         f"{trainer['models']} model(s){slots}")
+    return lines
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from serve.deploy import healthz
 
     settings = _settings(args)
     state = running_state(settings)
     healthy = state is not None and healthz(state.api_url)
+    trainers = _trainer_status(settings) if healthy else None
     if args.json:
         details = dataclasses.asdict(state) if state else {}
-        print(json.dumps({"running": state is not None, "healthy": healthy, **details}))
+        print(json.dumps({"running": state is not None, "healthy": healthy, **details, "trainers": trainers}))
     elif state is None:
         print(f"lilo is not running (home {settings.home}). Start it with `lilo up`.")
     else:
@@ -258,6 +310,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  Tinker API:  {state.api_url}   healthz: {'ok' if healthy else 'not answering'}")
         print(f"  Dashboard:   {state.dashboard_url}")
         print(f"  Home:        {state.home}")
+        for line in trainer_lines(trainers) if trainers else []:
+            print(line)
     return EXIT_OK if state is not None else EXIT_NOT_RUNNING
 
 

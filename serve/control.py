@@ -1,5 +1,6 @@
 """The control plane behind the HTTP routes: one object per ingress replica, holding the futures DB actor's handle,
-the trainers' names and the sampling router, whose parts take each route's typed request and the caller's tenant.
+the trainer registry's cached view and the sampling router, whose parts take each route's typed request and the
+caller's tenant.
 
 - ``training``: sessions, models, training steps and named saves (serve.training)
 - ``sampling``: sampling sessions and samples (serve.sampling)
@@ -17,6 +18,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from cluster.futures_actor import RETRIEVE_TIMEOUT_S
+from cluster.reconciler import TrainerDirectory
 from lilo.backend.registry import base_model_spec
 from lilo.engine.commands import Kind
 from lilo.futures.schema import PENDING
@@ -54,9 +56,9 @@ def future_response(request_id: str, state: FutureState) -> Response | dict[str,
 
 
 class ControlPlane:
-    def __init__(self, futures: ActorHandle, base_models: Sequence[str], trainers: Sequence[str],
-                 url_secret: bytes) -> None:
-        actors = Actors(futures, tuple(trainers))
+    def __init__(self, futures: ActorHandle, base_models: Sequence[str], url_secret: bytes,
+                 trainer_wait_s: float = 0.0) -> None:
+        actors = Actors(futures, TrainerDirectory(), trainer_wait_s)
         submissions = Submissions(futures)
         self._futures = futures
         self.capabilities = server_capabilities(base_models)

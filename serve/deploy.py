@@ -11,13 +11,13 @@ from lilo.settings import Settings
 from serve.app import APP_NAME, build_application
 
 
-def deploy(settings: Settings, trainers: list[str]) -> None:
+def deploy(settings: Settings) -> None:
     """Start Serve on the configured host and (re)deploy the lilo application, whose replica serves the configured
     port itself (``cluster.local.serve_env``); Serve's own proxy takes any free port."""
     from ray import serve
 
     serve.start(http_options={"host": settings.http_host, "port": 0})
-    serve.run(build_application(settings, trainers), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_application(settings), name=APP_NAME, route_prefix="/", blocking=False)
 
 
 def healthz(api_url: str, timeout_s: float = 2.0) -> bool:

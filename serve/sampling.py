@@ -68,10 +68,11 @@ class SamplingRouter:
         self._routes: dict[str, Route] = {}
 
     async def trainer_facts(self) -> dict[str, dict[str, Any]]:
-        """Per trainer: what ``TrainerActor.ready`` says (its base model, vocabulary size, end-of-sequence ids)."""
-        if self._facts is None:
-            facts = await asyncio.gather(*(self._actors.trainer(name).ready.remote()
-                                           for name in self._actors.trainers))
+        """Per trainer: what ``TrainerActor.ready`` says (its base model, vocabulary size, end-of-sequence ids);
+        asked again when the registry's trainers change."""
+        names = tuple(await self._actors.trainers())
+        if self._facts is None or tuple(self._facts) != names:
+            facts = await asyncio.gather(*(self._actors.trainer(name).ready.remote() for name in names))
             self._facts = {fact["name"]: fact for fact in facts}
         return self._facts
 
@@ -84,6 +85,8 @@ class SamplingRouter:
         """The session's route; 404 unless it is one of ``tenant``'s (checked before its requests are, so another
         tenant's session is refused like an unknown one whatever the request)."""
         route = self._routes.get(sampling_session_id)
+        if route is not None and route.trainer not in await self._actors.trainers():
+            route = None  # its trainer left the service (its node left, or it was let go): route it again
         if route is None:
             session = await self._futures.sampling_session.remote(sampling_session_id, tenant)
             model_path = session["model_path"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pkgutil
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -11,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import psutil
@@ -123,3 +126,30 @@ def unload_models(api_url: str, model_ids: list[str], api_key: str = "tml-local-
             unloaded = http.post(f"{api_url}/api/v1/unload_model", json={"model_id": model_id})
             assert unloaded.status_code == 200, unloaded.text
             retrieve_finished(http, f"{api_url}/api/v1/retrieve_future", unloaded.json()["request_id"])
+
+
+@contextlib.contextmanager
+def ray_test_cluster(head_cpus: int) -> Iterator:
+    """A ``ray.cluster_utils.Cluster`` (several Ray nodes on this machine, on loopback) with a head of
+    ``head_cpus`` CPUs and no GPUs, in a temp dir of its own; shut down, by its own processes, on exit."""
+    from ray.cluster_utils import Cluster
+
+    temp_dir = short_home()
+    # Ray's test cluster notes its address in <RAY_TMPDIR>/ray/ray_current_cluster, which must exist (/tmp/ray on a
+    # machine that never ran Ray does not): ours, not the machine's.
+    (temp_dir / "ray").mkdir(parents=True)
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(temp_dir)
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0,
+                                                                "temp_dir": str(temp_dir)})
+    finally:
+        if before is None:
+            os.environ.pop("RAY_TMPDIR")
+        else:
+            os.environ["RAY_TMPDIR"] = before
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)

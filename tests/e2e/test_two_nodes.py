@@ -15,7 +15,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import free_port, lilo, short_home
+from helpers import free_port, lilo, ray_test_cluster, short_home
 
 TINY = "lilo/tiny-llama"
 
@@ -74,23 +74,11 @@ def remove_a_node_mid_step(cluster, node, leaving: list, staying: list, futures_
 
 
 @pytest.fixture
-def two_node_cluster(monkeypatch):
-    from ray.cluster_utils import Cluster
-
-    temp_dir = short_home()
-    # Ray's test cluster notes its address in <RAY_TMPDIR>/ray/ray_current_cluster, which must exist (/tmp/ray on a
-    # machine that never ran Ray does not): ours, not the machine's.
-    (temp_dir / "ray").mkdir(parents=True)
-    with monkeypatch.context() as env:
-        env.setenv("RAY_TMPDIR", str(temp_dir))
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": str(temp_dir)})
-    worker = cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    try:
+def two_node_cluster():
+    with ray_test_cluster(head_cpus=4) as cluster:
+        worker = cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
         yield cluster, worker
-    finally:
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_after_a_node_leaves(two_node_cluster):

@@ -39,6 +39,12 @@ def test_base_models_from_environment_keep_their_order():
         ({"home": "/tmp/" + "a" * 60}, "pass a shorter --home"),
         ({"device": "tpu"}, "--device must be auto, cpu or cuda"),
         ({"max_body_mb": 0}, "--max-body-mb must be at least 1"),
+        ({"min_trainers": -1}, "--min-trainers must be 0 or more"),
+        ({"min_trainers": 3, "max_trainers": 2}, "--max-trainers must be at least 1 and at least --min-trainers (3)"),
+        ({"trainer_idle_timeout_s": -1}, "--trainer-idle-timeout must be 0 (never) or more seconds"),
+        ({"trainer_wait_s": -1}, "--trainer-wait must be 0 or more seconds"),
+        ({"follow_gpus": True, "ray_address": "auto", "trainers": 2}, "--trainers fixes how many trainers run"),
+        ({"follow_gpus": True}, "--follow-gpus needs a cluster whose GPU nodes come and go"),
     ],
 )
 def test_invalid_settings_say_what_to_change(overrides, message):
@@ -89,3 +95,14 @@ def test_the_largest_lora_rank_comes_from_the_environment_or_a_flag_and_must_be_
     assert load_settings(env={"LILO_MAX_RANK": "64"}).max_rank == 64
     with pytest.raises(SettingsError, match="--max-rank must be at least 1"):
         load_settings(env={}, max_rank=0)
+
+
+def test_following_the_gpus_is_decided_at_start_unless_set_and_its_bounds_come_from_the_environment():
+    settings = load_settings(env={})
+    assert (settings.follow_gpus, settings.min_trainers, settings.max_trainers) == (None, 1, 8)
+    assert (settings.trainer_idle_timeout_s, settings.trainer_wait_s) == (600, 30)
+    settings = load_settings(env={"LILO_FOLLOW_GPUS": "1", "LILO_RAY_ADDRESS": "auto", "LILO_MAX_TRAINERS": "4",
+                                  "LILO_TRAINER_IDLE_TIMEOUT_S": "0"})
+    assert (settings.follow_gpus, settings.max_trainers, settings.trainer_idle_timeout_s) == (True, 4, 0)
+    with pytest.raises(SettingsError, match="LILO_FOLLOW_GPUS='maybe' is not a valid flag"):
+        load_settings(env={"LILO_FOLLOW_GPUS": "maybe"})

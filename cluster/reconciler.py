@@ -1,0 +1,363 @@
+"""The reconciler: the registry of the service's trainers, and, on a GPU cluster, the actor that makes the trainers
+follow the GPUs.
+
+The reconciler (``lilo-reconciler`` in namespace ``lilo``, detached, on the head beside the futures DB and recovery
+actors) keeps the one list of trainers the ingress, placement and recovery read: a trainer is in it once it is
+ready (its base model loaded) and leaves it when its node leaves or it is let go. On (re)start it adopts every
+trainer the cluster has by name, so a restarted reconciler loses nothing.
+
+Following the GPUs (``Settings.follow_gpus``), every ``RECONCILE_EVERY_S`` it also:
+
+1. starts one trainer per GPU on every live node with GPUs and no trainer for them, pinned to that node (base
+   models dealt out in turn), and forgets (kills) the trainers whose node left: the recovery actor restores their
+   models on the trainers that are left;
+2. on demand (``request_trainer``: every trainer of a base model was full), starts one more trainer that needs a
+   GPU and is pinned nowhere: a pending actor, which Ray's autoscaler turns into a node, up to ``max_trainers``;
+3. lets go of trainers that held no model for ``idle_timeout_s``, never below ``min_trainers``: each first leaves
+   the registry, and is stopped ``RELEASE_GRACE_S`` later if still no model was placed on it meanwhile. Its GPU
+   is left free (not refilled), so that the autoscaler can take the idle node back.
+
+Without following (CPU machines, or ``--trainers``) the trainers are those ``start_trainers`` started, as before.
+The decisions are the pure functions of ``cluster.scaling``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import ray
+import yaml
+from ray.actor import ActorHandle
+from ray.util import metrics
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.futures_actor import FUTURES_ACTOR_NAME
+from cluster.local import NAMESPACE
+from cluster.placement import models_placed, named_actor
+from cluster.scaling import GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, \
+    trainers_to_start
+from cluster.timing import get_timing_actor
+from cluster.trainer_actor import TRAINER_PREFIX, TrainerConfig, start_trainer, trainer_name
+from lilo.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+RECONCILER_ACTOR_NAME = "lilo-reconciler"
+RECONCILE_EVERY_S = 1.0
+# How stale an ingress replica's copy of the registry may be: a new trainer takes models within this.
+REGISTRY_REFRESH_S = 1.0
+# A trainer let go leaves the registry this long before it stops: every ingress has stopped placing on it by then.
+RELEASE_GRACE_S = 2 * REGISTRY_REFRESH_S + 1.0
+# How long a (re)started reconciler waits for a trainer it adopts to say what it serves.
+ADOPT_WITHIN_S = 10.0
+# Where `ray up` leaves the cluster's config on the head.
+RAY_UP_CONFIG = Path("~/ray_bootstrap_config.yaml")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingConfig:
+    """What the reconciler is built with, from the settings once."""
+
+    base_models: tuple[str, ...]
+    trainer: TrainerConfig
+    follow_gpus: bool
+    min_trainers: int
+    max_trainers: int
+    idle_timeout_s: float
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
+class ReconcilerActor:
+    def __init__(self, config: ScalingConfig) -> None:
+        self._config = config
+        self._seats: dict[str, Seat] = {}
+        self._handles: dict[str, ActorHandle] = {}
+        self._free_slots: dict[str, int] = {}
+        self._releasing: set[str] = set()
+        self._left_free: dict[str, int] = {}  # node -> GPUs left free by a release, not refilled
+        self._pinned: set[str] = set()  # trainers started for a node's GPU (not by demand)
+        self._next_index = 0
+        self._gpus = 0
+        self._joined_at: dict[str, float] = {}  # node -> when the reconciler first saw it (for the timeline)
+        self.timeline: list[dict[str, Any]] = []
+        self._adopted = asyncio.Event()
+        self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+        self._gauge = metrics.Gauge("lilo_trainers", "Trainers of the service by state", ("state",))
+        self._tasks = [asyncio.get_event_loop().create_task(self._run())]
+
+    async def _run(self) -> None:
+        try:
+            await self._adopt()
+        finally:
+            self._adopted.set()
+        while True:
+            try:
+                await self._reconcile()
+            except Exception:
+                logger.exception("a reconcile round failed; trying again")
+            await asyncio.sleep(RECONCILE_EVERY_S)
+
+    async def _adopt(self) -> None:
+        """Take in every trainer the cluster has by name (started at deploy, or before this actor restarted)."""
+        named = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        names = sorted(actor["name"] for actor in named
+                       if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX))
+        indices = [int(name[len(TRAINER_PREFIX):]) for name in names if name[len(TRAINER_PREFIX):].isdigit()]
+        self._next_index = max(indices, default=-1) + 1
+        adopted = [self._spawn(self._follow(name, ray.get_actor(name, namespace=NAMESPACE), None))
+                   for name in names]
+        if adopted:
+            await asyncio.wait(adopted, timeout=ADOPT_WITHIN_S)
+
+    def _spawn(self, coroutine: Any) -> asyncio.Task:
+        self._tasks = [task for task in self._tasks if not task.done()]
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.append(task)
+        return task
+
+    async def _follow(self, name: str, handle: ActorHandle, base_model: str | None) -> None:
+        """Follow one trainer from its start to ready: it is in the registry from then on."""
+        self._handles[name] = handle
+        try:
+            where = await handle.describe.remote()
+            if name not in self._handles:  # forgotten meanwhile (its node left)
+                return
+            self._place_seat(name, where["base_model"], where["node_id"])
+            info = await handle.ready.remote()
+        except ray.exceptions.RayActorError as error:
+            logger.warning("trainer %s did not start (%s); forgetting it", name, str(error).splitlines()[0])
+            self._forget(name)
+            return
+        if name in self._seats:
+            self._seats[name] = dataclasses.replace(self._seats[name], ready=True, idle_since=time.time())
+            self._free_slots[name] = info["free_slots"]
+            self._note("trainer_ready", name, self._seats[name].node_id)
+            logger.warning("trainer %s is ready on node %s (%s)", name, info["node_id"], info["base_model"])
+
+    def _place_seat(self, name: str, base_model: str, node_id: str) -> None:
+        if name not in self._pinned and self._left_free.get(node_id, 0) > 0:
+            self._left_free[node_id] -= 1  # a demanded trainer took a GPU an idle one had left free
+        self._seats[name] = Seat(name, base_model, node_id, ready=False)
+
+    def _forget(self, name: str) -> None:
+        for table in (self._seats, self._handles, self._free_slots):
+            table.pop(name, None)
+        self._releasing.discard(name)
+        self._pinned.discard(name)
+
+    def _start(self, base_model: str, node_id: str | None) -> str:
+        index, self._next_index = self._next_index, self._next_index + 1
+        name = trainer_name(index)
+        handle = start_trainer(index, base_model, self._config.trainer, num_gpus=1, num_cpus=1, node_id=node_id)
+        if node_id is not None:
+            self._pinned.add(name)
+        self._seats[name] = Seat(name, base_model, node_id, ready=False)
+        self._spawn(self._follow(name, handle, base_model))
+        self._note("trainer_started", name, node_id)
+        logger.warning("starting trainer %s for %s on %s", name, base_model, node_id or "a GPU the autoscaler adds")
+        return name
+
+    def _note(self, event: str, trainer: str, node_id: str | None) -> None:
+        joined = self._joined_at.get(node_id or "")
+        self.timeline.append({"event": event, "trainer": trainer, "node_id": node_id, "at": time.time(),
+                              "since_node_joined_s": None if joined is None else time.time() - joined})
+        del self.timeline[:-256]
+
+    async def _reconcile(self) -> None:
+        nodes = [node for node in await asyncio.to_thread(ray.nodes) if node.get("Alive")]
+        alive = {node["NodeID"] for node in nodes}
+        now = time.time()
+        for node_id in alive - self._joined_at.keys():
+            self._joined_at[node_id] = now
+        gpu_nodes = [GpuNode(node["NodeID"], int(node.get("Resources", {}).get("GPU", 0))) for node in nodes]
+        gpu_nodes = [node for node in gpu_nodes if node.gpus > 0]
+        self._gpus = sum(node.gpus for node in gpu_nodes)
+        await self._count_models(now)
+        if self._config.follow_gpus:
+            self._drop_departed(alive)
+            seats = list(self._seats.values())
+            for node_id, base_model in trainers_to_start(gpu_nodes, seats, self._config.base_models,
+                                                        self._left_free):
+                self._start(base_model, node_id)
+            for name in trainers_to_release([s for s in self._seats.values() if s.name not in self._releasing],
+                                            now, self._config.idle_timeout_s, self._config.min_trainers):
+                self._releasing.add(name)
+                self._spawn(self._release(name))
+        await self._publish_counts(now)
+
+    async def _count_models(self, now: float) -> None:
+        placed = await models_placed(self._futures)
+        for name, seat in list(self._seats.items()):
+            if not seat.ready:
+                continue
+            models = placed.get(name, 0)
+            idle_since = (seat.idle_since or now) if models == 0 else None
+            self._seats[name] = dataclasses.replace(seat, models=models, idle_since=idle_since)
+        facts = await asyncio.gather(*(self._free_slots_of(name) for name in self.ready_names()))
+        self._free_slots.update({name: free for name, free in facts if free is not None})
+
+    async def _free_slots_of(self, name: str) -> tuple[str, int | None]:
+        try:
+            return name, (await asyncio.wait_for(self._handles[name].ready.remote(), 5.0))["free_slots"]
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError, KeyError):
+            return name, None
+
+    def _drop_departed(self, alive: set[str]) -> None:
+        """Trainers whose node left: out of the registry, and killed so that Ray does not keep them pending for a
+        node that will not come back (the recovery actor restores their models elsewhere)."""
+        for name, seat in list(self._seats.items()):
+            if seat.node_id is not None and seat.node_id not in alive:
+                logger.warning("trainer %s left with its node %s", name, seat.node_id)
+                self._kill(name)
+                self._note("trainer_left", name, seat.node_id)
+                self._forget(name)
+        for node_id in list(self._left_free):
+            if node_id not in alive:
+                del self._left_free[node_id]
+
+    def _kill(self, name: str) -> None:
+        try:
+            ray.kill(self._handles[name], no_restart=True)
+        except Exception as error:  # gone already
+            logger.info("trainer %s could not be killed (%s)", name, error)
+
+    async def _release(self, name: str) -> None:
+        """Let go of an idle trainer: out of the registry first, then stopped once no ingress places on it."""
+        await asyncio.sleep(RELEASE_GRACE_S)
+        if (await models_placed(self._futures)).get(name, 0) or name not in self._seats:
+            self._releasing.discard(name)  # a model came meanwhile: it stays
+            return
+        node_id = self._seats[name].node_id
+        logger.warning("trainer %s held no model for %.0f s; letting it go", name, self._config.idle_timeout_s)
+        self._kill(name)
+        self._note("trainer_released", name, node_id)
+        self._forget(name)
+        if node_id is not None:
+            self._left_free[node_id] = self._left_free.get(node_id, 0) + 1
+
+    async def _publish_counts(self, now: float) -> None:
+        counts = self.counts()
+        for state, value in counts.items():
+            self._gauge.set(value, {"state": state})
+        try:
+            await get_timing_actor().set_cluster_gauges.remote({f"trainers.{state}": float(value)
+                                                                for state, value in counts.items()})
+        except ray.exceptions.RayActorError:
+            pass
+
+    def counts(self) -> dict[str, int]:
+        seats = list(self._seats.values())
+        return {"starting": sum(not s.ready and s.node_id is not None for s in seats),
+                "pending": sum(s.node_id is None for s in seats),
+                "ready": sum(s.ready for s in seats),
+                "idle": sum(s.ready and s.models == 0 for s in seats)}
+
+    def ready_names(self) -> list[str]:
+        return sorted(name for name, seat in self._seats.items() if seat.ready and name not in self._releasing)
+
+    async def trainers(self) -> list[str]:
+        """The registry: the ready trainers, sorted (at a (re)start, once the cluster's trainers are adopted)."""
+        await self._adopted.wait()
+        return self.ready_names()
+
+    async def registry(self) -> dict[str, Any]:
+        """What an ingress replica caches: the ready trainers, how many are on their way, the cluster's GPUs."""
+        await self._adopted.wait()
+        counts = self.counts()
+        return {"trainers": self.ready_names(), "starting": counts["starting"] + counts["pending"],
+                "gpus": self._gpus, "follow_gpus": self._config.follow_gpus}
+
+    async def request_trainer(self, base_model: str) -> bool:
+        """Every trainer of ``base_model`` is full (or there is none): ask for one more, pinned nowhere, so that
+        Ray's autoscaler adds a GPU node when no node has one free. True when a trainer of it is on its way."""
+        await self._adopted.wait()
+        if not self._config.follow_gpus or base_model not in self._config.base_models:
+            return False
+        seats = list(self._seats.values())
+        if any(seat.base_model == base_model and not seat.ready for seat in seats):
+            return True
+        if not may_request_trainer(base_model, seats, self._config.max_trainers):
+            return False
+        self._start(base_model, None)
+        return True
+
+    async def status(self) -> dict[str, Any]:
+        """Per node, its trainers with their base model, state, models and free slots (``lilo status``)."""
+        await self._adopted.wait()
+        nodes = {node["NodeID"]: node for node in await asyncio.to_thread(ray.nodes) if node.get("Alive")}
+        trainers = []
+        for name, seat in sorted(self._seats.items()):
+            state = ("leaving" if name in self._releasing else "pending" if seat.node_id is None
+                     else "starting" if not seat.ready else "idle" if seat.models == 0 else "ready")
+            node = nodes.get(seat.node_id or "", {})
+            trainers.append({"name": name, "base_model": seat.base_model, "state": state, "node_id": seat.node_id,
+                             "node_ip": node.get("NodeManagerAddress"), "models": seat.models,
+                             "free_slots": self._free_slots.get(name)})
+        return {"follow_gpus": self._config.follow_gpus, "gpus": self._gpus, "counts": self.counts(),
+                "trainers": trainers}
+
+    async def history(self) -> list[dict[str, Any]]:
+        """Trainers started, ready, left and let go, with when, and how long after their node joined."""
+        return self.timeline
+
+
+def scaling_config(settings: Settings, follow_gpus: bool) -> ScalingConfig:
+    return ScalingConfig(tuple(settings.base_models), TrainerConfig.from_settings(settings), follow_gpus,
+                         settings.min_trainers, settings.max_trainers, settings.trainer_idle_timeout_s)
+
+
+def start_reconciler(config: ScalingConfig) -> ActorHandle:
+    """The cluster's reconciler, on this driver's node (the head), so that a worker node leaving does not take it
+    along; if it dies anyway, it adopts the trainers again on restart."""
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    return ReconcilerActor.options(name=RECONCILER_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
+                                   get_if_exists=True, scheduling_strategy=here).remote(config)
+
+
+def follows_gpus(settings: Settings) -> bool:
+    """Whether the trainers follow the GPUs: as set, or, on an existing cluster (--address) without --trainers,
+    when it has GPUs now or its `ray up` config has GPU workers (they join after the head)."""
+    if settings.follow_gpus is not None:
+        return settings.follow_gpus
+    if settings.ray_address is None or settings.trainers is not None:
+        return False
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        return True
+    try:
+        return config_has_gpu_workers(yaml.safe_load(RAY_UP_CONFIG.expanduser().read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        return False
+
+
+class TrainerDirectory:
+    """The registry as one ingress replica sees it: read from the reconciler at most every REGISTRY_REFRESH_S, so
+    a new trainer takes models within about a second and a request costs no extra call."""
+
+    def __init__(self) -> None:
+        self._registry: dict[str, Any] | None = None
+        self._read_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def registry(self) -> dict[str, Any]:
+        if time.monotonic() - self._read_at >= REGISTRY_REFRESH_S:
+            async with self._lock:
+                if time.monotonic() - self._read_at >= REGISTRY_REFRESH_S:
+                    try:
+                        self._registry = await named_actor(RECONCILER_ACTOR_NAME).registry.remote()
+                        self._read_at = time.monotonic()
+                    except ray.exceptions.RayActorError:
+                        if self._registry is None:  # restarting: the last copy serves meanwhile
+                            raise
+        assert self._registry is not None
+        return self._registry
+
+    async def names(self) -> Sequence[str]:
+        return (await self.registry())["trainers"]
+
+    async def request_trainer(self, base_model: str) -> bool:
+        return await named_actor(RECONCILER_ACTOR_NAME).request_trainer.remote(base_model)

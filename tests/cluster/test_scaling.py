@@ -1,0 +1,70 @@
+"""How many trainers, and where, is a pure function of the GPU nodes, the trainers known and the clock."""
+
+import pytest
+
+from cluster.scaling import (
+    GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, trainers_to_start,
+)
+
+MODELS = ("tiny", "small")
+
+
+def seat(name, model="tiny", node="n1", ready=True, models=0, idle_since=None):
+    return Seat(name, model, node, ready, models, idle_since)
+
+
+def test_a_joined_node_gets_one_trainer_per_gpu_with_base_models_dealt_in_turn():
+    assert trainers_to_start([GpuNode("n1", 3)], [], MODELS) == [("n1", "tiny"), ("n1", "small"), ("n1", "tiny")]
+
+
+def test_a_node_with_trainers_for_its_gpus_gets_none_and_the_new_node_gets_the_model_with_fewest():
+    seats = [seat("t0", "tiny", "n1")]
+    assert trainers_to_start([GpuNode("n1", 1), GpuNode("n2", 1)], seats, MODELS) == [("n2", "small")]
+
+
+def test_starting_trainers_count_for_their_node():
+    seats = [seat("t0", node="n1", ready=False)]
+    assert trainers_to_start([GpuNode("n1", 2)], seats, MODELS) == [("n1", "small")]
+
+
+def test_nothing_starts_while_a_trainer_waits_for_a_node():
+    seats = [seat("t0", node=None, ready=False)]
+    assert trainers_to_start([GpuNode("n1", 1)], seats, MODELS) == []
+
+
+def test_gpus_left_free_by_an_idle_release_are_not_filled_again():
+    assert trainers_to_start([GpuNode("n1", 2)], [], MODELS, left_free={"n1": 2}) == []
+    assert trainers_to_start([GpuNode("n1", 2)], [], MODELS, left_free={"n1": 1}) == [("n1", "tiny")]
+
+
+@pytest.mark.parametrize(("seats", "cap", "expected"), [
+    ([seat("t0")], 2, True),
+    ([seat("t0"), seat("t1", ready=False)], 4, False),  # one of its trainers is on its way
+    ([seat("t0"), seat("t1", "small", ready=False)], 4, True),  # another base model's does not count
+    ([seat("t0"), seat("t1", "small")], 2, False),  # at the cap
+])
+def test_one_more_trainer_is_asked_for_a_full_base_model_up_to_the_cap(seats, cap, expected):
+    assert may_request_trainer("tiny", seats, cap) is expected
+
+
+def test_trainers_idle_past_the_timeout_are_released_longest_idle_first():
+    seats = [seat("t0", idle_since=50), seat("t1", idle_since=10), seat("t2", models=3)]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=0) == ["t1", "t0"]
+
+
+def test_a_trainer_idle_for_less_than_the_timeout_stays():
+    assert trainers_to_release([seat("t0", idle_since=80)], now=100, idle_timeout_s=30, min_trainers=0) == []
+
+
+def test_releases_never_go_below_the_minimum():
+    seats = [seat("t0", idle_since=0), seat("t1", idle_since=0), seat("t2", idle_since=0)]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=2) == ["t0"]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=0, min_trainers=0) == []
+
+
+def test_a_ray_up_config_with_a_gpu_worker_type_is_a_gpu_cluster():
+    config = {"head_node_type": "head", "available_node_types": {
+        "head": {"resources": {"CPU": 8, "GPU": 0}}, "gpu_worker": {"resources": {"GPU": 4}}}}
+    assert config_has_gpu_workers(config)
+    config["available_node_types"]["gpu_worker"]["resources"] = {}
+    assert not config_has_gpu_workers(config)
