@@ -348,8 +348,13 @@ class TrainerDirectory:
             async with self._lock:
                 if time.monotonic() - self._read_at >= REGISTRY_REFRESH_S:
                     try:
+                        known = set(self._registry["trainers"]) if self._registry is not None else set()
                         self._registry = await named_actor(RECONCILER_ACTOR_NAME).registry.remote()
                         self._read_at = time.monotonic()
+                        if known - set(self._registry["trainers"]):
+                            # A trainer left, and a new one may take its name later: look names up afresh rather
+                            # than keep a cached handle to the dead actor.
+                            named_actor.cache_clear()
                     except ray.exceptions.RayActorError:
                         if self._registry is None:  # restarting: the last copy serves meanwhile
                             raise
