@@ -9,7 +9,11 @@ decisions out. No torch here: the engine's contract names ``PageMove``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Collection, Literal, Mapping
+
+# The default host tier: a sixteenth of the node's memory per trainer (eight trainers of an 8-GPU node: half).
+DEFAULT_HOST_SHARE = 16
 
 Tier = Literal["host", "disk"]
 HOST: Tier = "host"
@@ -48,3 +52,13 @@ def host_demotions(host: Mapping[str, tuple[int, int]], needed_bytes: int, host_
         demoted.append(model)
         free += size
     return demoted if free >= needed_bytes else None
+
+
+def host_adapter_bytes(host_adapter_mb: int | None, node_bytes: int | None = None) -> int:
+    """The host tier of one trainer: ``host_adapter_mb`` when set, else ``DEFAULT_HOST_SHARE``'s share of
+    ``node_bytes`` (this machine's memory when not given)."""
+    if host_adapter_mb is not None:
+        return host_adapter_mb * 2**20
+    if node_bytes is None:
+        node_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return node_bytes // DEFAULT_HOST_SHARE

@@ -125,6 +125,14 @@ class TorchBackend:
         needs one)."""
         return self.max_adapters - (len(self.adapters) - len(self._samplers))
 
+    @property
+    def room(self) -> int:
+        """Training models this trainer can still take: free slots, and as many of the largest (``max_rank``,
+        every projection) as host memory and disk still hold paged out."""
+        largest = 3 * self.bank.weights.shape[1] * self.bank.weights.element_size()
+        free_bytes = (self.pages.host_bytes - self.pages.host_used) + (self.pages.disk_bytes - self.pages.disk_used)
+        return self.free_slots + max(0, free_bytes) // largest
+
     # --- paging -------------------------------------------------------------------------------------------
     def training_slots(self) -> int:
         return self.max_adapters

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lilo.backend.models import build_tiny_llama, load_base_model
-from lilo.backend.paging import choose_victims, host_demotions
+from lilo.backend.paging import choose_victims, host_adapter_bytes, host_demotions
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
 from lilo.engine.commands import Command, Kind
@@ -41,6 +41,12 @@ def test_the_model_idle_longest_leaves_its_slot_never_one_with_work(last_used, c
 ])
 def test_host_memory_makes_room_by_demoting_its_least_recently_used(host, needed, free, demoted):
     assert host_demotions(host, needed, free) == demoted
+
+
+def test_the_host_tier_is_the_flag_or_a_sixteenth_of_the_node():
+    assert host_adapter_bytes(512, node_bytes=2**40) == 512 * MB
+    assert host_adapter_bytes(None, node_bytes=16 * 2**30) == 2**30
+    assert host_adapter_bytes(0, node_bytes=2**40) == 0
 
 
 def test_a_batch_of_more_models_than_slots_runs_in_parts():
@@ -131,3 +137,19 @@ def test_removing_a_paged_model_deletes_its_page_file(base, tmp_path):
     assert [path.name for path in (tmp_path / "pages").iterdir()] == ["a.page.safetensors"]
     backend.remove_adapter("a")
     assert list((tmp_path / "pages").iterdir()) == []
+
+
+def test_create_model_succeeds_while_a_tier_has_room_and_says_what_to_raise_when_none_has(base, tmp_path):
+    roomy = Engine(TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path,
+                                host_adapter_bytes=16 * MB))
+    full = Engine(TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path))
+    try:
+        assert [roomy.create_model(m, LoraSpec(rank=4)).result(30) for m in "abc"] == ["a", "b", "c"]
+        assert roomy._backend.room > 0
+        full.create_model("a", LoraSpec(rank=4)).result(30)
+        assert full._backend.room == 0
+        with pytest.raises(SaturatedError, match="--max-adapters.*--host-adapter-mb or --disk-adapter-gb"):
+            full.create_model("b", LoraSpec(rank=4)).result(30)
+    finally:
+        roomy.stop()
+        full.stop()

@@ -89,3 +89,15 @@ def test_the_largest_lora_rank_comes_from_the_environment_or_a_flag_and_must_be_
     assert load_settings(env={"LILO_MAX_RANK": "64"}).max_rank == 64
     with pytest.raises(SettingsError, match="--max-rank must be at least 1"):
         load_settings(env={}, max_rank=0)
+
+
+def test_paging_tiers_come_from_the_environment_or_a_flag_and_may_be_zero():
+    assert load_settings(env={}).host_adapter_mb is None  # a share of the node's memory, resolved per trainer
+    assert load_settings(env={}).disk_adapter_gb == 16.0
+    settings = load_settings(env={"LILO_HOST_ADAPTER_MB": "512", "LILO_DISK_ADAPTER_GB": "0.5"})
+    assert (settings.host_adapter_mb, settings.disk_adapter_gb) == (512, 0.5)
+    assert load_settings(env={}, host_adapter_mb=0, disk_adapter_gb=0).disk_adapter_gb == 0
+    with pytest.raises(SettingsError, match="--host-adapter-mb must be 0"):
+        load_settings(env={}, host_adapter_mb=-1)
+    with pytest.raises(SettingsError, match="--disk-adapter-gb must be 0"):
+        load_settings(env={}, disk_adapter_gb=-1)
