@@ -70,8 +70,8 @@ class TrainerConfig:
     checkpoint_dir: Path | None = None
     model_cache_dir: Path | None = None
     # Paging (lilo.backend.paging): host memory per trainer (None: a share of its node's), disk per trainer, and
-    # the directory under which each trainer keeps its page files (None: beside the checkpoints).
-    host_adapter_mb: int | None = None
+    # the directory under which each trainer keeps its page files (None: beside the checkpoints). 0 and 0: none.
+    host_adapter_mb: int | None = 0
     disk_adapter_gb: float = 0.0
     page_dir: Path | None = None
 

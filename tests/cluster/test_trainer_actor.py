@@ -160,7 +160,7 @@ def test_a_watch_names_the_process_it_reached_and_then_blocks_on_it(trainer):
 
 def test_every_trainer_is_built_from_the_settings_of_its_service(tmp_path):
     settings = load_settings(env={}, home=tmp_path, max_adapters=5, max_rank=64, sampler_slots=1, device="cpu",
-                             compute_nice=3, ray_address="auto")
+                             compute_nice=3, ray_address="auto", disk_adapter_gb=2)
     assert TrainerConfig.from_settings(settings) == TrainerConfig(
         max_adapters=5, max_rank=64, sampler_slots=1, device="cpu", compute_nice=3,
-        checkpoint_dir=tmp_path / "checkpoints")
+        checkpoint_dir=tmp_path / "checkpoints", host_adapter_mb=None, disk_adapter_gb=2, page_dir=tmp_path / "pages")

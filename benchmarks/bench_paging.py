@@ -1,0 +1,166 @@
+"""64 models cycling through a trainer with 8 slots, against the same steps with every model resident.
+
+Each model in turn does forward_backward + optim_step (``--rows`` sequences of ``--seq`` tokens, rank 8, the tiny
+Llama unless ``--model smollm2``), round after round, through the engine: with 8 slots every step first pages its
+model in and the idlest out. Three trainers take the same steps: every model resident (64 slots), paged with host
+memory for all of them (``host``), and paged with no host tier (``disk``: every page-in reads a page file). Each
+keeps its best of ``--rounds`` timed rounds after a warm-up round (the machine may be shared). The page-in and
+page-out times are the engine's own ``page_in`` / ``page_out`` spans. ``bit_equal``: every model's weights, AdamW
+moments and step equal (torch.equal) in all three at the end. Prints one JSON line:
+{"bench": "paging", "models": 64, "slots": 8, "page_in_p50_ms": {"host": .., "disk": ..}, "page_out_p50_ms": {..},
+ "steps_per_s": {"resident": .., "host": .., "disk": ..}, "throughput_vs_resident": .. (host),
+ "throughput_vs_resident_disk": .., "state_kb": .., "bit_equal": ..}
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
+from lilo.backend.torch_backend import TorchBackend
+from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
+from lilo.engine.commands import Command, Kind
+from lilo.engine.engine import Engine
+
+RANK = 8
+GB = 2**30
+
+
+class PageSpans:
+    """An observer keeping the engine's page_in / page_out spans: (direction, tier, seconds)."""
+
+    def __init__(self) -> None:
+        self.moves: list[tuple[str, str, float]] = []
+
+    def register_model(self, model_id, spec) -> None:
+        pass
+
+    def forget_model(self, model_id) -> None:
+        pass
+
+    def begin(self, operation) -> None:
+        pass
+
+    def span(self, model, name, lane, t0, t1=None, **attrs) -> None:
+        if name.startswith("page_"):
+            self.moves.append((name.split(":")[0], attrs["tier"], t1 - t0))
+
+
+def train_input(model_index: int, step: int, rows: int, seq: int, vocab: int) -> TrainInput:
+    rng = np.random.default_rng(model_index * 100_003 + step)
+    data = []
+    for _ in range(rows):
+        tokens = rng.integers(0, vocab, seq)
+        data.append(Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
+                                                      "weights": np.ones(seq, dtype=np.float32)}))
+    return TrainInput(data=data)
+
+
+def run(base: nn.Module, models: int, slots: int, rows: int, seq: int, rounds: int, host_bytes: int,
+        disk_bytes: int, page_dir: Path) -> tuple[TorchBackend, PageSpans, float]:
+    """The best steps/s of ``rounds`` timed rounds (after a warm-up round), each model stepping in turn."""
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=slots, max_rank=RANK, sampler_slots=0,
+                           host_adapter_bytes=host_bytes, disk_adapter_bytes=disk_bytes, page_dir=page_dir,
+                           checkpoint_dir=page_dir / "checkpoints")
+    spans = PageSpans()
+    engine = Engine(backend, spans, coalesce=False, start=False, clock=time.perf_counter)
+    engine.start(compute_thread=False)
+    names = [f"m{i:02d}" for i in range(models)]
+    best: list[float] = []
+
+    def one_round(round_index: int) -> None:
+        for i, model_id in enumerate(names):
+            seq_id = 2 * round_index + 1
+            train = train_input(i, round_index, rows, seq, backend.vocab_size)
+            engine.submit(Command(model_id, seq_id, Kind.FORWARD_BACKWARD, f"{model_id}:{seq_id}", payload=train,
+                                  tokens=train.tokens)).result()
+            engine.submit(Command(model_id, seq_id + 1, Kind.OPTIM_STEP, f"{model_id}:{seq_id + 1}",
+                                  payload=AdamParams(learning_rate=1e-3))).result()
+
+    def client() -> None:
+        try:
+            for future in [engine.create_model(m, LoraSpec(rank=RANK, seed=i)) for i, m in enumerate(names)]:
+                future.result()
+            one_round(0)  # warm-up
+            spans.moves.clear()
+            for round_index in range(1, rounds + 1):
+                started = time.perf_counter()
+                one_round(round_index)
+                best.append(models / (time.perf_counter() - started))
+        finally:
+            engine.stop()
+
+    submitter = threading.Thread(target=client)
+    submitter.start()
+    engine.run_compute_lane()
+    submitter.join()
+    return backend, spans, max(best)
+
+
+def training_state(backend: TorchBackend, model_id: str) -> list[torch.Tensor]:
+    backend.make_room([model_id], (), ())
+    adapter = backend.adapters[model_id]
+    index = backend._entry_index(adapter.spec)
+    flats = [backend.bank.weights, backend.optimizer.exp_avg, backend.optimizer.exp_avg_sq]
+    return [flat[adapter.slot].index_select(0, index) for flat in flats] + [
+        torch.tensor(backend.optimizer.steps(adapter.slot))]
+
+
+def p50_ms(spans: PageSpans, direction: str, tier: str) -> float | None:
+    times = [seconds for d, t, seconds in spans.moves if d == direction and t == tier]
+    return round(float(np.median(times)) * 1e3, 3) if times else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--models", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = smollm2_directory() if args.model == "smollm2" else build_tiny_llama(Path(scratch) / "tiny")
+        base = load_base_model(directory, torch.device(args.device))
+        common = dict(models=args.models, rows=args.rows, seq=args.seq, rounds=args.rounds)
+        resident, _, resident_rate = run(base, slots=args.models, host_bytes=0, disk_bytes=0,
+                                         page_dir=Path(scratch) / "resident", **common)
+        host, host_spans, host_rate = run(base, slots=args.slots, host_bytes=GB, disk_bytes=0,
+                                          page_dir=Path(scratch) / "host", **common)
+        disk, disk_spans, disk_rate = run(base, slots=args.slots, host_bytes=0, disk_bytes=GB,
+                                          page_dir=Path(scratch) / "disk", **common)
+        names = sorted(resident.adapters)
+        bit_equal = all(torch.equal(a, b) and torch.equal(a, c)
+                        for name in names
+                        for a, b, c in zip(training_state(resident, name), training_state(host, name),
+                                           training_state(disk, name), strict=True))
+        state_kb = host._state_bytes(names[-1]) / 1024
+    print(json.dumps({
+        "bench": "paging", "model": args.model, "device": args.device, "models": args.models, "slots": args.slots,
+        "rank": RANK, "rows": args.rows, "seq": args.seq,
+        "page_in_p50_ms": {"host": p50_ms(host_spans, "page_in", "host"),
+                           "disk": p50_ms(disk_spans, "page_in", "disk")},
+        "page_out_p50_ms": {"host": p50_ms(host_spans, "page_out", "host"),
+                            "disk": p50_ms(disk_spans, "page_out", "disk")},
+        "steps_per_s": {"resident": round(resident_rate, 2), "host": round(host_rate, 2),
+                        "disk": round(disk_rate, 2)},
+        "throughput_vs_resident": round(host_rate / resident_rate, 3),
+        "throughput_vs_resident_disk": round(disk_rate / resident_rate, 3),
+        "state_kb": round(state_kb, 1), "bit_equal": bit_equal,
+    }))
+
+
+if __name__ == "__main__":
+    main()
