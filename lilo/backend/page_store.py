@@ -41,20 +41,15 @@ class PageStore:
         self.host_bytes, self.disk_bytes, self.directory, self.pin = host_bytes, disk_bytes, directory, pin
         self.host: dict[str, tuple[PagedState, int]] = {}  # model -> (state, last used)
         self.disk: dict[str, tuple[LoraSpec, int, int]] = {}  # model -> (spec, bytes, last used)
+        # Running totals, not sums over the dicts: a trainer's event loop reads them while its compute lane pages.
+        self.host_used = 0
+        self.disk_used = 0
 
     def __contains__(self, model_id: str) -> bool:
         return model_id in self.host or model_id in self.disk
 
     def __len__(self) -> int:
         return len(self.host) + len(self.disk)
-
-    @property
-    def host_used(self) -> int:
-        return sum(state.nbytes for state, _ in self.host.values())
-
-    @property
-    def disk_used(self) -> int:
-        return sum(size for _, size, _ in self.disk.values())
 
     def tier_of(self, model_id: str) -> Tier:
         return HOST if model_id in self.host else DISK
@@ -72,10 +67,12 @@ class PageStore:
         if demoted is not None:
             for model in demoted:
                 old, used = self.host.pop(model)
+                self.host_used -= old.nbytes
                 moves.append(PageMove(model, "out", DISK, self._write(model, old, used)))
             if self.pin and state.data.device.type == "cpu" and not state.data.is_pinned():
                 state.data = state.data.pin_memory()
             self.host[model_id] = (state, last_used)
+            self.host_used += state.nbytes
         else:
             self._write(model_id, state, last_used)
         return moves
@@ -83,8 +80,11 @@ class PageStore:
     def take(self, model_id: str) -> tuple[PagedState, Tier]:
         """Remove ``model_id``'s state from its tier; returns it and the tier it was in."""
         if model_id in self.host:
-            return self.host.pop(model_id)[0], HOST
-        spec, _, _ = self.disk.pop(model_id)
+            state = self.host.pop(model_id)[0]
+            self.host_used -= state.nbytes
+            return state, HOST
+        spec, size, _ = self.disk.pop(model_id)
+        self.disk_used -= size
         path = self._path(model_id)
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata()
@@ -93,7 +93,10 @@ class PageStore:
         return PagedState(spec, int(meta["step"]), meta["has_grads"] == "1", data), DISK
 
     def drop(self, model_id: str) -> None:
-        if self.host.pop(model_id, None) is None and self.disk.pop(model_id, None) is not None:
+        if model_id in self.host:
+            self.take(model_id)
+        elif model_id in self.disk:
+            self.disk_used -= self.disk.pop(model_id)[1]
             self._path(model_id).unlink(missing_ok=True)
 
     def _write(self, model_id: str, state: PagedState, last_used: int) -> float:
@@ -107,6 +110,7 @@ class PageStore:
         # A page file is whole or absent: a crash mid-write leaves only the temporary file.
         os.replace(temporary, path)
         self.disk[model_id] = (state.spec, state.nbytes, last_used)
+        self.disk_used += state.nbytes
         return time.perf_counter() - started
 
     def _path(self, model_id: str) -> Path:

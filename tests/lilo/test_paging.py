@@ -136,7 +136,7 @@ def test_removing_a_paged_model_deletes_its_page_file(base, tmp_path):
         backend.add_adapter(model_id, LoraSpec(rank=4))
     assert [path.name for path in (tmp_path / "pages").iterdir()] == ["a.page.safetensors"]
     backend.remove_adapter("a")
-    assert list((tmp_path / "pages").iterdir()) == []
+    assert list((tmp_path / "pages").iterdir()) == [] and backend.pages.disk_used == 0
 
 
 def test_create_model_succeeds_while_a_tier_has_room_and_says_what_to_raise_when_none_has(base, tmp_path):
