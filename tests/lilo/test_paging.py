@@ -10,7 +10,7 @@ import torch
 from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.paging import choose_victims, host_adapter_bytes, host_demotions
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
+from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine, _parts
 from lilo.errors import SaturatedError
@@ -72,9 +72,11 @@ SPECS = {"m": LoraSpec(rank=4, seed=1), "other": LoraSpec(rank=8, seed=2, train_
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
 
 
-def train(backend: TorchBackend, steps: int = 4) -> Engine:
+def train(backend: TorchBackend, steps: int = 4, then: Command | None = None) -> tuple[Engine, object]:
     """Both models step in turn, the other's forward_backward between each one's forward_backward and optim_step
-    (so with one slot a model is paged out holding gradients, and in again for its optim_step)."""
+    (so with one slot a model is paged out holding gradients, and in again for its optim_step); then the command
+    ``then``, whose result is returned with the engine."""
+    result = None
     engine = Engine(backend)
     try:
         for model_id, spec in SPECS.items():
@@ -87,9 +89,11 @@ def train(backend: TorchBackend, steps: int = 4) -> Engine:
             for model_id in SPECS:
                 engine.submit(Command(model_id, seq + 1, Kind.OPTIM_STEP, f"{model_id}:{seq + 1}",
                                       payload=ADAM)).result(30)
+        if then is not None:
+            result = engine.submit(then).result(30)
     finally:
         engine.stop()
-    return engine
+    return engine, result
 
 
 def training_state(backend: TorchBackend, model_id: str) -> list[torch.Tensor]:
@@ -105,7 +109,7 @@ def test_a_model_paged_out_after_every_step_trains_bit_for_bit_as_one_resident(b
     paged = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "p",
                          host_adapter_bytes=host_mb * MB, disk_adapter_bytes=disk_mb * MB)
     train(resident)
-    timings = train(paged).timings.snapshot("m")["phases"]
+    timings = train(paged)[0].timings.snapshot("m")["phases"]
     assert {"forward_backward.page_in", "optim_step.page_in", "forward_backward.page_out"} <= set(timings)
     for model_id in SPECS:
         for ours, theirs in zip(training_state(paged, model_id), training_state(resident, model_id), strict=True):
@@ -153,3 +157,14 @@ def test_create_model_succeeds_while_a_tier_has_room_and_says_what_to_raise_when
     finally:
         roomy.stop()
         full.stop()
+
+
+def test_sampling_a_paged_out_model_pages_it_in_and_samples_as_resident(base, tmp_path):
+    resident = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, checkpoint_dir=tmp_path / "r")
+    paged = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "p",
+                         disk_adapter_bytes=16 * MB)
+    request = SamplingRequest(prompt=[1, 2, 3, 4], max_tokens=6, temperature=1.0, seed=7, prompt_logprobs=True)
+    sample = Command("m", 0, Kind.SAMPLE, "s", payload=request, tokens=10)
+    # "other" stepped last, so "m" waits on disk until its sample pages it in.
+    assert train(paged, steps=1, then=sample)[1] == train(resident, steps=1, then=sample)[1]
+    assert "m" in paged.adapters and "other" in paged.pages
