@@ -162,10 +162,10 @@ class TorchBackend:
 
     def _evict_one(self, keep: Collection[str], queued: Collection[str]) -> list[PageMove]:
         training = {model: used for model, used in self._last_used.items() if model in self.adapters}
+        # The idlest whose state fits what the tiers have left (models differ in rank, so in size).
         for victim in choose_victims(training, len(training), keep, queued):
             if self.pages.room_for(self._state_bytes(victim)):
                 return self._page_out(victim)
-            break  # the idlest does not fit: a less idle one of the same kind would not either (or fits worse)
         raise SaturatedError(self._full_message())
 
     def _full_message(self) -> str:

@@ -168,3 +168,12 @@ def test_sampling_a_paged_out_model_pages_it_in_and_samples_as_resident(base, tm
     # "other" stepped last, so "m" waits on disk until its sample pages it in.
     assert train(paged, steps=1, then=sample)[1] == train(resident, steps=1, then=sample)[1]
     assert "m" in paged.adapters and "other" in paged.pages
+
+
+def test_when_the_idlest_model_does_not_fit_the_next_idlest_that_does_leaves(base, tmp_path):
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, checkpoint_dir=tmp_path,
+                           host_adapter_bytes=MB)
+    for model_id, rank in (("big", 8), ("small", 4), ("new", 4)):
+        backend.make_room([model_id], (), ())
+        backend.add_adapter(model_id, LoraSpec(rank=rank))
+    assert set(backend.adapters) == {"big", "new"} and set(backend.pages.host) == {"small"}
