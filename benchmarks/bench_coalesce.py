@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from compute_lane import run_with_compute_lane
+from engine_bench import batch, run_with_compute_lane
 from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
-from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
+from lilo.backend.types import AdamParams, LoraSpec
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
@@ -62,15 +62,6 @@ def median_seconds(step, repeats: int) -> float:
 
 def matmul_parameters(model: nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-
-
-def batch(rng: np.random.Generator, rows: int, seq: int, vocab: int) -> TrainInput:
-    data = []
-    for _ in range(rows):
-        tokens = rng.integers(0, vocab, seq)
-        data.append(Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
-                                                      "weights": np.ones(seq, dtype=np.float32)}))
-    return TrainInput(data=data)
 
 
 def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int, coalesce: bool) -> float:

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from compute_lane import run_with_compute_lane
+from engine_bench import batch, run_with_compute_lane
 from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
+from lilo.backend.types import AdamParams, LoraSpec, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
 
@@ -59,13 +59,7 @@ class PageSpans:
 
 
 def train_input(model_index: int, step: int, rows: int, seq: int, vocab: int) -> TrainInput:
-    rng = np.random.default_rng(model_index * 100_003 + step)
-    data = []
-    for _ in range(rows):
-        tokens = rng.integers(0, vocab, seq)
-        data.append(Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
-                                                      "weights": np.ones(seq, dtype=np.float32)}))
-    return TrainInput(data=data)
+    return batch(np.random.default_rng(model_index * 100_003 + step), rows, seq, vocab)
 
 
 def run(base: nn.Module, models: int, slots: int, rows: int, seq: int, rounds: int, host_bytes: int,
