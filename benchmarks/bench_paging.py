@@ -39,10 +39,12 @@ GB = 2**30
 
 
 class PageSpans:
-    """An observer keeping the engine's page_in / page_out spans: (direction, tier, seconds)."""
+    """An observer keeping the engine's page_in / page_out spans: (direction, tier, seconds); the persist lane's
+    read-aheads (``page_in:prefetch``) apart."""
 
     def __init__(self) -> None:
         self.moves: list[tuple[str, str, float]] = []
+        self.read_ahead_s: list[float] = []
 
     def register_model(self, model_id, spec) -> None:
         pass
@@ -54,7 +56,9 @@ class PageSpans:
         pass
 
     def span(self, model, name, lane, t0, t1=None, **attrs) -> None:
-        if name.startswith("page_"):
+        if name == "page_in:prefetch":
+            self.read_ahead_s.append(t1 - t0)
+        elif name.startswith("page_"):
             self.moves.append((name.split(":")[0], attrs["tier"], t1 - t0))
 
 
@@ -63,9 +67,11 @@ def train_input(model_index: int, step: int, rows: int, seq: int, vocab: int) ->
 
 
 def run(base: nn.Module, models: int, slots: int, rows: int, seq: int, rounds: int, host_bytes: int,
-        disk_bytes: int, page_dir: Path) -> tuple[TorchBackend, PageSpans, float]:
+        disk_bytes: int, page_dir: Path, queued: bool = False) -> tuple[TorchBackend, PageSpans, float]:
     """Steps/s over ``rounds`` timed rounds (after a warm-up round), each model stepping in turn: one over the
-    median step's seconds, which a burst of load from elsewhere on a shared machine moves less than a mean."""
+    median step's seconds, which a burst of load from elsewhere on a shared machine moves less than a mean.
+    ``queued``: every model's step is submitted at the start of a round (the engine takes them in turn and reads
+    the next ones' page files ahead); a step's seconds are then its round's over the models."""
     backend = TorchBackend(copy.deepcopy(base), max_adapters=slots, max_rank=RANK, sampler_slots=0,
                            host_adapter_bytes=host_bytes, disk_adapter_bytes=disk_bytes, page_dir=page_dir,
                            checkpoint_dir=page_dir / "checkpoints")
@@ -75,6 +81,19 @@ def run(base: nn.Module, models: int, slots: int, rows: int, seq: int, rounds: i
     step_s: list[float] = []
 
     def one_round(round_index: int) -> None:
+        if queued:
+            started, steps = time.perf_counter(), []
+            for i, model_id in enumerate(names):
+                seq_id = 2 * round_index + 1
+                train = train_input(i, round_index, rows, seq, backend.vocab_size)
+                steps.append(engine.submit(Command(model_id, seq_id, Kind.FORWARD_BACKWARD, f"{model_id}:{seq_id}",
+                                                   payload=train, tokens=train.tokens)))
+                steps.append(engine.submit(Command(model_id, seq_id + 1, Kind.OPTIM_STEP, f"{model_id}:{seq_id + 1}",
+                                                   payload=AdamParams(learning_rate=1e-3))))
+            for step in steps:
+                step.result()
+            step_s.append((time.perf_counter() - started) / models)
+            return
         for i, model_id in enumerate(names):
             started = time.perf_counter()
             seq_id = 2 * round_index + 1
@@ -136,17 +155,25 @@ def main() -> None:
                                     page_dir=Path(scratch) / "same", **{**common, "models": args.slots})
         disk, disk_spans, disk_rate = run(base, slots=args.slots, host_bytes=0, disk_bytes=GB,
                                           page_dir=Path(scratch) / "disk", **common)
+        # Every model's step queued at once: the persist lane reads the next models' page files ahead.
+        _, _, resident_queued_rate = run(base, slots=args.models, host_bytes=0, disk_bytes=0,
+                                         page_dir=Path(scratch) / "resident-queued", queued=True, **common)
+        ahead, ahead_spans, ahead_rate = run(base, slots=args.slots, host_bytes=0, disk_bytes=GB,
+                                             page_dir=Path(scratch) / "ahead", queued=True, **common)
         names = sorted(resident.adapters)
-        bit_equal = all(torch.equal(a, b) and torch.equal(a, c)
+        bit_equal = all(torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
                         for name in names
-                        for a, b, c in zip(training_state(resident, name), training_state(host, name),
-                                           training_state(disk, name), strict=True))
+                        for a, b, c, d in zip(training_state(resident, name), training_state(host, name),
+                                              training_state(disk, name), training_state(ahead, name), strict=True))
         state_kb = host._state_bytes(names[-1]) / 1024
     print(json.dumps({
         "bench": "paging", "model": args.model, "device": args.device, "models": args.models, "slots": args.slots,
         "rank": RANK, "rows": args.rows, "seq": args.seq,
         "page_in_p50_ms": {"host": p50_ms(host_spans, "page_in", "host"),
-                           "disk": p50_ms(disk_spans, "page_in", "disk")},
+                           "disk": p50_ms(disk_spans, "page_in", "disk"),
+                           "disk_read_ahead": p50_ms(ahead_spans, "page_in", "disk")},
+        "read_ahead_p50_ms": round(float(np.median(ahead_spans.read_ahead_s)) * 1e3, 3)
+        if ahead_spans.read_ahead_s else None,
         "page_out_p50_ms": {"host": p50_ms(host_spans, "page_out", "host"),
                             "disk": p50_ms(disk_spans, "page_out", "disk")},
         "steps_per_s": {"resident": round(resident_rate, 2), "host": round(host_rate, 2),
@@ -154,6 +181,8 @@ def main() -> None:
         "throughput_vs_resident": round(host_rate / resident_rate, 3),
         "throughput_vs_resident_disk": round(disk_rate / resident_rate, 3),
         "throughput_vs_resident_in_8_slots": round(host_rate / same_slots_rate, 3),
+        "queued_steps_per_s": {"resident": round(resident_queued_rate, 2), "disk_read_ahead": round(ahead_rate, 2)},
+        "throughput_vs_resident_queued_disk": round(ahead_rate / resident_queued_rate, 3),
         "state_kb": round(state_kb, 1), "bit_equal": bit_equal,
     }))
 

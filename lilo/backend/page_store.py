@@ -1,12 +1,18 @@
 """Paged models' states: in host memory (pinned where CUDA is present, so the copy back is one DMA) or in one
-safetensors file per model (written whole, then renamed into place). Nothing read back is unpickled."""
+safetensors file per model (written whole, then renamed into place). Nothing read back is unpickled.
+
+Threads: the compute lane puts, takes and drops; the persist lane may ``stage`` at the same time (read a page file
+ahead of its model's turn). One lock covers the tables; ``stage`` reads its file outside it, and keeps what it read
+only if the file was not rewritten meanwhile."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -17,6 +23,8 @@ from lilo.backend.paging import DISK, HOST, PageMove, Tier, host_demotions
 from lilo.backend.types import LoraSpec
 
 PAGE_FILE_SUFFIX = ".page.safetensors"
+# Page files read ahead and kept in memory at most (each is one model's state, about to be paged in).
+MAX_STAGED = 8
 
 
 @dataclasses.dataclass
@@ -41,6 +49,11 @@ class PageStore:
         self.host_bytes, self.disk_bytes, self.directory, self.pin = host_bytes, disk_bytes, directory, pin
         self.host: dict[str, tuple[PagedState, int]] = {}  # model -> (state, last used)
         self.disk: dict[str, tuple[LoraSpec, int, int]] = {}  # model -> (spec, bytes, last used)
+        # Page files read ahead (``stage``): model -> (which write of its file, the state read).
+        self.staged: OrderedDict[str, tuple[int, PagedState]] = OrderedDict()
+        self._generations: dict[str, int] = {}  # model -> which write its page file is
+        self._writes = 0
+        self._lock = threading.Lock()
         # Running totals, not sums over the dicts: a trainer's event loop reads them while its compute lane pages.
         self.host_used = 0
         self.disk_used = 0
@@ -62,6 +75,10 @@ class PageStore:
     def put(self, model_id: str, state: PagedState, last_used: int) -> list[PageMove]:
         """Keep ``state``: in host memory when it fits (moving the least recently used there to disk first), else
         on disk. The caller checked ``room_for``."""
+        with self._lock:
+            return self._put(model_id, state, last_used)
+
+    def _put(self, model_id: str, state: PagedState, last_used: int) -> list[PageMove]:
         moves: list[PageMove] = []
         demoted = self._host_plan(state.nbytes)
         if demoted is not None:
@@ -78,26 +95,49 @@ class PageStore:
         return moves
 
     def take(self, model_id: str) -> tuple[PagedState, Tier]:
-        """Remove ``model_id``'s state from its tier; returns it and the tier it was in."""
+        """Remove ``model_id``'s state from its tier; returns it and the tier it was in (a page file read ahead by
+        ``stage`` is not read again)."""
+        with self._lock:
+            return self._take(model_id)
+
+    def _take(self, model_id: str) -> tuple[PagedState, Tier]:
         if model_id in self.host:
             state = self.host.pop(model_id)[0]
             self.host_used -= state.nbytes
             return state, HOST
         spec, size, _ = self.disk.pop(model_id)
         self.disk_used -= size
+        generation = self._generations.pop(model_id)
+        staged = self.staged.pop(model_id, None)
         path = self._path(model_id)
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata()
-            data = handle.get_tensor("state")
+        state = staged[1] if staged is not None and staged[0] == generation else _read(path, spec)
         path.unlink(missing_ok=True)
-        return PagedState(spec, int(meta["step"]), meta["has_grads"] == "1", data), DISK
+        return state, DISK
 
     def drop(self, model_id: str) -> None:
-        if model_id in self.host:
-            self.take(model_id)
-        elif model_id in self.disk:
-            self.disk_used -= self.disk.pop(model_id)[1]
-            self._path(model_id).unlink(missing_ok=True)
+        with self._lock:
+            if model_id in self.host or model_id in self.disk:
+                self._take(model_id)
+
+    def stage(self, model_id: str) -> float | None:
+        """Read ``model_id``'s page file ahead of its turn (on the persist lane), so its page-in takes it from
+        memory; the seconds it took, or None when it is not on disk (or is staged already)."""
+        with self._lock:
+            if model_id not in self.disk or model_id in self.staged:
+                return None
+            spec, generation = self.disk[model_id][0], self._generations[model_id]
+        started = time.perf_counter()
+        try:
+            state = _read(self._path(model_id), spec)
+        except (FileNotFoundError, OSError):  # taken meanwhile: its page-in read it
+            return None
+        with self._lock:
+            if self._generations.get(model_id) != generation:
+                return None
+            self.staged[model_id] = (generation, state)
+            while len(self.staged) > MAX_STAGED:
+                self.staged.popitem(last=False)
+        return time.perf_counter() - started
 
     def _write(self, model_id: str, state: PagedState, last_used: int) -> float:
         started = time.perf_counter()
@@ -109,6 +149,8 @@ class PageStore:
         save_file({"state": state.data.contiguous()}, str(temporary), metadata=meta)
         # A page file is whole or absent: a crash mid-write leaves only the temporary file.
         os.replace(temporary, path)
+        self._writes += 1
+        self._generations[model_id] = self._writes
         self.disk[model_id] = (state.spec, state.nbytes, last_used)
         self.disk_used += state.nbytes
         return time.perf_counter() - started
@@ -125,3 +167,10 @@ class PageStore:
 
     def _host_ages(self) -> dict[str, tuple[int, int]]:
         return {model: (used, state.nbytes) for model, (state, used) in self.host.items()}
+
+
+def _read(path: Path, spec: LoraSpec) -> PagedState:
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata()
+        data = handle.get_tensor("state")
+    return PagedState(spec, int(meta["step"]), meta["has_grads"] == "1", data)

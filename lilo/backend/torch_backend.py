@@ -160,6 +160,16 @@ class TorchBackend:
                 moves.append(self._page_in(model_id, state, tier))
         return moves
 
+    def prefetch(self, model_ids: Sequence[str]) -> list[PageMove]:
+        """Read the page files of those of ``model_ids`` waiting on disk into memory, so their page-ins need not
+        (on the persist lane, while the compute lane runs: it touches no slot, only the page store)."""
+        moves = []
+        for model_id in model_ids:
+            seconds = self.pages.stage(model_id)
+            if seconds is not None:
+                moves.append(PageMove(model_id, "in", "disk", seconds))
+        return moves
+
     def _evict_one(self, keep: Collection[str], queued: Collection[str]) -> list[PageMove]:
         training = {model: used for model, used in self._last_used.items() if model in self.adapters}
         # The idlest whose state fits what the tiers have left (models differ in rank, so in size).

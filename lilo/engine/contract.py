@@ -15,8 +15,8 @@ id. The engine maps its work onto the backend like this, and calls nothing else:
                                             ->  capture_checkpoint(command), then persist_checkpoint(command, captured)
     Kind.REFUSED                            ->  nothing: the engine fails it with its message
 
-Threads: the engine calls every method but ``persist_checkpoint`` from its compute lane, one call at a time;
-``persist_checkpoint`` from its persist lane, possibly while the compute lane runs any other method.
+Threads: the engine calls every method but ``persist_checkpoint`` and ``prefetch`` from its compute lane, one call
+at a time; those two from its persist lane, possibly while the compute lane runs any other method.
 
 Errors: a backend raises ``lilo.errors`` types for what the client can fix (``InvalidRequestError`` for bad input,
 ``NotFoundError`` for an adapter or checkpoint it does not hold, ``SaturatedError`` when its slots are full); any
@@ -131,6 +131,12 @@ class Backend(Protocol[Captured]):
         the resident models idle longest: never one in ``running`` or ``model_ids``, one in ``queued`` (it has
         work waiting) only when no other is left. Returns the moves, in order, for the engine's timing; raises
         ``SaturatedError`` when no tier has room, saying what to raise."""
+        ...
+
+    def prefetch(self, model_ids: Sequence[str]) -> list[PageMove]:
+        """On the persist lane, while the compute lane runs: bring paged-out ``model_ids`` (the next to run) nearer
+        to their slots (a page file read into memory), so their ``make_room`` is quicker; changes no slot and no
+        model's state. Returns the moves, for the engine's timing."""
         ...
 
     def forward_backward(self, commands: Sequence[Command[TrainInput]],

@@ -41,6 +41,8 @@ SAMPLING_TURN = "\x00sampling"
 REMEMBERED_UNLOADS = 100_000
 # Sample request ids remembered, so a retry handed over again does not generate twice.
 REMEMBERED_SAMPLES = 4096
+# Models whose page files the persist lane reads ahead of their turn, after each batch is chosen.
+PREFETCH_AHEAD = 2
 
 
 class EngineStopped(RuntimeError):
@@ -71,6 +73,7 @@ class Engine:
         self._unloaded: OrderedDict[str, None] = OrderedDict()
         self._cv = threading.Condition()
         self._stopped = False
+        self._prefetching = False
         self._persist_jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._compute_loop, name="lilo-engine-compute", daemon=True),
@@ -245,6 +248,11 @@ class Engine:
         # The anchor goes to the back of the rotation: the next turn starts with somebody else.
         self._rotation.remove(anchor)
         self._rotation.append(anchor)
+        batch_models = {command.model_id for command, _ in taken}
+        upcoming = [model for model in self._rotation
+                    if model in heads and model not in batch_models and model != SAMPLING_TURN][:PREFETCH_AHEAD]
+        if upcoming:
+            self._prefetch(upcoming)
         return lambda: self._run(taken)
 
     def _take_samples(self) -> list[tuple[Command, Future]]:
@@ -262,8 +270,12 @@ class Engine:
         if kind in SAVING_KINDS:
             self._capture_then_persist(taken[0])
             return
-        # Every training model of an execution needs its slot: a batch of more models runs in parts.
-        for part in _parts(taken, self._training_models(taken), self._backend.training_slots()):
+        # Every training model of an execution needs its slot: a batch of more models runs in parts, each next
+        # part's page files read ahead on the persist lane while this part computes.
+        parts = _parts(taken, self._training_models(taken), self._backend.training_slots())
+        for i, part in enumerate(parts):
+            if i + 1 < len(parts):
+                self._prefetch(list(self._training_models(parts[i + 1])))
             self._run_part(kind, part)
 
     def _run_part(self, kind: Kind, taken: Sequence[tuple[Command, Future]]) -> None:
@@ -355,6 +367,28 @@ class Engine:
                 if model_queue is not None:
                     model_queue.finish_head()
             self._cv.notify_all()
+
+    def _prefetch(self, model_ids: list[str]) -> None:
+        """Have the persist lane read ``model_ids``' page files ahead while the compute lane runs (one such job
+        waiting at a time: a later one would only repeat it); each read is a span ``page_in:prefetch``."""
+        with self._cv:
+            if self._prefetching or self._stopped:
+                return
+            self._prefetching = True
+
+        def job() -> None:
+            t = self._clock()
+            try:
+                moves = self._backend.prefetch(model_ids)
+            finally:
+                with self._cv:
+                    self._prefetching = False
+            for move in moves:
+                self.observer.span(move.model_id, "page_in:prefetch", PERSIST_LANE, t, t + move.seconds, n=1,
+                                   ok=True, moved=move.model_id, tier=move.tier)
+                t += move.seconds
+
+        self._persist_jobs.put(job)
 
     # --- the persist lane ----------------------------------------------------------------------------------
     def _persist_loop(self) -> None:

@@ -177,3 +177,55 @@ def test_when_the_idlest_model_does_not_fit_the_next_idlest_that_does_leaves(bas
         backend.make_room([model_id], (), ())
         backend.add_adapter(model_id, LoraSpec(rank=rank))
     assert set(backend.adapters) == {"big", "new"} and set(backend.pages.host) == {"small"}
+
+
+def test_a_page_file_read_ahead_is_used_once_and_never_after_its_model_was_paged_out_again(tmp_path):
+    from lilo.backend.page_store import PagedState, PageStore
+
+    store = PageStore(host_bytes=0, disk_bytes=MB, directory=tmp_path)
+    first = PagedState(LoraSpec(rank=4), 3, False, torch.arange(12.0).view(3, 4))
+    store.put("m", first, last_used=1)
+    assert store.stage("m") is not None and store.stage("m") is None  # staged once
+    (tmp_path / "m.page.safetensors").unlink()  # the page-in must not need the file now
+    state, tier = store.take("m")
+    assert tier == "disk" and torch.equal(state.data, first.data) and state.step == 3
+    store.put("m", first, last_used=2)
+    store.stage("m")
+    store.take("m")
+    second = PagedState(LoraSpec(rank=4), 4, True, torch.ones(4, 4))
+    store.put("m", second, last_used=3)  # rewritten since it was staged: the file, not the stale copy
+    state, _ = store.take("m")
+    assert torch.equal(state.data, second.data) and state.step == 4 and state.has_grads
+    assert store.disk_used == 0 and not store.staged
+
+
+def test_models_waiting_their_turn_are_read_ahead_and_train_bit_for_bit_as_resident(base, tmp_path):
+    models = [f"m{i}" for i in range(6)]
+
+    def run(backend: TorchBackend) -> Engine:
+        engine = Engine(backend, coalesce=False)
+        try:
+            for i, model_id in enumerate(models):
+                engine.create_model(model_id, LoraSpec(rank=4, seed=i)).result(30)
+            for seq in (1, 3):
+                steps = []
+                for i, model_id in enumerate(models):
+                    train_input = TrainInput(data=[datum(10 * seq + i)])
+                    steps.append(engine.submit(Command(model_id, seq, Kind.FORWARD_BACKWARD, f"{model_id}:{seq}",
+                                                       payload=train_input, tokens=train_input.tokens)))
+                    steps.append(engine.submit(Command(model_id, seq + 1, Kind.OPTIM_STEP, f"{model_id}:{seq + 1}",
+                                                       payload=ADAM)))
+                [step.result(30) for step in steps]
+        finally:
+            engine.stop()
+        return engine
+
+    resident = TorchBackend(copy.deepcopy(base), max_adapters=6, max_rank=8, checkpoint_dir=tmp_path / "r")
+    paged = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, checkpoint_dir=tmp_path / "p",
+                         disk_adapter_bytes=64 * MB)
+    run(resident)
+    phases = run(paged).timings.snapshot()["phases"]
+    assert "prefetch.page_in" in phases
+    for model_id in models:
+        for ours, theirs in zip(training_state(paged, model_id), training_state(resident, model_id), strict=True):
+            assert torch.equal(ours, theirs)
