@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,8 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine_bench import batch, run_with_compute_lane
 from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
-from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput
+from lilo.backend.types import AdamParams, LoraSpec
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
@@ -64,20 +64,10 @@ def matmul_parameters(model: nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def batch(rng: np.random.Generator, rows: int, seq: int, vocab: int) -> TrainInput:
-    data = []
-    for _ in range(rows):
-        tokens = rng.integers(0, vocab, seq)
-        data.append(Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
-                                                      "weights": np.ones(seq, dtype=np.float32)}))
-    return TrainInput(data=data)
-
-
 def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int, coalesce: bool) -> float:
     """Tokens/s through the engine: its compute lane on this (the torch) thread, a client thread submitting."""
     backend = TorchBackend(copy.deepcopy(base), max_adapters=adapters, max_rank=RANK)
     engine = Engine(backend, coalesce=coalesce, start=False)
-    engine.start(compute_thread=False)
     models = [f"m{i}" for i in range(adapters)]
     rng = np.random.default_rng(0)
     seq_ids = {m: 1 for m in models}
@@ -97,18 +87,12 @@ def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int
             future.result()
 
     def client() -> None:
-        try:
-            for future in [engine.create_model(m, LoraSpec(rank=RANK, seed=1)) for m in models]:
-                future.result()
-            one_step()  # warm-up
-            measured["tok_s"] = adapters * rows * seq / median_seconds(one_step, steps)
-        finally:
-            engine.stop()
+        for future in [engine.create_model(m, LoraSpec(rank=RANK, seed=1)) for m in models]:
+            future.result()
+        one_step()  # warm-up
+        measured["tok_s"] = adapters * rows * seq / median_seconds(one_step, steps)
 
-    submitter = threading.Thread(target=client)
-    submitter.start()
-    engine.run_compute_lane()
-    submitter.join()
+    run_with_compute_lane(engine, client)
     return measured["tok_s"]
 
 

@@ -70,12 +70,18 @@ class TrainerConfig:
     # None: the backend's temporary directory (tests), or the default model cache.
     checkpoint_dir: Path | None = None
     model_cache_dir: Path | None = None
+    # Paging (lilo.backend.paging): host memory per trainer (None: a share of its node's), disk per trainer, and
+    # the directory under which each trainer keeps its page files (None: beside the checkpoints). 0 and 0: none.
+    host_adapter_mb: int | None = 0
+    disk_adapter_gb: float = 0.0
+    page_dir: Path | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TrainerConfig:
         return cls(max_adapters=settings.max_adapters, max_rank=settings.max_rank,
                    sampler_slots=settings.sampler_slots, device=settings.device, compute_nice=settings.compute_nice,
-                   checkpoint_dir=settings.home / "checkpoints")
+                   checkpoint_dir=settings.home / "checkpoints", host_adapter_mb=settings.host_adapter_mb,
+                   disk_adapter_gb=settings.disk_adapter_gb, page_dir=settings.home / "pages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +122,17 @@ class TrainerActor:
             # Torch is imported here, not with this module: Ray imports this module in every process that holds a
             # trainer's handle (the API replicas, the recovery actor), and those need no torch.
             from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
+            from lilo.backend.paging import host_adapter_bytes
             from lilo.backend.torch_backend import TorchBackend
 
             directory = model_directory(self.base_model, config.model_cache_dir)
             backend = TorchBackend(load_base_model(directory, resolve_device(config.device)),
                                    max_adapters=config.max_adapters, max_rank=config.max_rank,
                                    sampler_slots=config.sampler_slots, checkpoint_dir=config.checkpoint_dir,
-                                   base_model_name=self.base_model, decode=load_decoder(directory))
+                                   base_model_name=self.base_model, decode=load_decoder(directory),
+                                   host_adapter_bytes=host_adapter_bytes(config.host_adapter_mb),
+                                   disk_adapter_bytes=int(config.disk_adapter_gb * 2**30),
+                                   page_dir=config.page_dir / self.name if config.page_dir else None)
             engine = Engine(backend, start=False)
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
@@ -153,7 +163,7 @@ class TrainerActor:
         loaded.engine.timings.mark(SERVING_READY)
         backend = loaded.backend
         eos = backend.model.config.eos_token_id
-        return {"name": self.name, "base_model": self.base_model, "free_slots": backend.free_slots,
+        return {"name": self.name, "base_model": self.base_model, "free_slots": backend.room,
                 "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(),
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}

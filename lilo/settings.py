@@ -48,6 +48,11 @@ class Settings:
     # Further slots per trainer that only sampler checkpoints use (they also use free training slots): sampling
     # a saved checkpoint works while training models fill every training slot.
     sampler_slots: int = 2
+    # Where a trainer's models beyond its slots wait, whole (weights, optimizer state, step): host memory, MB per
+    # trainer (None: a sixteenth of its node's memory; pinned under CUDA), then disk under the home, GB per trainer.
+    # A model comes back into a slot before its next command; create_model is refused only when all are full.
+    host_adapter_mb: int | None = None
+    disk_adapter_gb: float = 16.0
     # Address of an existing Ray cluster to deploy onto ("auto" on a `ray up` head); None starts a private head.
     ray_address: str | None = None
     startup_timeout_s: float = 120.0
@@ -145,6 +150,10 @@ class Settings:
             raise SettingsError(f"--max-rank must be at least 1, got {self.max_rank}.")
         if self.sampler_slots < 0:
             raise SettingsError(f"--sampler-slots must be 0 or more, got {self.sampler_slots}.")
+        if self.host_adapter_mb is not None and self.host_adapter_mb < 0:
+            raise SettingsError(f"--host-adapter-mb must be 0 (no host tier) or more, got {self.host_adapter_mb}.")
+        if self.disk_adapter_gb < 0:
+            raise SettingsError(f"--disk-adapter-gb must be 0 (no disk tier) or more, got {self.disk_adapter_gb}.")
         if self.trainers is not None and self.trainers < 1:
             raise SettingsError(f"--trainers must be at least 1, got {self.trainers}.")
         if self.min_trainers < 0:
@@ -208,6 +217,8 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_MAX_ADAPTERS": ("max_adapters", int),
     "LILO_MAX_RANK": ("max_rank", int),
     "LILO_SAMPLER_SLOTS": ("sampler_slots", int),
+    "LILO_HOST_ADAPTER_MB": ("host_adapter_mb", int),
+    "LILO_DISK_ADAPTER_GB": ("disk_adapter_gb", float),
     "LILO_RAY_ADDRESS": ("ray_address", str),
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
     "LILO_DEVICE": ("device", str),

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Container, Sequence
+from typing import Any, Collection, Container, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_
 from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import SlotAdamW
+from lilo.backend.page_store import PagedState, PageStore
+from lilo.backend.paging import PageMove, Tier, choose_victims
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import ForwardBackwardResult, LoadResult, OptimStepResult, SampleResult, SaveResult
@@ -49,7 +52,8 @@ class TorchBackend:
                  max_rank: int = DEFAULT_MAX_RANK, sampler_slots: int = DEFAULT_SAMPLER_SLOTS,
                  checkpoint_dir: Path | None = None,
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 decode: sampling.Decode | None = None) -> None:
+                 decode: sampling.Decode | None = None, host_adapter_bytes: int = 0, disk_adapter_bytes: int = 0,
+                 page_dir: Path | None = None) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.decode = decode  # the base model's detokenizer, for stop strings
@@ -70,6 +74,13 @@ class TorchBackend:
         self._samplers: OrderedDict[str, int] = OrderedDict()
         self._free_slots = list(range(max_adapters + sampler_slots))
         self.vocab_size = self.model.get_output_embeddings().base.out_features
+        # Models beyond the slots wait paged out (lilo.backend.paging); 0 and 0: no paging, a full trainer says so.
+        self.pages = PageStore(host_adapter_bytes, disk_adapter_bytes,
+                               page_dir or self.checkpoint_dir.parent / "pages", pin=self.device.type == "cuda")
+        self._uses = 0
+        self._last_used: dict[str, int] = {}  # training model -> when make_room or add_adapter last saw it
+        self._grad_slots: set[int] = set()  # slots holding gradients an optim_step has not consumed yet
+        self._entry_indices: dict[tuple, torch.Tensor] = {}
 
     # --- adapters ------------------------------------------------------------------------------------------
     def add_adapter(self, model_id: str, spec: LoraSpec) -> None:
@@ -78,7 +89,7 @@ class TorchBackend:
         if not 1 <= spec.rank <= self.max_rank:
             raise InvalidRequestError(f"LoRA rank {spec.rank} is out of range; use 1 to {self.max_rank}.")
         if not model_id.startswith(TINKER_SCHEME) and self.free_slots <= 0:
-            raise SaturatedError(f"All {self.max_adapters} adapter slots of this trainer are in use.")
+            raise SaturatedError(self._full_message())
         self._make_room()
         slot = self._free_slots.pop(0)
         generator = torch.Generator().manual_seed(spec.seed) if spec.seed is not None else None
@@ -89,10 +100,18 @@ class TorchBackend:
             else:
                 layer.clear_slot(slot)
         self.optimizer.reset_slot(slot)
+        self._grad_slots.discard(slot)
         self.adapters[model_id] = Adapter(slot, spec)
+        if not model_id.startswith(TINKER_SCHEME):
+            self._touch(model_id)
 
     def remove_adapter(self, model_id: str) -> None:
+        self._last_used.pop(model_id, None)
+        if model_id in self.pages:
+            self.pages.drop(model_id)
+            return
         adapter = self._adapter(model_id)
+        self._grad_slots.discard(adapter.slot)
         for layer in self.layers.values():
             layer.clear_slot(adapter.slot)
         self.optimizer.zero_grad([adapter.slot])
@@ -105,6 +124,138 @@ class TorchBackend:
         """Training models this trainer can still take (a cached sampler checkpoint gives its slot up to whoever
         needs one)."""
         return self.max_adapters - (len(self.adapters) - len(self._samplers))
+
+    @property
+    def room(self) -> int:
+        """Training models this trainer can still take: free slots, and as many of the largest (``max_rank``,
+        every projection) as host memory and disk still hold paged out."""
+        largest = 3 * self.bank.weights.shape[1] * self.bank.weights.element_size()
+        free_bytes = (self.pages.host_bytes - self.pages.host_used) + (self.pages.disk_bytes - self.pages.disk_used)
+        return self.free_slots + max(0, free_bytes) // largest
+
+    # --- paging -------------------------------------------------------------------------------------------
+    def training_slots(self) -> int:
+        return self.max_adapters
+
+    def make_room(self, model_ids: Sequence[str], running: Collection[str],
+                  queued: Collection[str]) -> list[PageMove]:
+        """Every one of ``model_ids`` that is paged out comes back into a slot, and for each not held at all (about
+        to be added) a slot is freed: by paging out the resident models idle longest (``paging.choose_victims``),
+        never one in ``running`` or ``model_ids``. Returns the moves, in order; ``SaturatedError`` when there is
+        no room left in any tier."""
+        moves: list[PageMove] = []
+        for model_id in model_ids:
+            if model_id in self.adapters:
+                self._touch(model_id)
+                continue
+            state, tier = self.pages.take(model_id) if model_id in self.pages else (None, None)
+            try:
+                if self.free_slots <= 0:
+                    moves += self._evict_one(set(running) | set(model_ids), queued)
+            except SaturatedError:
+                if state is not None:  # back where it was: the model is not lost for want of room
+                    self.pages.put(model_id, state, self._last_used.get(model_id, 0))
+                raise
+            if state is not None:
+                moves.append(self._page_in(model_id, state, tier))
+        return moves
+
+    def prefetch(self, model_ids: Sequence[str]) -> list[PageMove]:
+        """Read the page files of those of ``model_ids`` waiting on disk into memory, so their page-ins need not
+        (on the persist lane, while the compute lane runs: it touches no slot, only the page store)."""
+        moves = []
+        for model_id in model_ids:
+            seconds = self.pages.stage(model_id)
+            if seconds is not None:
+                moves.append(PageMove(model_id, "in", "disk", seconds))
+        return moves
+
+    def _evict_one(self, keep: Collection[str], queued: Collection[str]) -> list[PageMove]:
+        training = {model: used for model, used in self._last_used.items() if model in self.adapters}
+        # The idlest whose state fits what the tiers have left (models differ in rank, so in size).
+        for victim in choose_victims(training, len(training), keep, queued):
+            if self.pages.room_for(self._state_bytes(victim)):
+                return self._page_out(victim)
+        raise SaturatedError(self._full_message())
+
+    def _full_message(self) -> str:
+        if not self.pages.host_bytes and not self.pages.disk_bytes:
+            return (f"All {self.max_adapters} adapter slots of this trainer are in use; start lilo with more "
+                    "--max-adapters, or give idle models room to page out with --host-adapter-mb or "
+                    "--disk-adapter-gb.")
+        return (f"All {self.max_adapters} adapter slots, {self.pages.host_bytes / 2**20:.0f} MB of host memory "
+                f"and {self.pages.disk_bytes / 2**30:g} GB of disk for paged models on this trainer are full; "
+                "raise --host-adapter-mb or --disk-adapter-gb (or --max-adapters), or unload models you no longer "
+                "train.")
+
+    def _touch(self, model_id: str) -> None:
+        self._uses += 1
+        self._last_used[model_id] = self._uses
+
+    def _entry_index(self, spec: LoraSpec) -> torch.Tensor:
+        """Where, in a slot's row of the bank, the entries an adapter of ``spec`` trains lie (all others are zero
+        in its weights, moments and gradients, so they need not move)."""
+        key = (spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed)
+        index = self._entry_indices.get(key)
+        if index is None:
+            targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
+            offsets, shapes, parts = self.bank.offsets, self.bank.shapes, []
+            for n, path in enumerate(self.layers):
+                if projection_kind(path) in targets:
+                    a, b = 2 * n, 2 * n + 1
+                    parts.append(torch.arange(offsets[a], offsets[a] + spec.rank * shapes[a][1]))
+                    rows = torch.arange(shapes[b][0]).unsqueeze(1) * shapes[b][1]
+                    parts.append((offsets[b] + rows + torch.arange(spec.rank)).flatten())
+            index = self._entry_indices[key] = torch.cat(parts).to(self.device)
+        return index
+
+    def _state_bytes(self, model_id: str) -> int:
+        adapter = self.adapters[model_id]
+        rows = 4 if adapter.slot in self._grad_slots else 3
+        return rows * self._entry_index(adapter.spec).numel() * self.bank.weights.element_size()
+
+    def _page_out(self, model_id: str) -> list[PageMove]:
+        started = time.perf_counter()
+        adapter = self.adapters.pop(model_id)
+        slot, has_grads = adapter.slot, adapter.slot in self._grad_slots
+        flats = [self.bank.weights, self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
+        flats += [self.bank.grads] if has_grads else []
+        data = torch.stack([flat[slot] for flat in flats]).index_select(1, self._entry_index(adapter.spec))
+        if self.pages.pin:
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            data = host.copy_(data)
+        state = PagedState(adapter.spec, self.optimizer.steps(slot), has_grads, data)
+        if has_grads:
+            self.bank.grads[slot].zero_()
+            self._grad_slots.discard(slot)
+        self._free_slots.append(slot)
+        demoted = self.pages.put(model_id, state, self._last_used[model_id])
+        move = PageMove(model_id, "out", self.pages.tier_of(model_id), time.perf_counter() - started)
+        return demoted + [move]
+
+    def _page_in(self, model_id: str, state: PagedState, tier: Tier) -> PageMove:
+        started = time.perf_counter()
+        self._make_room()
+        slot = self._free_slots.pop(0)
+        index = self._entry_index(state.spec)
+        data = state.data.to(self.device, non_blocking=True)
+        flats = [self.bank.weights, self.optimizer.exp_avg, self.optimizer.exp_avg_sq, self.bank.grads]
+        for k, flat in enumerate(flats):
+            flat[slot].zero_()
+            if k < len(data):
+                flat[slot].index_copy_(0, index, data[k])
+        if state.has_grads:
+            self._grad_slots.add(slot)
+        self.optimizer.set_steps(slot, state.step)
+        targets = set(target_names(state.spec.train_attn, state.spec.train_mlp, state.spec.train_unembed))
+        scale = (state.spec.alpha or state.spec.rank) / state.spec.rank
+        for path, layer in self.layers.items():
+            trained = projection_kind(path) in targets
+            layer.scale[slot] = scale if trained else 0.0
+            layer.trained[slot] = trained
+        self.adapters[model_id] = Adapter(slot, state.spec)
+        self._touch(model_id)
+        return PageMove(model_id, "in", tier, time.perf_counter() - started)
 
     def _make_room(self, pinned: Container[str] = ()) -> None:
         """Free a slot if none is: evict the least recently used sampler checkpoint not in ``pinned``."""
@@ -150,6 +301,8 @@ class TorchBackend:
             for (n, _), (logprobs, elementwise, loss) in zip(chunk, per_row):
                 outputs[n].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
                 sums[n] += float(loss.detach())
+        if not forward_only:
+            self._grad_slots.update(self.adapters[command.model_id].slot for _, command, _, _ in valid)
         for n, (i, _, _, _) in enumerate(valid):
             results[i] = {"loss_fn_outputs": outputs[n], "metrics": {"loss:sum": sums[n]}}
         return results
@@ -195,6 +348,7 @@ class TorchBackend:
         adapters = [self._adapter(command.model_id) for command in commands]
         norms = self.optimizer.step([a.slot for a in adapters], [command.payload for command in commands])
         self.optimizer.zero_grad([a.slot for a in adapters])
+        self._grad_slots.difference_update(a.slot for a in adapters)
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
 
     def sample(self, commands: Sequence[Command[SamplingRequest]]) -> list[SampleResult | Exception]:
@@ -271,6 +425,7 @@ class TorchBackend:
         """Capture and write ``model_id``'s adapter and optimizer state as the save_weights checkpoint ``name``
         at once, outside any engine (a trainer saving its models as it stops); returns its tinker path."""
         command = Command(model_id, 0, Kind.SAVE_WEIGHTS, f"save-{model_id}", payload=SaveRequest(name=name))
+        self.make_room([model_id], (), ())
         return self.persist_checkpoint(command, self.capture_checkpoint(command))["path"]
 
     def load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:

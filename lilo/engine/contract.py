@@ -4,7 +4,8 @@ The engine speaks of models; a backend of adapters, each held in a slot. A model
 id. The engine maps its work onto the backend like this, and calls nothing else:
 
     engine                                      backend
-    create_model(model_id, spec)            ->  add_adapter(model_id, spec)
+    create_model(model_id, spec)            ->  make_room([model_id], ...), then add_adapter(model_id, spec)
+    any command of a model, before it runs  ->  make_room(its batch's models, ...) (pages them in)
     unload_model(model_id)                  ->  remove_adapter(model_id), once the model's queued commands have run
     Kind.FORWARD_BACKWARD, Kind.FORWARD     ->  forward_backward(commands, forward_only)
     Kind.OPTIM_STEP                         ->  optim_step(commands)
@@ -14,8 +15,8 @@ id. The engine maps its work onto the backend like this, and calls nothing else:
                                             ->  capture_checkpoint(command), then persist_checkpoint(command, captured)
     Kind.REFUSED                            ->  nothing: the engine fails it with its message
 
-Threads: the engine calls every method but ``persist_checkpoint`` from its compute lane, one call at a time;
-``persist_checkpoint`` from its persist lane, possibly while the compute lane runs any other method.
+Threads: the engine calls every method but ``persist_checkpoint`` and ``prefetch`` from its compute lane, one call
+at a time; those two from its persist lane, possibly while the compute lane runs any other method.
 
 Errors: a backend raises ``lilo.errors`` types for what the client can fix (``InvalidRequestError`` for bad input,
 ``NotFoundError`` for an adapter or checkpoint it does not hold, ``SaturatedError`` when its slots are full); any
@@ -28,8 +29,9 @@ checks an implementation's methods and parameter names against it (``isinstance`
 from __future__ import annotations
 
 import inspect
-from typing import NotRequired, Protocol, Sequence, TypedDict, TypeVar, runtime_checkable
+from typing import Collection, NotRequired, Protocol, Sequence, TypedDict, TypeVar, runtime_checkable
 
+from lilo.backend.paging import PageMove
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command
 
@@ -116,6 +118,25 @@ class Backend(Protocol[Captured]):
     def remove_adapter(self, model_id: str) -> None:
         """Free ``model_id``'s slot (an adapter added there later starts fresh); ``NotFoundError`` if it holds
         none."""
+        ...
+
+    def training_slots(self) -> int:
+        """How many training models can be in slots at once: the engine runs a batch of more models in parts."""
+        ...
+
+    def make_room(self, model_ids: Sequence[str], running: Collection[str],
+                  queued: Collection[str]) -> list[PageMove]:
+        """Make every one of ``model_ids`` resident: one paged out comes back into a slot with its whole training
+        state, bit for bit; for one not held yet (about to be added) a slot is freed. Room comes from paging out
+        the resident models idle longest: never one in ``running`` or ``model_ids``, one in ``queued`` (it has
+        work waiting) only when no other is left. Returns the moves, in order, for the engine's timing; raises
+        ``SaturatedError`` when no tier has room, saying what to raise."""
+        ...
+
+    def prefetch(self, model_ids: Sequence[str]) -> list[PageMove]:
+        """On the persist lane, while the compute lane runs: bring paged-out ``model_ids`` (the next to run) nearer
+        to their slots (a page file read into memory), so their ``make_room`` is quicker; changes no slot and no
+        model's state. Returns the moves, for the engine's timing."""
         ...
 
     def forward_backward(self, commands: Sequence[Command[TrainInput]],

@@ -9,8 +9,9 @@ its turn in the rotation like a model, each turn one generation over as many sam
 
 Telemetry: the engine reports through the Observer protocol only (``begin`` at submission, one ``span`` per
 physical batch with every model, ``request_ids``, ``n`` and ``ok``; ``capture:<kind>`` / ``persist:<kind>`` on
-their lanes; ``accept`` for a new model). Whatever observer it is given is composed with its own CriticalPath,
-``engine.timings``, so timing cannot be switched off.
+their lanes; ``accept`` for a new model; ``page_in:<kind>`` / ``page_out:<kind>`` on the model whose command
+needed a model paged back into a slot, or a slot freed, before it ran). Whatever observer it is given is composed
+with its own CriticalPath, ``engine.timings``, so timing cannot be switched off.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ SAMPLING_TURN = "\x00sampling"
 REMEMBERED_UNLOADS = 100_000
 # Sample request ids remembered, so a retry handed over again does not generate twice.
 REMEMBERED_SAMPLES = 4096
+# Models whose page files the persist lane reads ahead of their turn, after each batch is chosen.
+PREFETCH_AHEAD = 2
 
 
 class EngineStopped(RuntimeError):
@@ -70,6 +73,7 @@ class Engine:
         self._unloaded: OrderedDict[str, None] = OrderedDict()
         self._cv = threading.Condition()
         self._stopped = False
+        self._prefetching = False
         self._persist_jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._compute_loop, name="lilo-engine-compute", daemon=True),
@@ -132,6 +136,8 @@ class Engine:
     def _accept(self, model_id: str, spec: LoraSpec, future: Future) -> None:
         t0 = self._clock()
         try:
+            self._make_resident([model_id], "accept", {model_id: []})
+            t0 = self._clock()
             self._backend.add_adapter(model_id, spec)
         except Exception as error:
             self.observer.span(model_id, "accept", COMPUTE_LANE, t0, self._clock(), n=1, ok=False)
@@ -242,6 +248,11 @@ class Engine:
         # The anchor goes to the back of the rotation: the next turn starts with somebody else.
         self._rotation.remove(anchor)
         self._rotation.append(anchor)
+        batch_models = {command.model_id for command, _ in taken}
+        upcoming = [model for model in self._rotation
+                    if model in heads and model not in batch_models and model != SAMPLING_TURN][:PREFETCH_AHEAD]
+        if upcoming:
+            self._prefetch(upcoming)
         return lambda: self._run(taken)
 
     def _take_samples(self) -> list[tuple[Command, Future]]:
@@ -255,15 +266,26 @@ class Engine:
         return taken
 
     def _run(self, taken: Sequence[tuple[Command, Future]]) -> None:
-        commands = [command for command, _ in taken]
-        kind = commands[0].kind
+        kind = taken[0][0].kind
         if kind in SAVING_KINDS:
             self._capture_then_persist(taken[0])
             return
-        t0 = self._clock()
+        # Every training model of an execution needs its slot: a batch of more models runs in parts, each next
+        # part's page files read ahead on the persist lane while this part computes.
+        parts = _parts(taken, self._training_models(taken), self._backend.training_slots())
+        for i, part in enumerate(parts):
+            if i + 1 < len(parts):
+                self._prefetch(list(self._training_models(parts[i + 1])))
+            self._run_part(kind, part)
+
+    def _run_part(self, kind: Kind, taken: Sequence[tuple[Command, Future]]) -> None:
+        commands = [command for command, _ in taken]
         try:
+            self._make_resident(list(self._training_models(taken)), kind, _request_ids_by_model(commands))
+            t0 = self._clock()
             results = self._execute(kind, commands)
         except Exception as error:  # the whole execution failed: every command in it gets the error
+            t0 = self._clock()
             results = [error] * len(commands)
         t1 = self._clock()
         ok = not any(isinstance(result, BaseException) for result in results)
@@ -273,6 +295,28 @@ class Engine:
             self._finish_heads(commands)
         for (_, future), result in zip(taken, results):
             self._settle(future, result)
+
+    def _training_models(self, taken: Sequence[tuple[Command, Future]]) -> dict[str, None]:
+        """The training models these commands run on, in order (a sample of a checkpoint or of the bare base
+        model runs on none)."""
+        with self._cv:
+            return dict.fromkeys(command.model_id for command, _ in taken if command.model_id in self._queues
+                                 and not getattr(command.payload, "base_only", False))
+
+    def _make_resident(self, model_ids: Sequence[str], kind: str, request_ids: dict[str, list[str]]) -> None:
+        """Page ``model_ids`` into slots (freeing one for each new model) before they run; each move is a span
+        ``page_in:<kind>`` / ``page_out:<kind>`` of the model that needed it, the first carrying its request ids
+        so its queue wait ends where the paging began."""
+        with self._cv:
+            queued = {model for model, model_queue in self._queues.items() if model_queue.has_work}
+        for model_id in model_ids:
+            t = self._clock()
+            moves = self._backend.make_room([model_id], model_ids, queued)
+            ids = request_ids.get(model_id, [])
+            for move in moves:
+                self.observer.span(model_id, f"page_{move.direction}:{kind}", COMPUTE_LANE, t, t + move.seconds,
+                                   request_ids=ids, n=1, ok=True, moved=move.model_id, tier=move.tier)
+                t, ids = t + move.seconds, []
 
     def _execute(self, kind: Kind, commands: Sequence[Command]) -> list[Any]:
         if kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
@@ -291,6 +335,8 @@ class Engine:
         command, future = taken
         t0 = self._clock()
         try:
+            self._make_resident([command.model_id], command.kind, {command.model_id: [command.request_id]})
+            t0 = self._clock()
             captured = self._backend.capture_checkpoint(command)
         except Exception as error:
             self.observer.span(command.model_id, f"capture:{command.kind}", COMPUTE_LANE, t0, self._clock(),
@@ -321,6 +367,28 @@ class Engine:
                 if model_queue is not None:
                     model_queue.finish_head()
             self._cv.notify_all()
+
+    def _prefetch(self, model_ids: list[str]) -> None:
+        """Have the persist lane read ``model_ids``' page files ahead while the compute lane runs (one such job
+        waiting at a time: a later one would only repeat it); each read is a span ``page_in:prefetch``."""
+        with self._cv:
+            if self._prefetching or self._stopped:
+                return
+            self._prefetching = True
+
+        def job() -> None:
+            t = self._clock()
+            try:
+                moves = self._backend.prefetch(model_ids)
+            finally:
+                with self._cv:
+                    self._prefetching = False
+            for move in moves:
+                self.observer.span(move.model_id, "page_in:prefetch", PERSIST_LANE, t, t + move.seconds, n=1,
+                                   ok=True, moved=move.model_id, tier=move.tier)
+                t += move.seconds
+
+        self._persist_jobs.put(job)
 
     # --- the persist lane ----------------------------------------------------------------------------------
     def _persist_loop(self) -> None:
@@ -368,3 +436,28 @@ class Engine:
             future.set_exception(result)
         else:
             future.set_result(result)
+
+
+def _parts(taken: Sequence[tuple[Command, Future]], models: dict[str, None],
+           limit: int) -> list[Sequence[tuple[Command, Future]]]:
+    """``taken`` in consecutive parts of at most ``limit`` of the training ``models`` each."""
+    parts: list[Sequence[tuple[Command, Future]]] = []
+    current: list[tuple[Command, Future]] = []
+    seen: set[str] = set()
+    for item in taken:
+        model = item[0].model_id
+        if model in models and model not in seen and len(seen) == limit:
+            parts.append(current)
+            current, seen = [], set()
+        if model in models:
+            seen.add(model)
+        current.append(item)
+    parts.append(current)
+    return parts
+
+
+def _request_ids_by_model(commands: Sequence[Command]) -> dict[str, list[str]]:
+    ids: dict[str, list[str]] = {}
+    for command in commands:
+        ids.setdefault(command.model_id, []).append(command.request_id)
+    return ids

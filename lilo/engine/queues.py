@@ -48,6 +48,11 @@ class ModelQueue:
         held = self._held.get(self.next_seq)
         return held[0] if held else None
 
+    @property
+    def has_work(self) -> bool:
+        """Something of it is queued or running."""
+        return self.running or bool(self._held)
+
     def take_head(self) -> tuple[Command, Future]:
         self.running = True
         return self._held.pop(self.next_seq)

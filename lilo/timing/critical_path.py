@@ -10,6 +10,8 @@ Phases per model (and for ``ALL_MODELS``), each with ``count, total_s, mean_s, m
   (the lane ran batches holding an earlier command of this model), ``queue_wait_others`` (it ran batches holding
   none of this model's commands) and ``queue_wait_idle`` (it ran nothing: pure service overhead); the three add up.
 - ``<kind>.capture`` / ``<kind>.persist``: checkpoint copy-out on the compute lane, and the write on its own lane.
+- ``<kind>.page_in`` / ``<kind>.page_out``: bringing the model back into a slot before its command ran, and paging
+  out another (or, for a new model, ``accept.page_out``) to free that slot.
 - ``accept.execute`` / ``accept.queue_wait``: making a new model ready, from its registration.
 Gauges, measured from process start and set once: ``trainer.backend_ready_s``, ``trainer.serving_ready_s``,
 ``trainer.first_model_ready_s``.

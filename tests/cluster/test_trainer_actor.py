@@ -160,7 +160,30 @@ def test_a_watch_names_the_process_it_reached_and_then_blocks_on_it(trainer):
 
 def test_every_trainer_is_built_from_the_settings_of_its_service(tmp_path):
     settings = load_settings(env={}, home=tmp_path, max_adapters=5, max_rank=64, sampler_slots=1, device="cpu",
-                             compute_nice=3, ray_address="auto")
+                             compute_nice=3, ray_address="auto", disk_adapter_gb=2)
     assert TrainerConfig.from_settings(settings) == TrainerConfig(
         max_adapters=5, max_rank=64, sampler_slots=1, device="cpu", compute_nice=3,
-        checkpoint_dir=tmp_path / "checkpoints")
+        checkpoint_dir=tmp_path / "checkpoints", host_adapter_mb=None, disk_adapter_gb=2, page_dir=tmp_path / "pages")
+
+
+def test_a_paging_trainer_takes_more_models_than_slots_and_keeps_their_page_files_under_its_name(
+        ray_driver, tmp_path_factory):
+    index = 900 + uuid.uuid4().int % 99
+    pages = tmp_path_factory.mktemp("pages")
+    config = TrainerConfig(max_adapters=1, max_rank=8, sampler_slots=0, device="auto", compute_nice=0,
+                           checkpoint_dir=tmp_path_factory.mktemp("checkpoints"),
+                           model_cache_dir=tmp_path_factory.mktemp("models"), host_adapter_mb=0,
+                           disk_adapter_gb=0.01, page_dir=pages)
+    actor = start_trainer(index, "lilo/tiny-llama", config)
+    try:
+        assert ray.get(actor.ready.remote(), timeout=300)["free_slots"] > 1
+        models = [f"p-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+        for model_id in models:
+            ray.get(actor.create_model.remote(model_id, LoraSpec(rank=4, seed=0)), timeout=60)
+        for model_id in models:  # each steps in turn, paged in from disk and out again
+            ray.get(actor.run.remote(Command(model_id, 1, Kind.FORWARD_BACKWARD, f"{model_id}:1",
+                                             payload=train_input(1), tokens=32)), timeout=60)
+        assert len(list((pages / trainer_name(index)).glob("*.page.safetensors"))) == 2
+    finally:
+        ray.get(actor.stop.remote(), timeout=60)
+        ray.kill(actor)

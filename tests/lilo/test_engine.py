@@ -32,6 +32,15 @@ class RecordingBackend:
     def remove_adapter(self, model_id):
         self.calls.append(("remove", [model_id]))
 
+    def training_slots(self):
+        return 1000
+
+    def make_room(self, model_ids, running, queued):
+        return []
+
+    def prefetch(self, model_ids):
+        return []
+
     def _batch(self, name, commands):
         self.calls.append((name, [c.request_id for c in commands]))
         return [ValueError(f"token id out of range in {c.request_id}") if c.request_id in self.fail_request_ids

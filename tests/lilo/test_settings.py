@@ -106,3 +106,15 @@ def test_following_the_gpus_is_decided_at_start_unless_set_and_its_bounds_come_f
     assert (settings.follow_gpus, settings.max_trainers, settings.trainer_idle_timeout_s) == (True, 4, 0)
     with pytest.raises(SettingsError, match="LILO_FOLLOW_GPUS='maybe' is not a valid flag"):
         load_settings(env={"LILO_FOLLOW_GPUS": "maybe"})
+
+
+def test_paging_tiers_come_from_the_environment_or_a_flag_and_may_be_zero():
+    assert load_settings(env={}).host_adapter_mb is None  # a share of the node's memory, resolved per trainer
+    assert load_settings(env={}).disk_adapter_gb == 16.0
+    settings = load_settings(env={"LILO_HOST_ADAPTER_MB": "512", "LILO_DISK_ADAPTER_GB": "0.5"})
+    assert (settings.host_adapter_mb, settings.disk_adapter_gb) == (512, 0.5)
+    assert load_settings(env={}, host_adapter_mb=0, disk_adapter_gb=0).disk_adapter_gb == 0
+    with pytest.raises(SettingsError, match="--host-adapter-mb must be 0"):
+        load_settings(env={}, host_adapter_mb=-1)
+    with pytest.raises(SettingsError, match="--disk-adapter-gb must be 0"):
+        load_settings(env={}, disk_adapter_gb=-1)
