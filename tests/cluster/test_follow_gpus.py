@@ -33,7 +33,9 @@ from tinker import types
 from helpers import free_port, lilo, ray_test_cluster, short_home
 
 TINY = "lilo/tiny-llama"
-SLOTS = 2  # adapter slots per trainer: two models fill one
+# Adapter slots per trainer, and no host or disk tier to page to: two models fill one (with paging tiers, a trainer
+# is full only when every tier is).
+SLOTS = 2
 IDLE_TIMEOUT_S = 8
 TRAINER_WAIT_S = 120  # a joined node's trainer loads in seconds here; the bound only has to cover the test's pace
 
@@ -86,7 +88,8 @@ def service():
         home, port = short_home(), free_port()
         started = lilo("up", "--detach", "--address", cluster.address, "--home", str(home), "--port", str(port),
                        "--dashboard-port", str(free_port()), "--follow-gpus", "--device", "cpu", "--base-model",
-                       TINY, "--max-adapters", str(SLOTS), "--sampler-slots", "0", "--min-trainers", "1",
+                       TINY, "--max-adapters", str(SLOTS), "--sampler-slots", "0", "--host-adapter-mb", "0",
+                       "--disk-adapter-gb", "0", "--min-trainers", "1",
                        "--max-trainers", "3", "--trainer-idle-timeout", str(IDLE_TIMEOUT_S), "--trainer-wait",
                        str(TRAINER_WAIT_S))
         assert started.returncode == 0, started.stdout + started.stderr
