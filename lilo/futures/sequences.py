@@ -17,7 +17,7 @@ from sqlalchemy import bindparam, delete, select, update
 
 from lilo.backend.provenance import RecordedSequence
 from lilo.errors import GoneError, InvalidRequestError, NotFoundError
-from lilo.futures.schema import futures, models, sampled_sequences, sampling_sessions
+from lilo.futures.schema import futures, sampled_sequences, sampling_sessions
 from lilo.tenants import may_see
 
 RECORD_TTL_S = 24 * 3600.0
@@ -40,30 +40,26 @@ class RecordedSample:
 def insert_records(connection: Any, recorded: dict[int, RecordedSample], now: float) -> None:
     """Record the sequences of these finished samples (request id -> what it sampled), owned by the session and
     tenant of each sample's sampling session."""
-    sessions_of = dict(connection.execute(
-        select(futures.c.request_id, sampling_sessions.c.session_id)
+    owners = {row.request_id: row for row in connection.execute(
+        select(futures.c.request_id, sampling_sessions.c.session_id, futures.c.tenant)
         .join(sampling_sessions, sampling_sessions.c.sampling_session_id == futures.c.model_id)
-        .where(futures.c.request_id.in_(list(recorded)))).all())
-    tenants = dict(connection.execute(select(futures.c.request_id, futures.c.tenant)
-                                      .where(futures.c.request_id.in_(list(recorded)))).all())
-    rows = [{"sequence_id": f"{request_id}:{k}", "session_id": sessions_of[request_id], "tenant": tenants[request_id],
+        .where(futures.c.request_id.in_(list(recorded))))}
+    rows = [{"sequence_id": f"{request_id}:{k}", "session_id": owners[request_id].session_id,
+             "tenant": owners[request_id].tenant,
              "prompt": _int32(sample.prompt), "tokens": _int32(tokens),
              "logprobs": np.asarray(logprobs, dtype="<f4").tobytes(),
              "created_at": now, "expires_at": now + RECORD_TTL_S}
-            for request_id, sample in recorded.items() if request_id in sessions_of
+            for request_id, sample in recorded.items() if request_id in owners
             for k, (tokens, logprobs) in enumerate(sample.sequences)]
     if rows:
         connection.execute(sampled_sequences.insert().prefix_with("OR REPLACE"), rows)
 
 
-def take_for_training(connection: Any, model_id: str, sequence_ids: Sequence[str], tenant: str | None,
-                      now: float) -> dict[str, RecordedSequence]:
-    """The records that a training request of ``model_id`` names, their day restarted; raises, naming the first
-    sequence that is unknown (or another tenant's), expired, or sampled in another session than the model's."""
-    model = connection.execute(select(models.c.session_id, models.c.tenant)
-                               .where(models.c.model_id == model_id)).first()
-    if model is None or not may_see(tenant, model.tenant):
-        raise NotFoundError(f"Unknown model_id {model_id!r}; pass the model_id that create_model returned.")
+def take_for_training(connection: Any, model_id: str, model_session_id: str | None, sequence_ids: Sequence[str],
+                      tenant: str | None, now: float) -> dict[str, RecordedSequence]:
+    """The records that a training request of ``model_id`` (of session ``model_session_id``) names, their day
+    restarted; raises, naming the first sequence that is unknown (or another tenant's), expired, or sampled in
+    another session than the model's."""
     rows = {row.sequence_id: row for row in connection.execute(
         select(sampled_sequences).where(sampled_sequences.c.sequence_id.in_(list(sequence_ids))))}
     for sequence_id in sequence_ids:
@@ -76,10 +72,10 @@ def take_for_training(connection: Any, model_id: str, sequence_ids: Sequence[str
             raise GoneError(
                 f"sequence_id {sequence_id!r} expired: recorded sequences can be trained on for one day after "
                 "sampling or after their last training use; sample again.")
-        if row.session_id != model.session_id:
+        if row.session_id != model_session_id:
             raise InvalidRequestError(
                 f"sequence_id {sequence_id!r} was sampled in session {row.session_id!r}, but model {model_id!r} "
-                f"belongs to session {model.session_id!r}; a training request can only name sequences sampled in "
+                f"belongs to session {model_session_id!r}; a training request can only name sequences sampled in "
                 "its own session, so sample and train in the same session.")
     connection.execute(update(sampled_sequences).where(sampled_sequences.c.sequence_id.in_(list(sequence_ids)))
                        .values(expires_at=now + RECORD_TTL_S))

@@ -689,9 +689,11 @@ class FuturesStore:
 
     def recorded_sequences(self, model_id: str, sequence_ids: Sequence[str],
                            tenant: str | None = None) -> dict[str, RecordedSequence]:
-        """The recorded sequences a training request of ``model_id`` names (see ``sequences.take_for_training``)."""
+        """The recorded sequences a training request of ``model_id`` names (see ``sequences.take_for_training``); an
+        unknown model, or another tenant's, is the usual 404."""
+        session_id = self.model(model_id, tenant)["session_id"]
         with self.engine.begin() as connection:
-            return sequences.take_for_training(connection, model_id, sequence_ids, tenant, self._clock())
+            return sequences.take_for_training(connection, model_id, session_id, sequence_ids, tenant, self._clock())
 
     def close(self) -> None:
         with self._reader_lock:

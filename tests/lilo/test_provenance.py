@@ -106,6 +106,8 @@ def test_unknown_and_another_tenants_sequences_are_the_same_404(store):
         store.recorded_sequences("s1:train:0", ["999:0"], "alpha")
     with pytest.raises(NotFoundError, match=f"Unknown sequence_id '{rid}:0'"):
         store.recorded_sequences("s2:train:0", [f"{rid}:0"], "beta")
+    with pytest.raises(NotFoundError, match="Unknown model_id 's2:train:0'"):  # beta's model, asked as alpha
+        store.recorded_sequences("s2:train:0", [f"{rid}:0"], "alpha")
 
 
 def test_a_sequence_of_another_session_is_refused_saying_to_sample_and_train_in_one(store):
