@@ -19,11 +19,10 @@ How a sample finds its weights, kept simple:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any, Sequence
 
-from cluster.placement import choose_sampling_trainer
+from cluster.placement import choose_sampling_trainer, trainer_facts as ask_trainer_facts
 from lilo.backend.checkpoint_paths import ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
@@ -72,8 +71,7 @@ class SamplingRouter:
         asked again when the registry's trainers change."""
         names = tuple(await self._actors.trainers())
         if self._facts is None or tuple(self._facts) != names:
-            facts = await asyncio.gather(*(self._actors.trainer(name).ready.remote() for name in names))
-            self._facts = {fact["name"]: fact for fact in facts}
+            self._facts = await ask_trainer_facts(names)
         return self._facts
 
     async def trainer_for(self, sampling_session_id: str, base_model: str, checkpoint_trainer: str | None) -> str:
