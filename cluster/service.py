@@ -151,8 +151,11 @@ def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None
                  f"up to {settings.max_trainers}, idle ones let go after {settings.trainer_idle_timeout_s:.0f} s "
                  f"(never below {settings.min_trainers})")
     else:
+        seats = sampler_seats(settings)
+        samplers = start_samplers(settings, seats, progress)
         progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
-        progress(f"Trainers ready: {', '.join(start_trainers(settings))}")
+        progress(f"Trainers ready: {', '.join(start_trainers(settings, seats))}")
+        wait_for_samplers(samplers, settings.startup_timeout_s, progress)
     start_reconciler(scaling_config(settings, follow))
     start_recovery(settings.base_models, settings.session_timeout_s)
     progress("Deploying the Serve application")
@@ -174,7 +177,7 @@ def stop_service(settings: Settings, serve_app: Callable[[], ServeApp], progress
             from cluster.futures_actor import FUTURES_ACTOR_NAME
             from cluster.timing import TIMING_ACTOR_NAME
 
-            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *trainer_names()):
+            for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *trainer_names(), *sampler_names()):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
         progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
@@ -186,12 +189,72 @@ def stop_service(settings: Settings, serve_app: Callable[[], ServeApp], progress
 
 def trainer_names() -> list[str]:
     """The named trainers of the connected cluster, sorted."""
-    import ray
-
     from cluster.trainer_actor import TRAINER_PREFIX
 
+    return _named_actors(TRAINER_PREFIX)
+
+
+def sampler_names() -> list[str]:
+    """The named vLLM sampler actors of the connected cluster, sorted."""
+    from cluster.sampler_actor import SAMPLER_PREFIX
+
+    return _named_actors(SAMPLER_PREFIX)
+
+
+def _named_actors(prefix: str) -> list[str]:
+    import ray
+
     return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-                  if actor["namespace"] == NAMESPACE and actor["name"].startswith(TRAINER_PREFIX))
+                  if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix))
+
+
+def sampler_seats(settings: Settings) -> list:
+    """The sampler actors ``--samplers`` lays out beside the trainers ``start_trainers`` starts."""
+    import ray
+
+    from cluster.sampling_plane import sampler_layout
+    from cluster.trainer_actor import trainer_layout, trainer_name
+
+    served = [(trainer_name(index), model) for index, model in enumerate(trainer_layout(settings))]
+    return sampler_layout(settings.samplers, served, bool(ray.cluster_resources().get("GPU", 0)))
+
+
+def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
+    """Start the vLLM sampler actors of ``seats`` (they load while the trainers do); their handles."""
+    if not seats:
+        return []
+    from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler, vllm_available
+
+    if not vllm_available():
+        raise ClusterError(f"--samplers {settings.samplers:g} needs vLLM, which is not installed: run "
+                           "`make .venv-vllm/.installed` (CPU) or `pip install vllm` (GPU nodes), or pass --samplers 0 "
+                           "to sample with the torch sampler on the trainers.")
+    config = SamplerConfig.from_settings(settings)
+    progress(f"Starting {len(seats)} vLLM sampler(s): "
+             + ", ".join(f"{sampler_name(seat.index)} ({seat.base_model}, {seat.num_gpus:g} GPU, for "
+                         f"{'/'.join(seat.trainers)})" for seat in seats))
+    return [start_sampler(seat.index, seat.base_model, config, num_gpus=seat.num_gpus) for seat in seats]
+
+
+def wait_for_samplers(handles: list, timeout_s: float, progress: Progress) -> None:
+    """Wait up to ``timeout_s`` for the samplers' engines; one that is late is used once ready (the trainers'
+    torch samplers answer meanwhile), so a slow one never fails the start."""
+    if not handles:
+        return
+    import ray
+
+    calls = {handle.ready.remote(): handle for handle in handles}
+    done, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    for call in done:
+        try:
+            info = ray.get(call)
+            progress(f"Sampler {info['name']} ready ({info['engine']}, {info['base_model']})")
+        except Exception as error:
+            progress(f"A sampler failed to start ({str(error).splitlines()[0]}); the torch sampler answers its "
+                     "samples")
+    if late:
+        progress(f"{len(late)} sampler(s) not ready within {timeout_s:.0f} s; samples use the torch sampler until "
+                 "they are")
 
 
 def save_and_stop_trainers(progress: Progress, timeout_s: float) -> None:

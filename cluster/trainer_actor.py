@@ -27,6 +27,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE, ClusterError
+from cluster.sampler_actor import sampler_name
+from cluster.sampling_plane import SamplerRelay, SamplerSeat, samplers_of, trainer_gpu_share
 from cluster.timing import TimingPublisher, get_timing_actor
 from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoint_index import (
@@ -101,9 +103,11 @@ class Loaded:
 # request id and write the result to the futures DB under it (``_report``), in batches with others'.
 @ray.remote(max_restarts=-1, max_concurrency=1000)
 class TrainerActor:
-    def __init__(self, name: str, base_model: str, config: TrainerConfig) -> None:
+    def __init__(self, name: str, base_model: str, config: TrainerConfig, samplers: Sequence[str] = ()) -> None:
         self.name = name
         self.base_model = base_model
+        self._sampler_names = tuple(samplers)  # the vLLM sampler actors this trainer relays samples to
+        self._relay: SamplerRelay | None = None
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
         self._loading: Future[Loaded] = Future()
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
@@ -146,7 +150,24 @@ class TrainerActor:
 
     async def _loaded(self) -> Loaded:
         """The engine, backend and timing publisher, once the base model is loaded (raises if loading failed)."""
-        return await asyncio.wrap_future(self._loading)
+        loaded = await asyncio.wrap_future(self._loading)
+        if self._relay is None and self._sampler_names:
+            self._relay = SamplerRelay(self._sampler_names, loaded.backend.checkpoint_dir,
+                                       loaded.backend.sampler_version, loaded.engine.observer)
+        return loaded
+
+    def _dispatch(self, engine: Engine, command: Command) -> Future:
+        """Hand ``command`` to the engine, or, for a sample one of this trainer's vLLM samplers answers, to that
+        sampler (``cluster.sampling_plane``); a sampler checkpoint's save completes once it is published to them."""
+        relay = self._relay
+        if relay is not None and command.kind == Kind.SAMPLE:
+            sampler = relay.choose(command)
+            if sampler is not None:
+                return relay.relay(command, sampler, lambda: engine.submit(command))
+        future = engine.submit(command)
+        if relay is not None and command.kind == Kind.SAVE_WEIGHTS_FOR_SAMPLER:
+            return relay.publish_after(future, command.model_id)
+        return future
 
     async def _in_checkpoint_dir(self, function: Callable[..., T], *args: Any) -> T:
         """``function(checkpoint_dir, *args)``, off the event loop: the checkpoint files' reads and writes."""
@@ -168,6 +189,14 @@ class TrainerActor:
                 "pid": os.getpid(),
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
 
+    async def sampling(self) -> dict[str, Any]:
+        """Its vLLM samplers (which are ready, what each has loaded) and how many samples each engine answered,
+        with the reasons the torch sampler answered the others."""
+        await self._loaded()
+        if self._relay is None:
+            return {"samplers": [], "ready": [], "counts": {}, "loaded": {}}
+        return self._relay.describe()
+
     async def check_sampler_checkpoint(self, path: str) -> None:
         """Raises, with a message for the client, unless ``path`` is a sampler checkpoint this trainer can load."""
         (await self._loaded()).backend.sampler_version(path)
@@ -175,14 +204,14 @@ class TrainerActor:
     async def run(self, command: Command) -> Any:
         """Queue a command in its model's order and return its result (or raise its own error)."""
         engine = (await self._loaded()).engine
-        return await asyncio.wrap_future(engine.submit(command))
+        return await asyncio.wrap_future(self._dispatch(engine, command))
 
     async def submit(self, command: Command) -> None:
         """``run`` for a client's command: its result (or error) goes to the futures DB under its request id.
         Ordering and seq conflicts raise here, at once."""
         engine = (await self._loaded()).engine
         try:
-            future = engine.submit(command)
+            future = self._dispatch(engine, command)
         except NotFoundError:
             if command.model_id in engine.model_ids():
                 raise
@@ -409,7 +438,8 @@ def completion_for(kind: Kind, request_id: int, done: Future,
 
 
 def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpus: float = 0,
-                  num_cpus: float = 1, node_id: str | None = None) -> ray.actor.ActorHandle:
+                  num_cpus: float = 1, node_id: str | None = None,
+                  samplers: Sequence[str] = ()) -> ray.actor.ActorHandle:
     """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist. With
     ``node_id`` it lives on that node only: Ray restarts it there if its process dies, and it dies with the node
     (the reconciler starts trainers on the nodes that are left or join)."""
@@ -417,22 +447,20 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-                                lifetime="detached", scheduling_strategy=strategy).remote(name, base_model, config)
+                                lifetime="detached", scheduling_strategy=strategy).remote(name, base_model, config,
+                                                                                          tuple(samplers))
 
 
-def start_trainers(settings: Settings) -> list[str]:
+def start_trainers(settings: Settings, seats: Sequence[SamplerSeat] = ()) -> list[str]:
     """The cluster's trainers for ``settings``; returns their names once all are ready. Each serves one base model:
     with GPUs, one trainer per GPU, the GPUs dealt out over the configured base models in turn; on CPU,
-    ``settings.trainers`` (default 1) per base model."""
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    models = settings.base_models
-    if gpus:
-        count = max(settings.trainers or gpus, len(models))
-        served = [models[index % len(models)] for index in range(count)]
-    else:
-        served = [model for model in models for _ in range(settings.trainers or 1)]
+    ``settings.trainers`` (default 1) per base model. ``seats``: the sampler actors of ``trainer_layout``'s layout,
+    which each trainer relays its samples to."""
+    served = trainer_layout(settings)
+    gpus = bool(ray.cluster_resources().get("GPU", 0))
     config = TrainerConfig.from_settings(settings)
-    handles = [start_trainer(index, model, config, num_gpus=1 if gpus else 0, num_cpus=1)
+    handles = [start_trainer(index, model, config, num_gpus=trainer_gpu_share(settings.samplers, gpus), num_cpus=1,
+                             samplers=samplers_of(trainer_name(index), seats, sampler_name))
                for index, model in enumerate(served)]
     try:
         infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)
@@ -442,3 +470,13 @@ def start_trainers(settings: Settings) -> list[str]:
             f"{'1 GPU' if gpus else '1 CPU'} of the cluster's resources ({ray.cluster_resources()}); give the "
             "cluster more (--num-cpus), start fewer (--trainers), or allow more time (--timeout).") from None
     return [info["name"] for info in infos]
+
+
+def trainer_layout(settings: Settings) -> list[str]:
+    """The base model of each trainer ``start_trainers`` starts, by index."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    models = settings.base_models
+    if gpus:
+        count = max(settings.trainers or gpus, len(models))
+        return [models[index % len(models)] for index in range(count)]
+    return [model for model in models for _ in range(settings.trainers or 1)]

@@ -48,6 +48,12 @@ class Settings:
     # Further slots per trainer that only sampler checkpoints use (they also use free training slots): sampling
     # a saved checkpoint works while training models fill every training slot.
     sampler_slots: int = 2
+    # vLLM sampler actors (cluster.sampling_plane): 0 none, the trainers' torch samplers answer every sample; a
+    # fraction F < 1: one sampler beside each trainer on a share F of its GPU; a whole number N: N per base model,
+    # a GPU each. The trainers relay to them the samples they answer exactly; the torch sampler answers the rest.
+    samplers: float = 0.0
+    # The adapters a vLLM sampler holds loaded at once (its LoRA slots); the least recently used gives way.
+    sampler_max_loras: int = 8
     # Where a trainer's models beyond its slots wait, whole (weights, optimizer state, step): host memory, MB per
     # trainer (None: a sixteenth of its node's memory; pinned under CUDA), then disk under the home, GB per trainer.
     # A model comes back into a slot before its next command; create_model is refused only when all are full.
@@ -150,6 +156,11 @@ class Settings:
             raise SettingsError(f"--max-rank must be at least 1, got {self.max_rank}.")
         if self.sampler_slots < 0:
             raise SettingsError(f"--sampler-slots must be 0 or more, got {self.sampler_slots}.")
+        if self.samplers < 0 or (self.samplers >= 1 and self.samplers != int(self.samplers)):
+            raise SettingsError(f"--samplers must be 0 (none), a fraction below 1 (a share of each trainer's GPU) or "
+                                f"a whole number (samplers per base model, a GPU each), got {self.samplers:g}.")
+        if self.sampler_max_loras < 1:
+            raise SettingsError(f"--sampler-max-loras must be at least 1, got {self.sampler_max_loras}.")
         if self.host_adapter_mb is not None and self.host_adapter_mb < 0:
             raise SettingsError(f"--host-adapter-mb must be 0 (no host tier) or more, got {self.host_adapter_mb}.")
         if self.disk_adapter_gb < 0:
@@ -217,6 +228,8 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_MAX_ADAPTERS": ("max_adapters", int),
     "LILO_MAX_RANK": ("max_rank", int),
     "LILO_SAMPLER_SLOTS": ("sampler_slots", int),
+    "LILO_SAMPLERS": ("samplers", float),
+    "LILO_SAMPLER_MAX_LORAS": ("sampler_max_loras", int),
     "LILO_HOST_ADAPTER_MB": ("host_adapter_mb", int),
     "LILO_DISK_ADAPTER_GB": ("disk_adapter_gb", float),
     "LILO_RAY_ADDRESS": ("ray_address", str),

@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
                          "(default 32)")
     up.add_argument("--sampler-slots", type=int,
                     help="further slots per trainer for sampler checkpoints only (default 2)")
+    up.add_argument("--samplers", type=float,
+                    help="vLLM sampler actors: 0 none (the torch sampler, default), a fraction F < 1 one beside each "
+                         "trainer on F of its GPU, a whole number N that many per base model")
+    up.add_argument("--sampler-max-loras", type=int,
+                    help="adapters each vLLM sampler holds loaded at once (default 8)")
     up.add_argument("--host-adapter-mb", type=int,
                     help="host memory per trainer for models paged out of their slots (default: 1/16 of the node's)")
     up.add_argument("--disk-adapter-gb", type=float,
@@ -132,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
-              "max_rank", "sampler_slots", "host_adapter_mb", "disk_adapter_gb", "base_models",
+              "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "host_adapter_mb", "disk_adapter_gb", "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",
               "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s")

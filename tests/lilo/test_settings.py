@@ -90,6 +90,17 @@ def test_sampler_slots_per_trainer_come_from_the_environment_or_a_flag_and_may_b
         load_settings(env={}, sampler_slots=-1)
 
 
+def test_samplers_are_none_a_share_of_each_trainers_gpu_or_a_count_per_base_model():
+    assert load_settings(env={}).samplers == 0
+    assert load_settings(env={"LILO_SAMPLERS": "0.25"}).samplers == 0.25
+    assert load_settings(env={}, samplers=2).samplers == 2
+    for wrong in (-1, 1.5):
+        with pytest.raises(SettingsError, match="--samplers must be 0"):
+            load_settings(env={}, samplers=wrong)
+    with pytest.raises(SettingsError, match="--sampler-max-loras must be at least 1"):
+        load_settings(env={}, sampler_max_loras=0)
+
+
 def test_the_largest_lora_rank_comes_from_the_environment_or_a_flag_and_must_be_positive():
     assert load_settings(env={}).max_rank == 32
     assert load_settings(env={"LILO_MAX_RANK": "64"}).max_rank == 64

@@ -1,0 +1,246 @@
+"""The sampling plane, as a trainer sees it: the vLLM sampler actors it hands its samples to, and keeping the
+adapters they serve as fresh as its own checkpoints.
+
+A sample is recorded and handed to the trainer of its session as it always was (so its future, its retries and a
+dead trainer's in-flight futures work as before). The trainer then relays it to one of its samplers when the sampler
+answers it exactly as the torch sampler would (``vllm_unsupported`` says when not, and why: that choice is logged
+per request); otherwise, while no sampler is ready (vLLM still loading), or when the sampler died under it, the
+trainer's own torch sampler answers. The result reaches the futures DB through the trainer either way.
+
+Freshness: a sampler checkpoint is published to a sampler (its PEFT files, the durable copy) right after it is
+saved, before the save's future completes, so the first sample after a save finds it loaded; and before every
+relayed sample the checkpoint's version (its marker file's mtime) is checked against what that sampler loaded, so a
+sample never reads weights older than the last whole save, whatever the order of events.
+
+Layout (``sampler_layout``): ``--samplers 0`` none (the torch sampler on every trainer); a fraction ``0 < F < 1``: one
+sampler beside each trainer, on a share F of its GPU (the trainer takes the rest); a whole number N: N samplers
+per base model, each on a GPU of its own, shared by that base model's trainers. Without GPUs, F gives one sampler
+per trainer and N gives N per base model, on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+import zlib
+from collections import OrderedDict
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import ray
+
+from cluster.placement import named_actor
+from lilo.backend.checkpoint_paths import TINKER_SCHEME, local_directory
+from lilo.backend.types import SamplingRequest
+from lilo.backend.vllm_sampler import vllm_unsupported
+from lilo.engine.commands import Command
+from lilo.timing.critical_path import Observer, Operation
+
+logger = logging.getLogger(__name__)
+
+# How often a trainer asks a sampler that is not ready (loading, or restarting after a death) whether it is.
+READY_POLL_S = 2.0
+# The longest a save waits for its publication before its future completes anyway (a sample then loads the
+# checkpoint itself, by the version check).
+PUBLISH_WAIT_S = 10.0
+# Relayed samples whose futures a retry finds again (the engine keeps as many of its own).
+REMEMBERED_SAMPLES = 10_000
+SAMPLER_LANE = "sampler"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSeat:
+    """One sampler actor of the layout: its index (name ``lilo-sampler-<index>``), base model, share of a GPU, and
+    the trainers that hand it samples."""
+
+    index: int
+    base_model: str
+    num_gpus: float
+    trainers: tuple[str, ...]
+
+
+def trainer_gpu_share(samplers: float, gpus: bool) -> float:
+    """The GPU a trainer asks Ray for: all of one, less a sampler's share beside it."""
+    if not gpus:
+        return 0.0
+    return 1.0 - samplers if 0 < samplers < 1 else 1.0
+
+
+def sampler_layout(samplers: float, trainers: Sequence[tuple[str, str]], gpus: bool) -> list[SamplerSeat]:
+    """The sampler actors for ``trainers`` (name, base model) under ``--samplers`` (see the module docstring)."""
+    if samplers <= 0:
+        return []
+    if samplers < 1:
+        return [SamplerSeat(index, base_model, samplers if gpus else 0.0, (trainer,))
+                for index, (trainer, base_model) in enumerate(trainers)]
+    seats: list[SamplerSeat] = []
+    for base_model in dict.fromkeys(model for _, model in trainers):
+        served_by = tuple(name for name, model in trainers if model == base_model)
+        for _ in range(math.floor(samplers)):
+            seats.append(SamplerSeat(len(seats), base_model, 1.0 if gpus else 0.0, served_by))
+    return seats
+
+
+def samplers_of(trainer: str, seats: Sequence[SamplerSeat], name_of: Callable[[int], str]) -> tuple[str, ...]:
+    return tuple(name_of(seat.index) for seat in seats if trainer in seat.trainers)
+
+
+class SamplerRelay:
+    """A trainer's samplers: which are ready, what each has loaded, and the relay of one sample to one of them.
+
+    Lives on the trainer actor's event loop. ``checkpoint_version`` (the backend's ``sampler_version``) and
+    ``checkpoint_dir`` say where a checkpoint's files are and when they were last written whole; ``observer`` gets
+    each relayed sample's timing (phases ``sample.vllm`` and ``sample.publish``), as the engine's lanes report theirs.
+    """
+
+    def __init__(self, names: Sequence[str], checkpoint_dir: Path, checkpoint_version: Callable[[str], int],
+                 observer: Observer, clock: Callable[[], float] = time.monotonic) -> None:
+        self.names = tuple(names)
+        self._checkpoint_dir = checkpoint_dir
+        self._version = checkpoint_version
+        self._observer = observer
+        self._clock = clock
+        self._ready: set[str] = set()
+        self._loaded: dict[str, dict[str, int]] = {name: {} for name in self.names}  # sampler -> path -> version
+        self._publishing: dict[tuple[str, str], asyncio.Lock] = {}
+        self._relayed: OrderedDict[str, Future] = OrderedDict()
+        self.counts: dict[str, int] = {}  # which engine answered how many samples, and why torch did
+        self._watchers = [asyncio.get_running_loop().create_task(self._watch(name)) for name in self.names]
+
+    async def _watch(self, name: str) -> None:
+        """Mark ``name`` ready once it answers ``ready`` (its engine loaded), and again after it restarted."""
+        while True:
+            if name not in self._ready:
+                try:
+                    await named_actor(name).ready.remote()
+                    self._loaded[name] = {}  # a (re)started sampler holds nothing yet
+                    self._ready.add(name)
+                    logger.info("sampler %s is ready; samples it can answer go to it", name)
+                except (ValueError, ray.exceptions.RayActorError) as error:
+                    logger.warning("sampler %s is not ready (%s); the torch sampler answers meanwhile", name,
+                                   str(error).splitlines()[0])
+            await asyncio.sleep(READY_POLL_S)
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def choose(self, command: Command[SamplingRequest]) -> str | None:
+        """The sampler for this sample, or None (the torch sampler answers it; why is logged): one that has its
+        checkpoint loaded if any, else one picked by the checkpoint (or, for the bare base model, the session)."""
+        reason = vllm_unsupported(command.payload)
+        if reason is None and not self._ready:
+            reason = "no sampler is ready yet"
+        if reason is not None:
+            self._count(f"torch: {reason}")
+            logger.info("sample %s goes to the torch sampler: %s", command.request_id, reason)
+            return None
+        self._count("vllm")
+        ready = sorted(self._ready)
+        key = _adapter_key(command)
+        holding = [name for name in ready if key is not None and key in self._loaded[name]]
+        pool = holding or ready
+        return pool[zlib.crc32(command.model_id.encode()) % len(pool)]
+
+    def relay(self, command: Command[SamplingRequest], sampler: str,
+              fallback: Callable[[], Future]) -> Future:
+        """Sample ``command`` on ``sampler``; should the sampler die under it, on ``fallback`` (the engine) instead.
+        A retry handed over again gets the first future."""
+        known = self._relayed.get(command.request_id)
+        if known is not None:
+            return known
+        future: Future = Future()
+        self._relayed[command.request_id] = future
+        while len(self._relayed) > REMEMBERED_SAMPLES:
+            self._relayed.popitem(last=False)
+        self._observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock()))
+        asyncio.get_running_loop().create_task(self._sample(command, sampler, fallback, future))
+        return future
+
+    async def _sample(self, command: Command[SamplingRequest], sampler: str, fallback: Callable[[], Future],
+                      future: Future) -> None:
+        key = _adapter_key(command)
+        t0 = self._clock()
+        try:
+            if key is not None:
+                await self._fresh(sampler, key, command.model_id)
+            t1 = self._clock()
+            [result] = await named_actor(sampler).sample.remote([command.payload], [key])
+            self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t1, self._clock(),
+                                request_ids=[command.request_id], n=1, ok=True)
+            future.set_result(result)
+        except ray.exceptions.RayActorError as error:
+            self._ready.discard(sampler)
+            self._count("torch: the sampler died")
+            logger.warning("sampler %s died under sample %s (%s); the torch sampler answers it", sampler,
+                           command.request_id, str(error).splitlines()[0])
+            _chain(fallback(), future)
+        except Exception as error:  # its own error (an unknown checkpoint, bad input): the client's answer
+            self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(),
+                                request_ids=[command.request_id], n=1, ok=False)
+            future.set_exception(error)
+
+    async def _fresh(self, sampler: str, path: str, model_id: str) -> None:
+        """Make ``sampler`` hold the latest whole version of the sampler checkpoint ``path``."""
+        lock = self._publishing.setdefault((sampler, path), asyncio.Lock())
+        async with lock:
+            version = await asyncio.to_thread(self._version, path)
+            if self._loaded[sampler].get(path) == version:
+                return
+            t0 = self._clock()
+            await named_actor(sampler).publish.remote(path, str(local_directory(self._checkpoint_dir, path)))
+            self._loaded[sampler][path] = version
+            self._observer.span(model_id, "publish:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(), n=1,
+                                ok=True)
+
+    def publish_after(self, saved: Future, model_id: str) -> Future:
+        """``saved`` (a save_weights_for_sampler's future), completing only once its checkpoint is published to the
+        sampler its samples will go to (or PUBLISH_WAIT_S passed: a later sample then loads it itself)."""
+        published: Future = Future()
+        loop = asyncio.get_running_loop()
+
+        def done(_: Future) -> None:
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._publish_saved(saved, model_id, published)))
+
+        saved.add_done_callback(done)
+        return published
+
+    async def _publish_saved(self, saved: Future, model_id: str, published: Future) -> None:
+        if saved.exception() is None and self._ready:
+            path = saved.result()["path"]
+            pool = sorted(self._ready)
+            sampler = pool[zlib.crc32(path.encode()) % len(pool)]
+            t0 = self._clock()
+            try:
+                await asyncio.wait_for(self._fresh(sampler, path, model_id), PUBLISH_WAIT_S)
+                self._observer.span(model_id, "publish:save_weights_for_sampler", f"{SAMPLER_LANE}:{sampler}", t0,
+                                    self._clock(), n=1, ok=True)
+            except Exception as error:  # the save itself succeeded: its client gets it, samples load it later
+                logger.warning("publishing %s to %s failed (%s); its first sample loads it", path, sampler,
+                               str(error).splitlines()[0] if str(error) else type(error).__name__)
+        _chain(saved, published)
+
+    def describe(self) -> dict[str, Any]:
+        return {"samplers": list(self.names), "ready": sorted(self._ready), "counts": dict(self.counts),
+                "loaded": {name: sorted(paths) for name, paths in self._loaded.items()}}
+
+
+def _adapter_key(command: Command[SamplingRequest]) -> str | None:
+    """The sampler checkpoint a sample reads (a tinker path), or None for the bare base model."""
+    if command.payload.base_only or not command.model_id.startswith(TINKER_SCHEME):
+        return None
+    return command.model_id
+
+
+def _chain(source: Future, target: Future) -> None:
+    def copy(done: Future) -> None:
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)
