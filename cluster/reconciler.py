@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 import yaml
@@ -41,6 +41,8 @@ from cluster.local import NAMESPACE
 from cluster.placement import models_placed, named_actor
 from cluster.scaling import GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, \
     trainers_to_start
+from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler
+from cluster.sampling_plane import trainer_gpu_share
 from cluster.timing import get_timing_actor
 from cluster.trainer_actor import TRAINER_PREFIX, TrainerConfig, start_trainer, trainer_name
 from lilo.settings import Settings
@@ -69,6 +71,9 @@ class ScalingConfig:
     min_trainers: int
     max_trainers: int
     idle_timeout_s: float
+    # --samplers as a GPU share (0: none): each trainer it starts gets a vLLM sampler on that share of its GPU.
+    sampler_share: float = 0.0
+    sampler: SamplerConfig | None = None
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -128,6 +133,8 @@ class ReconcilerActor:
             if name not in self._handles:  # forgotten meanwhile (its node left)
                 return
             self._place_seat(name, where["base_model"], where["node_id"])
+            if base_model is not None and self._config.sampler_share:  # one this reconciler started
+                self._start_sampler_beside(name, base_model, where["node_id"])
             info = await handle.ready.remote()
         except ray.exceptions.RayActorError as error:
             logger.warning("trainer %s did not start (%s); forgetting it", name, str(error).splitlines()[0])
@@ -153,7 +160,9 @@ class ReconcilerActor:
     def _start(self, base_model: str, node_id: str | None) -> str:
         index, self._next_index = self._next_index, self._next_index + 1
         name = trainer_name(index)
-        handle = start_trainer(index, base_model, self._config.trainer, num_gpus=1, num_cpus=1, node_id=node_id)
+        share = self._config.sampler_share
+        handle = start_trainer(index, base_model, self._config.trainer, num_gpus=trainer_gpu_share(share, True),
+                               num_cpus=1, node_id=node_id, samplers=(sampler_name(index),) if share else ())
         if node_id is not None:
             self._pinned.add(name)
         self._seats[name] = Seat(name, base_model, node_id, ready=False)
@@ -220,11 +229,19 @@ class ReconcilerActor:
             if node_id not in alive:
                 del self._left_free[node_id]
 
+    def _start_sampler_beside(self, trainer: str, base_model: str, node_id: str) -> None:
+        """The trainer's vLLM sampler, on its node, on the share of its GPU the trainer left (Ray knows the trainer's
+        node only once it is placed: a trainer started on demand waited for the autoscaler's node)."""
+        index = int(trainer[len(TRAINER_PREFIX):])
+        start_sampler(index, base_model, self._config.sampler, num_gpus=self._config.sampler_share, node_id=node_id)
+        logger.warning("starting sampler %s beside trainer %s", sampler_name(index), trainer)
+
     def _kill(self, name: str) -> None:
-        try:
-            ray.kill(self._handles[name], no_restart=True)
-        except Exception as error:  # gone already
-            logger.info("trainer %s could not be killed (%s)", name, error)
+        """Kill a trainer, and the sampler beside it if it has one."""
+        _kill_actor(name, lambda: self._handles[name])
+        if self._config.sampler_share:
+            sampler = sampler_name(int(name[len(TRAINER_PREFIX):]))
+            _kill_actor(sampler, lambda: ray.get_actor(sampler, namespace=NAMESPACE))
 
     async def _release(self, name: str) -> None:
         """Let go of an idle trainer: out of the registry first, then stopped once no ingress places on it."""
@@ -306,9 +323,18 @@ class ReconcilerActor:
         return self.timeline
 
 
+def _kill_actor(name: str, handle: Callable[[], ActorHandle]) -> None:
+    try:
+        ray.kill(handle(), no_restart=True)
+    except Exception as error:  # gone already
+        logger.info("%s could not be killed (%s)", name, error)
+
+
 def scaling_config(settings: Settings, follow_gpus: bool) -> ScalingConfig:
+    share = settings.samplers if follow_gpus and 0 < settings.samplers < 1 else 0.0
     return ScalingConfig(tuple(settings.base_models), TrainerConfig.from_settings(settings), follow_gpus,
-                         settings.min_trainers, settings.max_trainers, settings.trainer_idle_timeout_s)
+                         settings.min_trainers, settings.max_trainers, settings.trainer_idle_timeout_s,
+                         sampler_share=share, sampler=SamplerConfig.from_settings(settings) if share else None)
 
 
 def start_reconciler(config: ScalingConfig) -> ActorHandle:

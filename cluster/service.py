@@ -145,6 +145,9 @@ def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None
     if orphans:
         progress(f"Failed {orphans} request(s) a previous run left unfinished (their clients get a message)")
     follow = follows_gpus(settings)
+    if follow and settings.samplers >= 1:
+        raise ClusterError(f"Trainers that follow the GPUs take samplers beside them, on a share of each one's GPU: "
+                           f"pass --samplers as a fraction below 1 (say 0.3), not {settings.samplers:g}.")
     if follow:
         gpus = int(ray.cluster_resources().get("GPU", 0))
         progress(f"Trainers follow the cluster's GPUs ({gpus} so far): one per GPU as GPU nodes join, more on demand "
