@@ -1,0 +1,142 @@
+"""The sampling plane's vLLM path through the official tinker SDK: a service started with ``--samplers 1`` relays
+the samples vLLM answers exactly to its vLLM sampler actor, and they score as the trainer scores the same tokens
+(the cookbook's sampler-vs-trainer check); a sample right after a save reflects that save; the bare base model
+samples beside adapters in one engine; what vLLM cannot answer, the torch sampler still does."""
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from cluster.sampler_actor import vllm_available
+from conftest import TINY_DIRECTORY
+from helpers import free_port, lilo, short_home
+
+TIMEOUT_S = 180
+KEY = "tml-vllm-test"
+# The cookbook's check (sampler vs trainer logprobs of the same tokens), on CPU in fp32.
+LOGPROB_TOLERANCE = 1e-3
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (make .venv-vllm/.installed)")
+
+
+@pytest.fixture(scope="module")
+def vllm_service(local_cluster):
+    """Its own service (the session cluster has no samplers) on the tiny model with a tokenizer, which the session
+    cluster's fixture builds; one vLLM sampler."""
+    home = short_home()
+    port, dashboard = free_port(), free_port()
+    started = lilo("up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
+                   "--num-cpus", "4", "--samplers", "1", "--base-model", str(TINY_DIRECTORY), "--timeout", "400",
+                   timeout_s=480)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert "Sampler lilo-sampler-0 ready" in started.stdout + started.stderr
+        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY) as client:
+            yield client, f"http://127.0.0.1:{port}"
+    finally:
+        stopped = lilo("down", "--home", str(home))
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def train(training: tinker.TrainingClient, steps: int, learning_rate: float, seed: int = 3) -> None:
+    tokens = np.random.default_rng(seed).integers(3, 1000, 16).tolist()
+    for _ in range(steps):
+        training.forward_backward([datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
+        training.optim_step(types.AdamParams(learning_rate=learning_rate)).result(timeout=TIMEOUT_S)
+
+
+def trainer_logprobs(training: tinker.TrainingClient, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer's logprob of each of ``tokens`` after ``prompt`` (a forward pass, as the cookbook checks)."""
+    forward = training.forward([datum(prompt + tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
+    return forward.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:]
+
+
+def sample(sampler, prompt: list[int], **params) -> types.SampleResponse:
+    return sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=params.pop("num_samples", 1),
+                          sampling_params=types.SamplingParams(**{"max_tokens": 8, "stop": [], **params}))
+
+
+def phases(url: str, model_id: str) -> dict:
+    response = httpx.get(f"{url}/api/v1/timing", params={"model_id": model_id}, headers={"X-API-Key": KEY})
+    response.raise_for_status()
+    return response.json()["phases"]
+
+
+def test_samples_run_on_vllm_and_score_as_the_trainer_scores_them(vllm_service):
+    service, url = vllm_service
+    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
+    train(training, steps=3, learning_rate=1e-2)
+    saved = training.save_weights_for_sampler("parity").result(timeout=TIMEOUT_S)
+    sampler = service.create_sampling_client(model_path=saved.path).result(timeout=TIMEOUT_S)
+    prompt = [5, 6, 7, 8]
+    response = sample(sampler, prompt, num_samples=4, temperature=1.0, seed=11).result(timeout=TIMEOUT_S)
+    assert len(response.sequences) == 4
+    for sequence in response.sequences:
+        assert len(sequence.tokens) == 8 and sequence.stop_reason == "length"
+        expected = trainer_logprobs(training, prompt, list(sequence.tokens))
+        assert sequence.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+    again = sample(sampler, prompt, num_samples=4, temperature=1.0, seed=11).result(timeout=TIMEOUT_S)
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in response.sequences]  # seeds reproduce
+    timing = phases(url, saved.path)
+    assert timing["sample.vllm"]["count"] >= 2
+    assert "sample.execute" not in timing  # the torch sampler answered none of them
+    assert timing["save_weights_for_sampler.publish"]["count"] == 1  # published before the save completed
+
+
+def test_a_sample_right_after_a_save_under_the_same_name_reflects_that_save(vllm_service):
+    service, _ = vllm_service
+    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
+    prompt = [9, 10, 11]
+    before = training.save_weights_for_sampler("moving").result(timeout=TIMEOUT_S)
+    sampler = service.create_sampling_client(model_path=before.path).result(timeout=TIMEOUT_S)
+    first = sample(sampler, prompt, temperature=0.0).result(timeout=TIMEOUT_S).sequences[0]
+    train(training, steps=3, learning_rate=5e-2, seed=4)
+    after = training.save_weights_for_sampler("moving").result(timeout=TIMEOUT_S)
+    assert after.path == before.path
+    second = sample(sampler, prompt, temperature=0.0).result(timeout=TIMEOUT_S).sequences[0]
+    assert second.logprobs == pytest.approx(trainer_logprobs(training, prompt, list(second.tokens)),
+                                            abs=LOGPROB_TOLERANCE)
+    assert (second.tokens, second.logprobs) != (first.tokens, first.logprobs)
+
+
+def test_the_bare_base_model_samples_beside_an_adapter_in_one_engine(vllm_service):
+    service, _ = vllm_service
+    fresh = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
+    trained = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=4).result(timeout=TIMEOUT_S)
+    train(trained, steps=3, learning_rate=3e-2, seed=5)
+    adapter = trained.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    base = service.create_sampling_client(base_model=str(TINY_DIRECTORY)).result(timeout=TIMEOUT_S)
+    prompt = [12, 13, 14, 15]
+    # In flight together, so the engine may batch the no-adapter row with the adapter's.
+    pending = [sample(base, prompt, temperature=0.0), sample(adapter, prompt, temperature=0.0)]
+    from_base, from_adapter = (future.result(timeout=TIMEOUT_S).sequences[0] for future in pending)
+    # A fresh adapter's B is zero: its forward pass is the bare base model's.
+    assert from_base.logprobs == pytest.approx(trainer_logprobs(fresh, prompt, list(from_base.tokens)),
+                                               abs=LOGPROB_TOLERANCE)
+    assert from_adapter.logprobs == pytest.approx(trainer_logprobs(trained, prompt, list(from_adapter.tokens)),
+                                                  abs=LOGPROB_TOLERANCE)
+
+
+def test_what_vllm_cannot_answer_the_torch_sampler_still_does(vllm_service):
+    service, url = vllm_service
+    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
+    train(training, steps=2, learning_rate=1e-2)
+    saved = training.save_weights_for_sampler("scored").result(timeout=TIMEOUT_S)
+    sampler = service.create_sampling_client(model_path=saved.path).result(timeout=TIMEOUT_S)
+    tokens = [3, 4, 5, 6, 7, 8]
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=TIMEOUT_S)
+    assert scored[0] is None
+    assert scored[1:] == pytest.approx(trainer_logprobs(training, tokens[:1], tokens[1:]), abs=LOGPROB_TOLERANCE)
+    # prompt_alt_tokens_k is the torch sampler's alone (the SDK sends it as an extra of the sample request).
+    alt = sampler.sample(prompt=types.ModelInput.from_ints(tokens), num_samples=1,
+                         sampling_params=types.SamplingParams(max_tokens=2, temperature=1.0, seed=2),
+                         prompt_alt_tokens_k=2).result(timeout=TIMEOUT_S)
+    assert alt.sequences and len(alt.sequences[0].tokens) == 2
+    assert phases(url, saved.path)["sample.execute"]["count"] >= 1
