@@ -17,7 +17,7 @@ from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lilo.backend.text import CONTEXT_TOKENS
-from lilo.engine.contract import SampledSequence
+from lilo.engine.contract import SampledSequence, TopK
 from serve.actors import Actors
 from serve.auth import OPENAI_PREFIX
 from serve.openai_errors import OPENAI_ERROR_RESPONSES, OpenAIRoute
@@ -105,20 +105,25 @@ class OpenAICompatible:
 
     async def _choices(self, target: Target, prompt: Sequence[int], sequences: Sequence[SampledSequence],
                        ask: Asked) -> list[Choice]:
-        """Each sample's text a piece per token, and its tokens' logprobs when asked for (their texts read in one
-        call)."""
+        """Each sample's text a piece per token, and its tokens' logprobs when asked for."""
         trainer = self._actors.trainer(target.trainer)
         kept = [kept_tokens(sequence, target.eos_token_ids) for sequence in sequences]
         pieces = await trainer.detokenize.remote(list(prompt[-CONTEXT_TOKENS:]), kept)
         tokens: list[list[Token] | None] = [None] * len(sequences)
         if ask.top_logprobs is not None:
-            tops = [sequence.get("topk_logprobs") or [[] for _ in sequence["tokens"]] for sequence in sequences]
-            ids = sorted({token for ids in kept for token in ids}
-                         | {alternative for top in tops for alternatives in top for alternative, _ in alternatives})
+            tops = [sequence.get("topk_logprobs") or [[]] * len(sequence["tokens"]) for sequence in sequences]
+            # Every token's text, the alternatives' too, in one call.
+            ids = sorted({token for ids in kept for token in ids} | {alternative for top in tops for alternatives in top
+                                                                    for alternative, _ in alternatives})
             texts = dict(zip(ids, await trainer.token_texts.remote(ids)))
-            tokens = [[Token(texts[token], logprob, tuple((texts[alternative], value)
-                                                          for alternative, value in alternatives))
-                       for token, logprob, alternatives in zip(ids_kept, sequence["logprobs"], top)]
-                      for ids_kept, sequence, top in zip(kept, sequences, tops)]
-        return [Choice(piece_list, choice_tokens, sequence["stop_reason"])
-                for piece_list, choice_tokens, sequence in zip(pieces, tokens, sequences)]
+            tokens = [logprob_tokens(ids, sequence["logprobs"], top, texts)
+                      for ids, sequence, top in zip(kept, sequences, tops)]
+        return [Choice(texts_of, tokens_of, sequence["stop_reason"])
+                for texts_of, tokens_of, sequence in zip(pieces, tokens, sequences)]
+
+
+def logprob_tokens(ids: Sequence[int], logprobs: Sequence[float], top: Sequence[TopK],
+                   texts: dict[int, str]) -> list[Token]:
+    """Each kept token with its logprob and its likeliest alternatives, by their texts."""
+    return [Token(texts[token], logprob, tuple((texts[alternative], value) for alternative, value in alternatives))
+            for token, logprob, alternatives in zip(ids, logprobs, top)]

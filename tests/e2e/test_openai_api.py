@@ -187,8 +187,11 @@ def test_a_bad_key_is_an_authentication_error(local_cluster, chat_model):
     with pytest.raises(openai.AuthenticationError, match="Unknown API key") as refused:
         client_of(local_cluster, "tml-not-a-key").completions.create(model=chat_model, prompt="Hi", max_tokens=2)
     assert refused.value.code == "invalid_api_key"
-    response = httpx.get(f"{local_cluster.api_url}/oai/api/v1/models", timeout=30)
+    models = f"{local_cluster.api_url}/oai/api/v1/models"
+    response = httpx.get(models, timeout=30)
     assert response.status_code == 401 and "Authorization: Bearer" in response.json()["error"]["message"]
+    # The tinker SDK's header is taken too.
+    assert httpx.get(models, headers={"X-API-Key": "tml-local-test"}, timeout=30).status_code == 200
 
 
 @pytest.mark.parametrize("stream", [False, True])
