@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lilo.backend.registry import base_model_spec
 from lilo.backend.text import CONTEXT_TOKENS
 from lilo.engine.contract import SampledSequence, TopK
 from serve.actors import Actors
@@ -61,17 +62,17 @@ def kept_tokens(sequence: SampledSequence, eos_token_ids: Sequence[int]) -> list
 class OpenAICompatible:
     def __init__(self, actors: Actors, base_models: Sequence[str]) -> None:
         self._actors = actors
-        self._base_models = list(base_models)
+        self._context_lengths = {name: base_model_spec(name).max_context_length for name in base_models}
         self._router = SamplingRouter(actors)
 
     def models(self) -> dict[str, Any]:
         """The served base models (a sampler checkpoint's tinker:// path is a model too, not listed)."""
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "lilo"}
-                                           for name in self._base_models]}
+                                           for name in self._context_lengths]}
 
     async def chat(self, body: ChatCompletionBody, tenant: str) -> Response:
         ask, messages = chat_asked(body), chat_messages(body)
-        target = await resolve_model(self._actors, self._router, body.model, self._base_models, tenant)
+        target = await resolve_model(self._actors, self._router, body.model, self._context_lengths, tenant)
         prompt = await self._actors.trainer(target.trainer).render_chat.remote(messages)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, True, ask.n,
                       ask.top_logprobs is not None)
@@ -79,7 +80,7 @@ class OpenAICompatible:
 
     async def completions(self, body: CompletionBody, tenant: str) -> Response:
         ask, prompt = completion_asked(body), completion_prompt(body)
-        target = await resolve_model(self._actors, self._router, body.model, self._base_models, tenant)
+        target = await resolve_model(self._actors, self._router, body.model, self._context_lengths, tenant)
         if isinstance(prompt, str):
             prompt = await self._actors.trainer(target.trainer).encode.remote(prompt)
         reply = Reply(f"cmpl-{uuid.uuid4().hex}", int(time.time()), body.model, False, ask.n,

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from ray.exceptions import RayActorError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lilo.errors import InvalidRequestError, LiloError, NotFoundError
 from serve.errors import status_for, validation_sentence
@@ -62,6 +63,8 @@ def response_for(error: Exception) -> JSONResponse:
             return error_response(400, message)
         status = status_for(error)
         return error_response(status, message, MODEL_NOT_FOUND if isinstance(error, NotFoundError) else None)
+    if isinstance(error, StarletteHTTPException):  # a body over the size limit, found while it is read
+        return error_response(error.status_code, str(error.detail))
     if isinstance(error, RayActorError):
         return error_response(503, "A lilo actor this request needed stopped while serving it and is being "
                                    "restarted; retry in a few seconds.")
@@ -78,7 +81,7 @@ class OpenAIRoute(StrictJsonRoute):
         async def openai_handler(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (RequestValidationError, LiloError, RayActorError) as error:
+            except (RequestValidationError, LiloError, RayActorError, StarletteHTTPException) as error:
                 return response_for(error)
 
         return openai_handler

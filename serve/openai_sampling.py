@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from lilo.backend.checkpoint_paths import TINKER_SCHEME, sampler_run
 from lilo.backend.registry import base_model_spec
@@ -43,10 +43,12 @@ def unknown_model(model: str, base_models: Sequence[str]) -> NotFoundError:
                          "tinker:// path that save_weights_for_sampler returned.")
 
 
-async def resolve_model(actors: Actors, router: SamplingRouter, model: str, base_models: Sequence[str],
+async def resolve_model(actors: Actors, router: SamplingRouter, model: str, context_lengths: Mapping[str, int],
                         tenant: str) -> Target:
     """The base model and checkpoint ``model`` names; a 404 for one that is not served, not a sampler checkpoint
-    the caller may read, or gone."""
+    the caller may read, or gone. ``context_lengths``: the served base models' (read once, as the capabilities
+    are)."""
+    base_models = list(context_lengths)
     key = uuid.uuid4().hex  # a base model's requests spread over the trainers serving it
     if model.startswith(TINKER_SCHEME):
         sampler_run(model)  # a 400 for a path of another kind
@@ -61,7 +63,7 @@ async def resolve_model(actors: Actors, router: SamplingRouter, model: str, base
         raise unknown_model(model, base_models)
     facts = (await router.trainer_facts())[trainer]
     return Target(base_model, model_path, trainer, facts["vocab_size"], facts["eos_token_ids"],
-                  base_model_spec(base_model).max_context_length)
+                  context_lengths.get(base_model) or base_model_spec(base_model).max_context_length)
 
 
 async def sample_for_openai(actors: Actors, base_model: str, model_path: str | None, request: SamplingRequest,
