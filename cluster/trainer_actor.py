@@ -17,7 +17,7 @@ import sys
 import threading
 import uuid
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -116,6 +116,7 @@ class TrainerActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         # The futures of submitted commands whose completion is already on its way to the futures DB.
         self._reported: weakref.WeakSet[Future] = weakref.WeakSet()
+        self._text = TrainerText(base_model, config.model_cache_dir)
         self._torch_thread = threading.Thread(target=self._run_torch, args=(config,), name="lilo-trainer-torch",
                                               daemon=True)
         self._torch_thread.start()
@@ -375,6 +376,21 @@ class TrainerActor:
     async def has_model(self, model_id: str) -> bool:
         return model_id in (await self._loaded()).backend.adapters
 
+    # --- text, for the OpenAI-compatible endpoint (serve/openai.py): the tokenizer is where the model's files are
+    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt's token ids of chat ``messages`` (the model's chat template, the assistant's turn begun)."""
+        return await self._text.call("render_chat", messages)
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._text.call("encode", text)
+
+    async def detokenize(self, context: list[int], sequences: list[list[int]]) -> list[list[str]]:
+        """The text each token of each sequence adds after the prompt ``context`` (lilo.backend.text.pieces)."""
+        return await self._text.call("pieces", context, sequences)
+
+    async def token_texts(self, ids: list[int]) -> list[str]:
+        return await self._text.call("token_texts", ids)
+
     async def stop(self, save_as: str | None = None) -> list[str]:
         """Stop serving: the execution under way finishes, queued commands fail. With ``save_as``, every training
         model's adapter and optimizer state is then saved as the save_weights checkpoint of that name (replacing
@@ -480,3 +496,25 @@ def trainer_layout(settings: Settings) -> list[str]:
         count = max(settings.trainers or gpus, len(models))
         return [models[index % len(models)] for index in range(count)]
     return [model for model in models for _ in range(settings.trainers or 1)]
+
+
+class TrainerText:
+    """A trainer's ``lilo.backend.text.ModelText``, loaded on first use, its calls made on one thread of its own:
+    off the actor's event loop, and never two at once (a fast tokenizer must not be used by two threads at once)."""
+
+    def __init__(self, base_model: str, model_cache_dir: Path | None) -> None:
+        self._base_model = base_model
+        self._model_cache_dir = model_cache_dir
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lilo-trainer-text")
+        self._text: Any = None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._text is None:
+            from lilo.backend.models import model_directory
+            from lilo.backend.text import ModelText
+
+            self._text = ModelText.load(model_directory(self._base_model, self._model_cache_dir), self._base_model)
+        return getattr(self._text, method)(*args)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._call, method, *args)

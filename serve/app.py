@@ -30,6 +30,8 @@ from serve.errors import ERROR_RESPONSES, install_error_handlers
 from serve.direct_ingress import reuse_listening_address
 from serve.json_body import INT64_MAX, StrictJsonRoute
 from serve.limits import BodyLimit, JsonOnly
+from serve.openai import openai_route
+from serve.openai_params import ChatCompletionBody, CompletionBody
 from serve.requests import (
     MAX_ID_CHARS, Body, CopyWeightsRequest, CreateModelRequest, CreateSamplingSessionRequest, FinishSessionRequest,
     LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest, SampleRequest, SaveWeightsRequest,
@@ -304,6 +306,19 @@ class LiloIngress:
         """Critical path of one of the caller's models (queue wait vs execute vs capture/persist, batch sharing),
         or the cluster's, summed over every model (no model ids in it)."""
         return await self._control.timing.snapshot(model_id, reset, reader, tenant)
+
+    # --- the OpenAI-compatible endpoint (serve/openai.py; docs/openai.md) ----------------------------------------
+    @openai_route(api, "POST", "chat/completions")
+    async def chat_completions(self, body: ChatCompletionBody, tenant: str = Depends(caller)) -> Response:
+        return await self._control.openai.chat(body, tenant)
+
+    @openai_route(api, "POST", "completions")
+    async def completions(self, body: CompletionBody, tenant: str = Depends(caller)) -> Response:
+        return await self._control.openai.completions(body, tenant)
+
+    @openai_route(api, "GET", "models")
+    async def openai_models(self, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return self._control.openai.models()
 
 
 def build_application(settings: Settings) -> serve.Application:

@@ -137,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
-              "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "host_adapter_mb", "disk_adapter_gb", "base_models",
+              "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "host_adapter_mb", "disk_adapter_gb",
+              "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",
               "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s")

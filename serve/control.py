@@ -7,6 +7,7 @@ caller's tenant.
 - ``runs`` and ``checkpoints``: training runs and checkpoints as the RestClient reads and changes them
 - ``sessions`` and ``heartbeats``: sessions as the RestClient reads them, and their heartbeats
 - ``timing``: the critical path of a model or of the cluster
+- ``openai``: the OpenAI-compatible endpoint (serve.openai)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lilo.futures.store import FutureState
 from serve.actors import Actors
 from serve.checkpoints import Checkpoints
 from serve.heartbeats import SessionBeats
+from serve.openai import OpenAICompatible
 from serve.requests import PROTOBUF, RetrieveFutureRequest, SaveWeightsRequest
 from serve.runs import Runs
 from serve.sampling import Sampling
@@ -69,6 +71,7 @@ class ControlPlane:
         self.sessions = Sessions(actors, self.runs)
         self.heartbeats = SessionBeats(futures)
         self.timing = Timing(actors)
+        self.openai = OpenAICompatible(actors, base_models)
 
     async def save_weights_for_sampler(self, request: SaveWeightsRequest, tenant: str) -> dict[str, str]:
         """A named sampler checkpoint, or without a name one that opens a sampling session (the SDK's

@@ -1,7 +1,8 @@
 """Fuzzing every operation of the service's own OpenAPI schema (served at /openapi.json) with schemathesis, over real
 HTTP on the session cluster: whatever a client sends, the answer comes within ANSWER_BOUND_S, is never a 5xx, every
-4xx is a JSON body whose ``detail`` is a sentence, and responses conform to the schema (status codes, content types,
-bodies; every 4xx is documented as ``ErrorBody``).
+4xx is a JSON body whose ``detail`` (on the OpenAI-compatible routes, ``error.message``) is a sentence, and
+responses conform to the schema (status codes, content types, bodies; every 4xx is documented as ``ErrorBody``, or
+on the OpenAI-compatible routes as ``OpenAIErrorBody``).
 
 Two passes: schemathesis' valid (positive) and invalid (negative) requests, EXAMPLES per operation and mode; then
 EDGE_EXAMPLES valid requests per operation with one value swapped for one that servers tend to choke on (integers
@@ -92,6 +93,11 @@ OPERATIONS = [
     "POST /api/v1/unload_model",
     "POST /api/v1/retrieve_future",
     "GET /api/v1/timing",
+    # The OpenAI-compatible endpoint (docs/openai.md): its errors are in OpenAI's shape (``error.message``); a fuzzed
+    # model names no served model or checkpoint, so nothing is sampled.
+    "POST /oai/api/v1/chat/completions",
+    "POST /oai/api/v1/completions",
+    "GET /oai/api/v1/models",
 ]
 # Operations whose every valid request creates a record: fuzzed with invalid requests only.
 INVALID_ONLY = {"POST /api/v1/create_session"}
@@ -105,7 +111,8 @@ NO_INVALID = {"GET /api/v1/healthz", "POST /api/v1/client/config", "GET /api/v1/
               f"DELETE {CHECKPOINT}", f"GET {CHECKPOINT}/external_weights_urls", f"POST {CHECKPOINT}/publish",
               f"DELETE {CHECKPOINT}/publish", "GET /api/v1/sessions/{session_id}",
               "PUT /api/v1/sessions/{session_id}/project", "GET /api/v1/sessions/{session_id}/trace_export",
-              "GET /api/v1/audit", "GET /api/v1/billing/usage/events", "GET /api/v1/billing/usage/checkpoints/current"}
+              "GET /api/v1/audit", "GET /api/v1/billing/usage/events", "GET /api/v1/billing/usage/checkpoints/current",
+              "GET /oai/api/v1/models"}
 RUNS = [(label, mode) for label in OPERATIONS for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
         if not (mode is GenerationMode.POSITIVE and label in INVALID_ONLY)
         and not (mode is GenerationMode.NEGATIVE and label in NO_INVALID)]
@@ -257,7 +264,9 @@ def assert_answered_well(label: str, status: int, content_type: str, text: str, 
     assert status < 500, f"{label} answered {status}: {text[:500]}"
     if 400 <= status < 500:
         assert content_type.startswith("application/json"), f"{label} {status} as {content_type}: {text[:500]}"
-        detail = json.loads(text).get("detail")
+        body = json.loads(text)
+        # OpenAI's error shape on its routes, else lilo's own.
+        detail = body.get("error", {}).get("message") if " /oai/" in label else body.get("detail")
         assert isinstance(detail, str) and len(detail.split()) >= 3, (
             f"{label} {status} without a sentence: {text[:500]}")
 
