@@ -42,7 +42,7 @@ from cluster.placement import models_placed, named_actor
 from cluster.scaling import GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, \
     trainers_to_start
 from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler
-from cluster.sampling_plane import trainer_gpu_share
+from cluster.sampling_plane import sampler_config, trainer_gpu_share
 from cluster.timing import get_timing_actor
 from cluster.trainer_actor import TRAINER_PREFIX, TrainerConfig, start_trainer, trainer_name
 from lilo.settings import Settings
@@ -334,7 +334,7 @@ def scaling_config(settings: Settings, follow_gpus: bool) -> ScalingConfig:
     share = settings.samplers if follow_gpus and 0 < settings.samplers < 1 else 0.0
     return ScalingConfig(tuple(settings.base_models), TrainerConfig.from_settings(settings), follow_gpus,
                          settings.min_trainers, settings.max_trainers, settings.trainer_idle_timeout_s,
-                         sampler_share=share, sampler=SamplerConfig.from_settings(settings) if share else None)
+                         sampler_share=share, sampler=sampler_config(settings) if share else None)
 
 
 def start_reconciler(config: ScalingConfig) -> ActorHandle:

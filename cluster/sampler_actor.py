@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.local import NAMESPACE, ClusterError
 from lilo.backend.types import SamplingRequest
@@ -156,15 +157,16 @@ class SamplerActor:
 
 
 def start_sampler(index: int, base_model: str, config: SamplerConfig, *, num_gpus: float = 0,
-                  num_cpus: float = 1) -> ray.actor.ActorHandle:
+                  num_cpus: float = 1, node_id: str | None = None) -> ray.actor.ActorHandle:
     """A named, detached sampler (``lilo-sampler-<index>`` in namespace ``lilo``) on the sampler environment's
     interpreter; it loads its engine as it starts (``ready`` waits for it). ``num_gpus`` may be a fraction: a
-    share of a trainer's GPU."""
+    share of a trainer's GPU. With ``node_id`` it lives on that node only (beside its trainer)."""
     python = vllm_python()
     if python is None:
         raise ClusterError("vLLM is not installed here; run `make .venv-vllm/.installed` (or set "
                            f"{VLLM_PYTHON_ENV} to a Python that has vllm and Ray 2.60.0) to start sampler actors.")
     runtime_env = {} if python == sys.executable else {"py_executable": python}
+    strategy: Any = "DEFAULT" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     return SamplerActor.options(name=sampler_name(index), namespace=NAMESPACE, lifetime="detached",
-                                num_gpus=num_gpus, num_cpus=num_cpus,
+                                num_gpus=num_gpus, num_cpus=num_cpus, scheduling_strategy=strategy,
                                 runtime_env=runtime_env).remote(sampler_name(index), base_model, config)

@@ -34,10 +34,13 @@ from typing import Any, Callable, Sequence
 import ray
 
 from cluster.placement import named_actor
+from cluster.sampler_actor import SamplerConfig
 from lilo.backend.checkpoint_paths import TINKER_SCHEME, local_directory
 from lilo.backend.types import SamplingRequest
 from lilo.backend.vllm_sampler import vllm_unsupported
 from lilo.engine.commands import Command
+from lilo.settings import Settings
+from lilo.errors import NotFoundError
 from lilo.timing.critical_path import Observer, Operation
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ PUBLISH_WAIT_S = 10.0
 # Relayed samples whose futures a retry finds again (the engine keeps as many of its own).
 REMEMBERED_SAMPLES = 10_000
 SAMPLER_LANE = "sampler"
+# The memory of its GPU a sampler that has one to itself gives vLLM (weights and KV cache).
+DEDICATED_GPU_SHARE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +90,14 @@ def sampler_layout(samplers: float, trainers: Sequence[tuple[str, str]], gpus: b
     return seats
 
 
+def sampler_config(settings: Settings) -> SamplerConfig:
+    """What every sampler of a service is built with: its LoRA slots and rank as the settings say, and, beside a
+    trainer, the share of the GPU ``--samplers`` gives it (a sampler of its own GPU takes most of it)."""
+    share = settings.samplers if 0 < settings.samplers < 1 else DEDICATED_GPU_SHARE
+    return SamplerConfig(max_loras=settings.sampler_max_loras, max_rank=settings.max_rank, device=settings.device,
+                         gpu_fraction=share)
+
+
 def samplers_of(trainer: str, seats: Sequence[SamplerSeat], name_of: Callable[[int], str]) -> tuple[str, ...]:
     return tuple(name_of(seat.index) for seat in seats if trainer in seat.trainers)
 
@@ -105,6 +118,7 @@ class SamplerRelay:
         self._observer = observer
         self._clock = clock
         self._ready: set[str] = set()
+        self._context: int | None = None  # the samplers' max_model_len (one base model, one engine config)
         self._loaded: dict[str, dict[str, int]] = {name: {} for name in self.names}  # sampler -> path -> version
         self._publishing: dict[tuple[str, str], asyncio.Lock] = {}
         self._relayed: OrderedDict[str, Future] = OrderedDict()
@@ -116,7 +130,8 @@ class SamplerRelay:
         while True:
             if name not in self._ready:
                 try:
-                    await named_actor(name).ready.remote()
+                    info = await named_actor(name).ready.remote()
+                    self._context = info.get("max_model_len")
                     self._loaded[name] = {}  # a (re)started sampler holds nothing yet
                     self._ready.add(name)
                     logger.info("sampler %s is ready; samples it can answer go to it", name)
@@ -131,7 +146,7 @@ class SamplerRelay:
     def choose(self, command: Command[SamplingRequest]) -> str | None:
         """The sampler for this sample, or None (the torch sampler answers it; why is logged): one that has its
         checkpoint loaded if any, else one picked by the checkpoint (or, for the bare base model, the session)."""
-        reason = vllm_unsupported(command.payload)
+        reason = vllm_unsupported(command.payload, self._context)
         if reason is None and not self._ready:
             reason = "no sampler is ready yet"
         if reason is not None:
@@ -168,10 +183,17 @@ class SamplerRelay:
             if key is not None:
                 await self._fresh(sampler, key, command.model_id)
             t1 = self._clock()
-            [result] = await named_actor(sampler).sample.remote([command.payload], [key])
+            [outcome] = await named_actor(sampler).sample.remote([command.payload], [key])
+            if isinstance(outcome, NotFoundError) and key is not None:
+                # The sampler lost the adapter (it restarted since this trainer last looked): publish, once more.
+                self._loaded[sampler].pop(key, None)
+                await self._fresh(sampler, key, command.model_id)
+                [outcome] = await named_actor(sampler).sample.remote([command.payload], [key])
+            if isinstance(outcome, Exception):
+                raise outcome
             self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t1, self._clock(),
                                 request_ids=[command.request_id], n=1, ok=True)
-            future.set_result(result)
+            future.set_result(outcome)
         except ray.exceptions.RayActorError as error:
             self._ready.discard(sampler)
             self._count("torch: the sampler died")

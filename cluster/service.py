@@ -226,13 +226,14 @@ def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
     """Start the vLLM sampler actors of ``seats`` (they load while the trainers do); their handles."""
     if not seats:
         return []
-    from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler, vllm_available
+    from cluster.sampler_actor import sampler_name, start_sampler, vllm_available
+    from cluster.sampling_plane import sampler_config
 
     if not vllm_available():
         raise ClusterError(f"--samplers {settings.samplers:g} needs vLLM, which is not installed: run "
                            "`make .venv-vllm/.installed` (CPU) or `pip install vllm` (GPU nodes), or pass --samplers 0 "
                            "to sample with the torch sampler on the trainers.")
-    config = SamplerConfig.from_settings(settings)
+    config = sampler_config(settings)
     progress(f"Starting {len(seats)} vLLM sampler(s): "
              + ", ".join(f"{sampler_name(seat.index)} ({seat.base_model}, {seat.num_gpus:g} GPU, for "
                          f"{'/'.join(seat.trainers)})" for seat in seats))
