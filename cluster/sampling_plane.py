@@ -181,13 +181,13 @@ class SamplerRelay:
         t0 = self._clock()
         try:
             if key is not None:
-                await self._fresh(sampler, key, command.model_id)
+                await self._fresh(sampler, key, command.model_id, "publish:sample")
             t1 = self._clock()
             [outcome] = await named_actor(sampler).sample.remote([command.payload], [key])
             if isinstance(outcome, NotFoundError) and key is not None:
                 # The sampler lost the adapter (it restarted since this trainer last looked): publish, once more.
                 self._loaded[sampler].pop(key, None)
-                await self._fresh(sampler, key, command.model_id)
+                await self._fresh(sampler, key, command.model_id, "publish:sample")
                 [outcome] = await named_actor(sampler).sample.remote([command.payload], [key])
             if isinstance(outcome, Exception):
                 raise outcome
@@ -205,8 +205,9 @@ class SamplerRelay:
                                 request_ids=[command.request_id], n=1, ok=False)
             future.set_exception(error)
 
-    async def _fresh(self, sampler: str, path: str, model_id: str) -> None:
-        """Make ``sampler`` hold the latest whole version of the sampler checkpoint ``path``."""
+    async def _fresh(self, sampler: str, path: str, model_id: str, span: str) -> None:
+        """Make ``sampler`` hold the latest whole version of the sampler checkpoint ``path``; a load it needed is
+        timed as ``span`` of ``model_id``."""
         lock = self._publishing.setdefault((sampler, path), asyncio.Lock())
         async with lock:
             version = await asyncio.to_thread(self._version, path)
@@ -215,8 +216,7 @@ class SamplerRelay:
             t0 = self._clock()
             await named_actor(sampler).publish.remote(path, str(local_directory(self._checkpoint_dir, path)))
             self._loaded[sampler][path] = version
-            self._observer.span(model_id, "publish:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(), n=1,
-                                ok=True)
+            self._observer.span(model_id, span, f"{SAMPLER_LANE}:{sampler}", t0, self._clock(), n=1, ok=True)
 
     def publish_after(self, saved: Future, model_id: str) -> Future:
         """``saved`` (a save_weights_for_sampler's future), completing only once its checkpoint is published to the
@@ -235,11 +235,9 @@ class SamplerRelay:
             path = saved.result()["path"]
             pool = sorted(self._ready)
             sampler = pool[zlib.crc32(path.encode()) % len(pool)]
-            t0 = self._clock()
             try:
-                await asyncio.wait_for(self._fresh(sampler, path, model_id), PUBLISH_WAIT_S)
-                self._observer.span(model_id, "publish:save_weights_for_sampler", f"{SAMPLER_LANE}:{sampler}", t0,
-                                    self._clock(), n=1, ok=True)
+                await asyncio.wait_for(self._fresh(sampler, path, model_id, "publish:save_weights_for_sampler"),
+                                       PUBLISH_WAIT_S)
             except Exception as error:  # the save itself succeeded: its client gets it, samples load it later
                 logger.warning("publishing %s to %s failed (%s); its first sample loads it", path, sampler,
                                str(error).splitlines()[0] if str(error) else type(error).__name__)
