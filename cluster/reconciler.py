@@ -307,6 +307,7 @@ class ReconcilerActor:
         """Per node, its trainers with their base model, state, models and free slots (``lilo status``)."""
         await self._adopted.wait()
         nodes = {node["NodeID"]: node for node in await asyncio.to_thread(ray.nodes) if node.get("Alive")}
+        sampling = dict(await asyncio.gather(*(self._sampling_of(name) for name in self.ready_names())))
         trainers = []
         for name, seat in sorted(self._seats.items()):
             state = ("leaving" if name in self._releasing else "pending" if seat.node_id is None
@@ -314,9 +315,16 @@ class ReconcilerActor:
             node = nodes.get(seat.node_id or "", {})
             trainers.append({"name": name, "base_model": seat.base_model, "state": state, "node_id": seat.node_id,
                              "node_ip": node.get("NodeManagerAddress"), "models": seat.models,
-                             "free_slots": self._free_slots.get(name)})
+                             "free_slots": self._free_slots.get(name), "sampling": sampling.get(name)})
         return {"follow_gpus": self._config.follow_gpus, "gpus": self._gpus, "counts": self.counts(),
                 "trainers": trainers}
+
+    async def _sampling_of(self, name: str) -> tuple[str, dict | None]:
+        """A trainer's vLLM samplers and how many samples each engine answered (None: it did not say in time)."""
+        try:
+            return name, await asyncio.wait_for(self._handles[name].sampling.remote(), 5.0)
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError, KeyError):
+            return name, None
 
     async def history(self) -> list[dict[str, Any]]:
         """Trainers started, ready, left and let go, with when, and how long after their node joined."""

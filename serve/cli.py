@@ -298,8 +298,19 @@ def trainer_lines(status: dict) -> list[str]:
         for trainer in trainers:
             slots = "" if trainer["free_slots"] is None else f", {trainer['free_slots']} free slot(s)"
             lines.append(f"      {trainer['name']}: {trainer['base_model']}, {trainer['state']}, "
-                         f"{trainer['models']} model(s){slots}")
+                         f"{trainer['models']} model(s){slots}{sampler_note(trainer.get('sampling'))}")
     return lines
+
+
+def sampler_note(sampling: dict | None) -> str:
+    """``, samplers lilo-sampler-0 (ready): 12 samples on vLLM, 3 on torch`` for a trainer with vLLM samplers."""
+    if not sampling or not sampling["samplers"]:
+        return ""
+    states = ", ".join(f"{name} ({'ready' if name in sampling['ready'] else 'not ready'})"
+                       for name in sampling["samplers"])
+    counts = sampling["counts"]
+    on_torch = sum(count for what, count in counts.items() if what != "vllm")
+    return f", samplers {states}: {counts.get('vllm', 0)} samples on vLLM, {on_torch} on torch"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import time
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import tinker
 from tinker import types
@@ -152,3 +153,22 @@ def test_what_vllm_cannot_answer_the_torch_sampler_still_does(vllm_service):
                          prompt_alt_tokens_k=2).result(timeout=TIMEOUT_S)
     assert alt.sequences and len(alt.sequences[0].tokens) == 2
     assert phases(url, saved.path, until=lambda found: "sample.execute" in found)["sample.execute"]["count"] >= 1
+
+
+def test_the_openai_endpoint_samples_a_checkpoint_on_vllm_as_the_tinker_sdk_does(vllm_service):
+    service, url = vllm_service
+    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
+    train(training, steps=2, learning_rate=2e-2, seed=6)
+    saved = training.save_weights_for_sampler("openai").result(timeout=TIMEOUT_S)
+    prompt = [20, 21, 22, 23]
+    client = openai.OpenAI(base_url=f"{url}/oai/api/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
+    completion = client.completions.create(model=saved.path, prompt=prompt, max_tokens=6, temperature=0,
+                                           logprobs=0)
+    sdk = service.create_sampling_client(model_path=saved.path).result(timeout=TIMEOUT_S)
+    expected = sdk.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                          sampling_params=types.SamplingParams(max_tokens=6, temperature=0.0)
+                          ).result(timeout=TIMEOUT_S).sequences[0]
+    assert completion.choices[0].logprobs.token_logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+    assert completion.usage.completion_tokens == len(expected.tokens)
+    found = phases(url, saved.path, until=lambda found: found.get("sample.vllm", {}).get("count", 0) >= 2)
+    assert found["sample.vllm"]["count"] == 2 and "sample.execute" not in found

@@ -62,3 +62,14 @@ def test_bad_settings_are_usage_errors_with_a_message(empty_home):
     assert "Unknown base model(s) no-such-model" in result.stderr
     assert "a local directory with a transformers config.json" in result.stderr
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in result.stderr
+
+
+def test_status_says_which_samplers_a_trainer_relays_to_and_which_engine_answered_its_samples():
+    from serve.cli import sampler_note
+
+    assert sampler_note(None) == ""
+    assert sampler_note({"samplers": [], "ready": [], "counts": {}, "loaded": {}}) == ""
+    note = sampler_note({"samplers": ["lilo-sampler-0", "lilo-sampler-1"], "ready": ["lilo-sampler-0"],
+                         "counts": {"vllm": 12, "torch: prompt_alt_tokens_k": 2, "torch: the sampler died": 1},
+                         "loaded": {}})
+    assert note == (", samplers lilo-sampler-0 (ready), lilo-sampler-1 (not ready): 12 samples on vLLM, 3 on torch")
