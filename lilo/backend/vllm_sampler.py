@@ -35,6 +35,10 @@ from lilo.errors import InvalidRequestError, NotFoundError
 VLLM_GREEDY_BELOW = 1e-5
 # The most top-k logprobs vLLM returns per position (its max_logprobs default; lilo's MAX_TOPK is the same).
 MAX_LOGPROBS = 20
+# Sequences in one engine step (vLLM's default for its LLM class on CPU): the issue's workload has 128 in flight.
+MAX_SEQUENCES = 256
+# Tokens in one engine step, at least (a whole prompt of the model's context must fit: prefills are not chunked).
+MIN_STEP_TOKENS = 4096
 PEFT_CONFIG = "adapter_config.json"
 STOP, LENGTH = "stop", "length"
 
@@ -116,6 +120,11 @@ def peft_rank(peft_dir: Path) -> int:
                                   "save_weights_for_sampler wrote.") from None
 
 
+def context_length(model_dir: Path) -> int:
+    """The base model's context (its config's ``max_position_embeddings``), as vLLM takes it by default."""
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+
+
 def cpu_binding(threads: int | None) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND``: vLLM's own choice (``auto``: on x86 it keeps a core for its scheduler, so
     one compute thread on two cores) or the first ``threads`` CPUs this process may run on."""
@@ -165,7 +174,12 @@ class VllmSampler:
             # Keep more adapters loaded than one batch uses: the others are read again from their PEFT files.
             max_cpu_loras=4 * max_loras,
             logprobs_mode="processed_logprobs", max_logprobs=MAX_LOGPROBS,
-            enable_prefix_caching=prefix_caching, **memory)
+            enable_prefix_caching=prefix_caching,
+            # vLLM 0.32 on CPU dies ("CPU Generator does not use offset") when it discards the token of a seeded
+            # request whose prefill was cut into chunks: it rewinds the request's generator, which CPU generators
+            # cannot. Whole prefills only, so no step samples a token it discards.
+            enable_chunked_prefill=False, max_num_seqs=MAX_SEQUENCES,
+            max_num_batched_tokens=max(MIN_STEP_TOKENS, context_length(self.model_dir)), **memory)
         self.engine = AsyncLLM.from_engine_args(args)
         model_config = self.engine.model_config
         self.vocab_size: int = model_config.get_vocab_size()
@@ -270,3 +284,4 @@ class VllmSampler:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.engine = None  # its own __del__ shuts it down again now, not at interpreter exit when that fails

@@ -205,6 +205,18 @@ def test_the_same_seed_gives_the_same_samples(sampler):
 
 
 @needs_vllm
+def test_seeded_samples_whose_prompts_fill_more_than_one_engine_step(sampler):
+    """vLLM 0.32 on CPU died here while it cut prefills into chunks (it rewinds a seeded request's generator for
+    the token it discards after a partial prefill, and CPU generators cannot rewind)."""
+    actor, _ = sampler
+    rng = np.random.default_rng(5)
+    requests = [SamplingRequest(prompt=rng.integers(0, 5000, 400).tolist(), max_tokens=4, seed=index, num_samples=2)
+                for index in range(12)]  # 9,600 prompt tokens: more than the 4,096 of one step
+    results = vllm_samples(actor, requests, ["a", "b", None] * 4)
+    assert all(len(sequence["tokens"]) == 4 for result in results for sequence in result["sequences"])
+
+
+@needs_vllm
 def test_stop_tokens_and_stop_strings_end_samples_as_in_the_torch_sampler(sampler, torch_side):
     """The stop is included in the sample, as the torch sampler includes it."""
     from transformers import AutoTokenizer
