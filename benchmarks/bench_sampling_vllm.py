@@ -79,12 +79,14 @@ def default_workload(directory: Path) -> dict[str, Any]:
 
 async def measure(workload: dict[str, Any], threads: int, out_dir: Path) -> dict[str, Any]:
     from lilo.backend.types import SamplingRequest
-    from lilo.backend.vllm_sampler import VllmSampler
+    from lilo.backend.vllm_sampler import VllmSampler, peft_rank
 
     adapter_dirs = workload["adapter_dirs"]
+    # The engine holds the workload's ranks: on CPU vLLM's LoRA cost grows with its padded max rank.
+    max_rank = max(peft_rank(Path(directory)) for directory in adapter_dirs)
     start = time.perf_counter()
-    sampler = await asyncio.to_thread(VllmSampler, Path(workload["model_dir"]), max_loras=max(1, len(adapter_dirs)),
-                                      max_rank=32, kv_cache_gb=1.0, threads=threads)
+    sampler = await asyncio.to_thread(VllmSampler, Path(workload["model_dir"]), max_loras=len(adapter_dirs) + 1,
+                                      max_rank=max_rank, kv_cache_gb=1.0, threads=threads)
     load_s = time.perf_counter() - start
     keys = [f"adapter-{index}" for index in range(len(adapter_dirs))]
     for key, directory in zip(keys, adapter_dirs):
@@ -124,7 +126,7 @@ async def measure(workload: dict[str, Any], threads: int, out_dir: Path) -> dict
     finally:
         sampler.shutdown()
     return {"vllm_tok_s": round(statistics.median(rate for rate, _ in passes), 1),
-            "vllm_threads": sampler.thread_binding, "vllm_load_s": round(load_s, 1),
+            "vllm_threads": sampler.thread_binding, "vllm_max_rank": max_rank, "vllm_load_s": round(load_s, 1),
             "publish_ms": round(statistics.median(publish), 1), "publish_load_ms": round(statistics.median(load), 1),
             "sequences": str(sequences_path)}
 
@@ -133,7 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", type=Path, help="the workload JSON (default: the issue's, made here)")
     parser.add_argument("--threads", type=int, default=2, help="compute threads, bound to the first CPUs")
-    parser.add_argument("--out-dir", type=Path, help="where the sequences file goes (default: a new temp dir)")
+    parser.add_argument("--out-dir", type=Path, help="where the sequences file goes (default: beside the workload "
+                        "file, or a new temp dir)")
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
         from cluster.sampler_actor import vllm_python
@@ -142,7 +145,8 @@ def main() -> None:
         if python is None:
             sys.exit("vLLM is not installed; run `make .venv-vllm/.installed` first.")
         os.execv(python, [python, *sys.argv])
-    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="bench-sampling-vllm-"))
+    out_dir = args.out_dir or (args.workload.with_name(args.workload.stem + "-vllm") if args.workload
+                               else Path(tempfile.mkdtemp(prefix="bench-sampling-vllm-")))
     out_dir.mkdir(parents=True, exist_ok=True)
     # vLLM and its engine processes log to stdout: everything but the one JSON line goes to stderr.
     result_stream = os.fdopen(os.dup(1), "w")

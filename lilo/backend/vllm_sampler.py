@@ -38,7 +38,11 @@ MAX_LOGPROBS = 20
 # Sequences in one engine step (vLLM's default for its LLM class on CPU): the workload has 128 in flight.
 MAX_SEQUENCES = 256
 # Tokens in one engine step, at least (a whole prompt of the model's context must fit: prefills are not chunked).
-MIN_STEP_TOKENS = 4096
+MIN_STEP_TOKENS = 2048
+# How long one engine step may take before vLLM declares its engine dead (its default is 300 s). On CPU, LoRA
+# gathers every token's A and B at the padded max rank, so a prefill of thousands of tokens on a busy machine
+# can take minutes.
+STEP_TIMEOUT_S = "1800"
 PEFT_CONFIG = "adapter_config.json"
 STOP, LENGTH = "stop", "length"
 
@@ -156,8 +160,9 @@ class VllmSampler:
         cpu = device == "cpu"
         memory = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if cpu
                   else {"gpu_memory_utilization": gpu_fraction})
+        # Read by vLLM's engine processes, which inherit this environment when the engine starts below.
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", STEP_TIMEOUT_S)
         if cpu:
-            # Read by vLLM's engine process, which inherits this environment when the engine starts below.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(threads)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
