@@ -102,7 +102,9 @@ async def measure(workload: dict[str, Any], threads: int, out_dir: Path) -> dict
         began = time.perf_counter()
         results = await asyncio.gather(*(sampler.sample(request, adapter) for request, adapter in batch))
         tokens = sum(len(sequence["tokens"]) for result in results for sequence in result["sequences"])
-        return tokens / (time.perf_counter() - began), results
+        rate = tokens / (time.perf_counter() - began)
+        print(f"{tokens} tokens at {rate:.1f} tok/s", file=sys.stderr, flush=True)
+        return rate, results
 
     try:
         await run(requests(workload["temperature"], 8))  # warm-up
