@@ -50,8 +50,10 @@ test: $(INSTALLED) $(VLLM_INSTALLED)
 test-fast: $(INSTALLED)
 	$(VENV)/bin/python -m pytest tests/lilo
 
-bench: $(INSTALLED)
-	@for script in benchmarks/bench_*.py; do $(VENV)/bin/python $$script || exit 1; done
+# bench_sampling_vllm.py is the vLLM half of bench_sampling.py, which runs it on .venv-vllm's python itself.
+bench: $(INSTALLED) $(VLLM_INSTALLED)
+	@for script in benchmarks/bench_*.py; do case $$script in *_vllm.py) continue;; esac; \
+		$(VENV)/bin/python $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
