@@ -10,9 +10,11 @@ soon as the trainer dies, and then, for that trainer:
    with a message saying what was lost) and its models are taken off it: their new requests answer 503, which the
    SDK retries by itself.
 2. Each model is placed again on a live trainer serving its base model (the restarted one included, once it is up)
-   and restored there from its latest ``save_weights`` checkpoint, or from a fresh adapter when it has none, ready
-   for its client's next seq id. Then its requests flow again, without the client restarting. (No trainer of its
-   base model yet, as while a GPU cluster's trainers start: it is tried again every few seconds until there is.)
+   and restored there from the newer of its page file (its whole training state, when it was paged out to disk)
+   and its latest ``save_weights`` checkpoint (``TrainerActor.restore_model``), or from a fresh adapter when it has
+   neither, ready for its client's next seq id. Then its requests flow again, without the client restarting. (No
+   trainer of its base model yet, as while a GPU cluster's trainers start: it is tried again every few seconds
+   until there is.)
 
 A trainer that left the registry (its node left, or it was let go for idleness) is watched no more once recovered.
 
@@ -69,8 +71,9 @@ def lost_message(trainer: str) -> str:
 
 STRAY_MESSAGE = ("The trainer this request was handed to is no longer part of the service (it restarted with fewer "
                  "trainers), so the request did not take effect.")
-RESTORING = ("The model is being restored on a live trainer from its latest save_weights checkpoint (a fresh "
-             "adapter if it has none): steps after that checkpoint are lost. Load your last checkpoint (load_state) to "
+RESTORING = ("The model is being restored on a live trainer from its latest save_weights checkpoint, or from its "
+             "page file when it was paged out to disk after that checkpoint (a fresh adapter if it has neither): steps "
+             "after that copy are lost. Load your last checkpoint (load_state) to "
              "resume from it, or go on from the restored state.")
 
 
