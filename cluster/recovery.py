@@ -48,6 +48,7 @@ from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
 from cluster.reconciler import RECONCILER_ACTOR_NAME, REGISTRY_REFRESH_S
 from cluster.unloading import unload_models
+from lilo.backend.paging import Room
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError, LiloError
 from lilo.futures.store import DisplacedModel
@@ -279,7 +280,7 @@ class RecoveryActor:
             await asyncio.sleep(RETRY_PLACEMENT_S)  # a trainer may restart or free a slot meanwhile
 
     async def _restore_round(self, models: Sequence[DisplacedModel], restored: dict, unloaded: dict) -> None:
-        """Place and restore each model on the least loaded live trainer serving its base model, asking the
+        """Place and restore each model on the live trainer with the most room serving its base model, asking the
         trainers once for the round (a dead one would cost a timeout per model); ``restored`` gains, per model
         restored, its trainer and the checkpoint it was restored from (None: a fresh adapter). A model whose base
         model the service does not serve, or whose record holds no valid LoRA config, is unloaded,
@@ -303,7 +304,7 @@ class RecoveryActor:
                 logger.warning("cannot restore model %s yet (%s); retrying in %.0f s", model.model_id,
                                str(error).splitlines()[0], RETRY_PLACEMENT_S)
                 continue
-            facts[trainer]["free_slots"] -= 1
+            facts[trainer]["room"] = Room(**facts[trainer]["room"]).less_one()._asdict()
             placed[trainer] = placed.get(trainer, 0) + 1
             restored[model.model_id] = (trainer, checkpoint)
             logger.warning("model %s restored on %s from %s", model.model_id, trainer, checkpoint or "a fresh adapter")
