@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import numpy as np
 import psutil
 
 LILO = str(Path(sys.executable).parent / "lilo")
@@ -153,3 +154,12 @@ def ray_test_cluster(head_cpus: int) -> Iterator:
     finally:
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def train_input(seed: int):
+    """A lilo TrainInput of one 32-token datum (what a trainer actor's ``run`` takes), random but repeatable."""
+    from lilo.backend.types import Datum, TrainInput
+
+    tokens = np.random.default_rng(seed).integers(0, 1000, 32)
+    return TrainInput(data=[Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
+                                                              "weights": np.ones(32, dtype=np.float32)})])
