@@ -3,6 +3,7 @@ model comes back, as the recovery actor asks (``restore_model``), from the newer
 save_weights checkpoint. This trainer is none of the service's (the recovery actor does not watch it), so the test
 makes the calls the recovery actor would."""
 
+import json
 import signal
 import time
 import uuid
@@ -42,16 +43,20 @@ def restarted(actor, pid: int, within_s: float = 300.0) -> int:
     pytest.fail(f"the trainer was not restarted within {within_s:.0f} s")
 
 
+def one_slot_trainer(tmp_path_factory, host_adapter_mb: int) -> tuple:
+    """A trainer of one slot that pages to host memory (``host_adapter_mb``) and disk; its handle, its page
+    directory and its checkpoint directory."""
+    index = 900 + uuid.uuid4().int % 99
+    pages, checkpoints = tmp_path_factory.mktemp("pages"), tmp_path_factory.mktemp("checkpoints")
+    config = TrainerConfig(max_adapters=1, max_rank=8, sampler_slots=0, device="auto", compute_nice=0,
+                           checkpoint_dir=checkpoints, model_cache_dir=tmp_path_factory.mktemp("models"),
+                           host_adapter_mb=host_adapter_mb, disk_adapter_gb=0.01, page_dir=pages)
+    return start_trainer(index, "lilo/tiny-llama", config), pages / trainer_name(index), checkpoints
+
+
 def test_a_killed_trainers_models_come_back_from_their_newer_copy_and_an_unloaded_one_stays_gone(
         ray_driver, tmp_path_factory):
-    index = 900 + uuid.uuid4().int % 99
-    pages = tmp_path_factory.mktemp("pages")
-    config = TrainerConfig(max_adapters=1, max_rank=8, sampler_slots=0, device="auto", compute_nice=0,
-                           checkpoint_dir=tmp_path_factory.mktemp("checkpoints"),
-                           model_cache_dir=tmp_path_factory.mktemp("models"), host_adapter_mb=0,
-                           disk_adapter_gb=0.01, page_dir=pages)
-    actor = start_trainer(index, "lilo/tiny-llama", config)
-    directory = pages / trainer_name(index)
+    actor, directory, _ = one_slot_trainer(tmp_path_factory, host_adapter_mb=0)
     paged, saved, unloaded = (f"{role}-{uuid.uuid4().hex[:8]}" for role in ("paged", "saved", "unloaded"))
 
     def run(model_id: str, seq: int, kind: Kind, payload, **extra):
@@ -107,4 +112,26 @@ def test_a_killed_trainers_models_come_back_from_their_newer_copy_and_an_unloade
             assert result["metrics"]["loss:sum"] > 0
     finally:
         ray.get(actor.stop.remote(), timeout=60)
+        ray.kill(actor)
+
+
+def test_a_stopping_trainer_saves_its_paged_models_too(ray_driver, tmp_path_factory):
+    # What `lilo down` asks of each trainer: every model saved, so the next start restores each exactly.
+    actor, directory, checkpoints = one_slot_trainer(tmp_path_factory, host_adapter_mb=1)
+    models = [f"m{i}-{uuid.uuid4().hex[:8]}" for i in range(3)]
+    try:
+        for i, model_id in enumerate(models):
+            ray.get(actor.create_model.remote(model_id, SPEC), timeout=60)
+            for seq in range(1, 2 * i + 2, 2):  # model i takes i + 1 steps
+                ray.get(actor.run.remote(Command(model_id, seq, Kind.FORWARD_BACKWARD, f"{model_id}:{seq}",
+                                                 payload=train_input(seq), tokens=32)), timeout=60)
+                ray.get(actor.run.remote(Command(model_id, seq + 1, Kind.OPTIM_STEP, f"{model_id}:{seq + 1}",
+                                                 payload=AdamParams(learning_rate=1e-2))), timeout=60)
+        assert len(list(directory.glob("*.page.safetensors"))) == 1  # one on disk, one in host memory, one in the slot
+        paths = ray.get(actor.stop.remote(save_as="down"), timeout=120)
+        assert sorted(paths) == sorted(f"tinker://{model_id}/weights/down" for model_id in models)
+        for i, model_id in enumerate(models):
+            meta = json.loads((checkpoints / model_id / "weights" / "down" / "meta.json").read_text())
+            assert meta["step"] == i + 1
+    finally:
         ray.kill(actor)
