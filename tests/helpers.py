@@ -163,3 +163,27 @@ def train_input(seed: int):
     tokens = np.random.default_rng(seed).integers(0, 1000, 32)
     return TrainInput(data=[Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
                                                               "weights": np.ones(32, dtype=np.float32)})])
+
+
+def paged_timings(directory: Path, models: int = 2):
+    """The critical path of a real engine whose ``models`` tiny models share one slot, each taking a
+    forward_backward in turn (so each is paged out to host memory and back in); and the models' ids."""
+    from lilo.backend.models import build_tiny_llama, load_base_model
+    from lilo.backend.torch_backend import TorchBackend
+    from lilo.backend.types import LoraSpec
+    from lilo.engine.commands import Command, Kind
+    from lilo.engine.engine import Engine
+
+    backend = TorchBackend(load_base_model(build_tiny_llama(directory / "tiny-llama")), max_adapters=1, max_rank=8,
+                           checkpoint_dir=directory / "checkpoints", host_adapter_bytes=16 * 2**20)
+    engine = Engine(backend)
+    model_ids = [f"paged-{i}-{os.urandom(4).hex()}" for i in range(models)]
+    try:
+        for model_id in model_ids:
+            engine.create_model(model_id, LoraSpec(rank=4, seed=0)).result(60)
+        for model_id in model_ids:
+            engine.submit(Command(model_id, 1, Kind.FORWARD_BACKWARD, f"{model_id}:1", payload=train_input(1),
+                                  tokens=32)).result(60)
+    finally:
+        engine.stop()
+    return engine.timings, model_ids
