@@ -258,7 +258,8 @@ class TrainerActor:
     async def _restore_from_page(self, engine: Engine, model_id: str, spec: LoraSpec, next_seq: int,
                                  pages: Sequence[PageFile]) -> str | None:
         """Restore ``model_id`` from its newest page file (``pages[0]``), its load run under the seq before
-        ``next_seq``; the file's path, or None when the file does not read back whole (nothing created then)."""
+        ``next_seq``; the file's path. None when the file does not read back whole (nothing created then), or its
+        load failed (the model goes on from a fresh adapter, as after a checkpoint's failed load)."""
         from lilo.backend.page_store import PageRestore, read_page_file  # torch: this process's torch thread has it
 
         try:
@@ -273,6 +274,7 @@ class TrainerActor:
             await self.run(Command(model_id, next_seq - 1, Kind.LOAD_WEIGHTS, f"restore-{model_id}", payload=restore))
         except Exception:
             logger.exception("restoring %s from %s failed; it goes on from a fresh adapter", model_id, pages[0].path)
+            return None
         return str(pages[0].path)
 
     async def watch(self, known: str | None = None) -> str:
@@ -291,8 +293,9 @@ class TrainerActor:
         engine = loaded.engine
         if model_id in engine.model_ids():
             unloaded = engine.unload_model(model_id)
-        else:  # a page file a dead trainer left of it must not bring it back
-            await asyncio.to_thread(delete_page_files, loaded.backend.pages.directory.parent, model_id)
+        else:  # a page file this trainer's dead incarnation left of it must not bring it back
+            pages = loaded.backend.pages.directory
+            await asyncio.to_thread(delete_page_files, pages.parent, model_id, pages.name)
             unloaded = Future()
             unloaded.set_result(model_id)
         self._report(Kind.UNLOAD_MODEL, request_id, unloaded)

@@ -67,8 +67,8 @@ def page_metadata(path: Path) -> dict[str, str]:
     return header.get("__metadata__") or {}
 
 
-def delete_page_files(root: Path, model_id: str) -> None:
-    """Remove ``model_id``'s page files from every trainer's directory under ``root`` (the model was unloaded,
-    or restored from another copy), so that none of them brings an old state back later."""
-    for path in root.glob(f"*/{page_file_name(model_id)}"):
+def delete_page_files(root: Path, model_id: str, trainer: str = "*") -> None:
+    """Remove ``model_id``'s page files from every trainer's directory under ``root`` (or ``trainer``'s alone):
+    the model was unloaded, or restored from another copy, so none of them may bring an old state back later."""
+    for path in root.glob(f"{trainer}/{page_file_name(model_id)}"):
         path.unlink(missing_ok=True)
