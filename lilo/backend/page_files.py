@@ -10,6 +10,7 @@ it holds gradients not yet stepped, when the state left its slot (``paged_at``) 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import struct
@@ -45,7 +46,7 @@ def find_page_files(root: Path, model_id: str) -> list[PageFile]:
     trainer's files are found by whichever trainer restores its models (on one machine, or with ``root`` on
     storage every node mounts). A file that is not a whole page file of this model is passed over."""
     found = []
-    for path in root.glob(f"*/{page_file_name(model_id)}"):
+    for path in root.glob(f"*/{glob.escape(page_file_name(model_id))}"):
         try:
             meta = page_metadata(path)
             if meta.get("format") != PAGE_FORMAT or meta.get("model_id") != model_id:
@@ -70,5 +71,5 @@ def page_metadata(path: Path) -> dict[str, str]:
 def delete_page_files(root: Path, model_id: str, trainer: str = "*") -> None:
     """Remove ``model_id``'s page files from every trainer's directory under ``root`` (or ``trainer``'s alone):
     the model was unloaded, or restored from another copy, so none of them may bring an old state back later."""
-    for path in root.glob(f"{trainer}/{page_file_name(model_id)}"):
+    for path in root.glob(f"{trainer}/{glob.escape(page_file_name(model_id))}"):
         path.unlink(missing_ok=True)
