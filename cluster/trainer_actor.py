@@ -235,7 +235,7 @@ class TrainerActor:
         pages = await asyncio.to_thread(find_page_files, pages_root, model_id)
         latest = await self._in_checkpoint_dir(latest_weights, model_id)
         if next_seq is not None and pages and page_file_wins(pages[0].paged_at, latest and latest[1]):
-            restored = await self._restore_from_page(engine, model_id, spec, next_seq, pages)
+            restored = await self._restore_from_page(loaded, model_id, spec, next_seq, pages)
             if restored is not None:
                 return restored
         # None of its page files is its latest state: gone before the model is created here, so that none can
@@ -246,7 +246,7 @@ class TrainerActor:
             return None
         path = latest[0].tinker_path
         # The load runs in the model's order just before the client's next step, under the seq before it.
-        await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq - 1))
+        await self._create_for_restore(loaded, model_id, spec, next_seq - 1)
         try:
             await self.run(Command(model_id, next_seq - 1, Kind.LOAD_WEIGHTS, f"restore-{model_id}",
                                    payload=LoadRequest(path=path, optimizer=True)))
@@ -255,7 +255,18 @@ class TrainerActor:
             return None
         return path
 
-    async def _restore_from_page(self, engine: Engine, model_id: str, spec: LoraSpec, next_seq: int,
+    @staticmethod
+    async def _create_for_restore(loaded: Loaded, model_id: str, spec: LoraSpec, first_seq: int) -> None:
+        """Create ``model_id`` for the restore's load at ``first_seq``; until that load has run, a page-out of the
+        model writes no page file a later restore would take (``TorchBackend.restoring``)."""
+        loaded.backend.restoring.add(model_id)
+        try:
+            await asyncio.wrap_future(loaded.engine.create_model(model_id, spec, first_seq=first_seq))
+        except BaseException:
+            loaded.backend.restoring.discard(model_id)
+            raise
+
+    async def _restore_from_page(self, loaded: Loaded, model_id: str, spec: LoraSpec, next_seq: int,
                                  pages: Sequence[PageFile]) -> str | None:
         """Restore ``model_id`` from its newest page file (``pages[0]``), its load run under the seq before
         ``next_seq``; the file's path. None when the file does not read back whole (nothing created then), or its
@@ -268,7 +279,7 @@ class TrainerActor:
             logger.exception("page file %s of %s does not read back; restoring from its checkpoint", pages[0].path,
                              model_id)
             return None
-        await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq - 1))
+        await self._create_for_restore(loaded, model_id, spec, next_seq - 1)
         restore = PageRestore(state, tuple(page.path for page in pages))
         try:
             await self.run(Command(model_id, next_seq - 1, Kind.LOAD_WEIGHTS, f"restore-{model_id}", payload=restore))

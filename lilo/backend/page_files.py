@@ -4,7 +4,8 @@ actor's event loop finds a dead trainer's page files with these (``lilo.backend.
 tensors).
 
 A page file describes itself in its safetensors metadata: its format, model id, LoRA spec, optimizer step, whether
-it holds gradients not yet stepped, when the state left its slot (``paged_at``) and when the file was written.
+it holds gradients not yet stepped, when the state left its slot (``paged_at``), when the file was written, and
+whether it may be restored from (not the fresh adapter of a model whose restore's load had not run yet).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def find_page_files(root: Path, model_id: str) -> list[PageFile]:
     for path in root.glob(f"*/{glob.escape(page_file_name(model_id))}"):
         try:
             meta = page_metadata(path)
-            if meta.get("format") != PAGE_FORMAT or meta.get("model_id") != model_id:
+            if meta.get("format") != PAGE_FORMAT or meta.get("model_id") != model_id or meta["restorable"] != "1":
                 continue
             found.append(PageFile(path, model_id, LoraSpec(**json.loads(meta["spec"])), int(meta["step"]),
                                   float(meta["paged_at"])))

@@ -44,6 +44,9 @@ class PagedState:
     data: torch.Tensor
     # When this state left its slot (wall clock): what a restore compares with a checkpoint's capture time.
     paged_at: float = dataclasses.field(default_factory=time.time)
+    # False for a model created for a restore whose load has not run yet: its fresh adapter is not the model's
+    # state, and its page file must never pass for newer than the checkpoint it is about to load.
+    restorable: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +167,8 @@ class PageStore:
         temporary = path.with_name(path.name + ".tmp")
         meta = {"format": PAGE_FORMAT, "model_id": model_id, "spec": json.dumps(dataclasses.asdict(state.spec)),
                 "step": str(state.step), "has_grads": "1" if state.has_grads else "0",
-                "paged_at": repr(state.paged_at), "written_at": repr(time.time())}
+                "paged_at": repr(state.paged_at), "written_at": repr(time.time()),
+                "restorable": "1" if state.restorable else "0"}
         save_file({"state": state.data.contiguous()}, str(temporary), metadata=meta)
         # A page file is whole or absent: a crash mid-write leaves only the temporary file.
         os.replace(temporary, path)
@@ -207,4 +211,5 @@ def _read(path: Path, spec: LoraSpec) -> PagedState:
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata()
         data = handle.get_tensor("state")
-    return PagedState(spec, int(meta["step"]), meta["has_grads"] == "1", data, float(meta["paged_at"]))
+    return PagedState(spec, int(meta["step"]), meta["has_grads"] == "1", data, float(meta["paged_at"]),
+                      meta["restorable"] == "1")

@@ -81,6 +81,9 @@ class TorchBackend:
         self._last_used: dict[str, int] = {}  # training model -> when make_room or add_adapter last saw it
         self._grad_slots: set[int] = set()  # slots holding gradients an optim_step has not consumed yet
         self._entry_indices: dict[tuple, torch.Tensor] = {}
+        # Models created for a restore whose load has not run yet (the trainer adds them, the load discards them):
+        # their paged states are not restorable (``PagedState.restorable``).
+        self.restoring: set[str] = set()
 
     # --- adapters ------------------------------------------------------------------------------------------
     def add_adapter(self, model_id: str, spec: LoraSpec) -> None:
@@ -232,7 +235,8 @@ class TorchBackend:
         if self.pages.pin:
             host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
             data = host.copy_(data)
-        state = PagedState(adapter.spec, self.optimizer.steps(slot), has_grads, data)
+        state = PagedState(adapter.spec, self.optimizer.steps(slot), has_grads, data,
+                           restorable=model_id not in self.restoring)
         if has_grads:
             self.bank.grads[slot].zero_()
             self._grad_slots.discard(slot)
@@ -461,8 +465,14 @@ class TorchBackend:
         """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights. A load
         that fails part-way (a rank over this trainer's maximum, tensors of another base model) leaves the model
         as it was."""
-        if isinstance(command.payload, PageRestore):
-            return self._restore_paged(command.model_id, command.payload)
+        try:
+            if isinstance(command.payload, PageRestore):
+                return self._restore_paged(command.model_id, command.payload)
+            return self._load_checkpoint(command)
+        finally:  # loaded or not, what the model holds from now on is its state
+            self.restoring.discard(command.model_id)
+
+    def _load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:
         request: LoadRequest = command.payload
         state = read_state(local_directory(self.checkpoint_dir, request.path))
         before = self._state_of(self._adapter(command.model_id), with_optimizer=True)

@@ -13,7 +13,7 @@ from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.page_files import delete_page_files, find_page_files
 from lilo.backend.paging import Room, choose_victims, host_adapter_bytes, host_demotions, page_file_wins
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, TrainInput
+from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine, _parts
 from lilo.errors import SaturatedError
@@ -289,3 +289,19 @@ def test_a_page_file_describes_itself_and_a_torn_one_is_passed_over(tmp_path):
     assert find_page_files(tmp_path, "m") == [page]
     delete_page_files(tmp_path, "m")
     assert find_page_files(tmp_path, "m") == [] and not torn.exists() and find_page_files(tmp_path, "other")
+
+
+def test_a_model_created_for_a_restore_leaves_no_restorable_page_file_until_its_load_has_run(base, tmp_path):
+    # Else a trainer dying between the two would bring the model back as the fresh adapter, newer than its checkpoint.
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "c",
+                           disk_adapter_bytes=MB, page_dir=tmp_path / "pages" / "t0")
+    backend.restoring.add("a")
+    for model_id in "ab":
+        backend.make_room([model_id], (), ())
+        backend.add_adapter(model_id, LoraSpec(rank=4))
+    assert "a" in backend.pages and find_page_files(tmp_path / "pages", "a") == []
+    saved = backend.save_now("b", "x")
+    backend.make_room(["a"], (), ())
+    backend.load_checkpoint(Command("a", 0, Kind.LOAD_WEIGHTS, "restore-a", payload=LoadRequest(path=saved)))
+    backend.make_room(["b"], (), ())
+    assert [page.model_id for page in find_page_files(tmp_path / "pages", "a")] == ["a"] and not backend.restoring
