@@ -13,6 +13,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cluster.local import NAMESPACE
+from lilo.backend.paging import Room
 from lilo.errors import InvalidRequestError, SaturatedError, UnavailableError
 
 
@@ -62,18 +63,24 @@ async def models_placed(futures: ActorHandle) -> dict[str, int]:
     return placed
 
 
-def free_slots(facts: Mapping[str, dict], base_model: str) -> dict[str, int]:
-    return {name: info["free_slots"] for name, info in facts.items() if info["base_model"] == base_model}
+def free_slots(facts: Mapping[str, dict], base_model: str) -> dict[str, Room]:
+    """The room of each trainer serving ``base_model``, per tier (``TrainerActor.ready``'s ``room``)."""
+    return {name: Room(**info["room"]) for name, info in facts.items() if info["base_model"] == base_model}
 
 
-def choose_trainer(free_slots: Mapping[str, int], models_placed: Mapping[str, int]) -> str:
-    """The trainer with a free slot and the fewest models (ties: the lowest name, so placement is repeatable)."""
-    candidates = [name for name, free in free_slots.items() if free > 0]
+def choose_trainer(room: Mapping[str, Room], models_placed: Mapping[str, int]) -> str:
+    """The trainer with the most room for a new model: the most free device slots first (a model there trains
+    without paging anyone out), then the most host-memory room (whom it pushes out comes back with a copy, not a
+    file read), then the most disk room; ties go to the fewest models, then the lowest name (repeatable). Not the
+    sum over tiers: a trainer's disk holds hundreds of models, so a sum would send every new model to the trainer
+    with the largest disk while another's slots stand empty. A trainer is full when every tier is."""
+    candidates = [name for name, free in room.items() if free.total > 0]
     if not candidates:
         raise SaturatedError(
-            f"Every trainer is full ({len(free_slots)} trainer(s), no free adapter slot); unload a model or retry "
-            "later.")
-    return min(candidates, key=lambda name: (models_placed.get(name, 0), name))
+            f"Every trainer is full ({len(room)} trainer(s), no free adapter slot nor room to page one out); unload "
+            "a model or retry later.")
+    return min(candidates, key=lambda name: (-room[name].device, -room[name].host, -room[name].disk,
+                                             models_placed.get(name, 0), name))
 
 
 def choose_sampling_trainer(sampling_session_id: str, base_model: str, served: Mapping[str, str],

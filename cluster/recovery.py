@@ -10,9 +10,11 @@ soon as the trainer dies, and then, for that trainer:
    with a message saying what was lost) and its models are taken off it: their new requests answer 503, which the
    SDK retries by itself.
 2. Each model is placed again on a live trainer serving its base model (the restarted one included, once it is up)
-   and restored there from its latest ``save_weights`` checkpoint, or from a fresh adapter when it has none, ready
-   for its client's next seq id. Then its requests flow again, without the client restarting. (No trainer of its
-   base model yet, as while a GPU cluster's trainers start: it is tried again every few seconds until there is.)
+   and restored there from the newer of its page file (its whole training state, when it was paged out to disk)
+   and its latest ``save_weights`` checkpoint (``TrainerActor.restore_model``), or from a fresh adapter when it has
+   neither, ready for its client's next seq id. Then its requests flow again, without the client restarting. (No
+   trainer of its base model yet, as while a GPU cluster's trainers start: it is tried again every few seconds
+   until there is.)
 
 A trainer that left the registry (its node left, or it was let go for idleness) is watched no more once recovered.
 
@@ -46,6 +48,7 @@ from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
 from cluster.reconciler import RECONCILER_ACTOR_NAME, REGISTRY_REFRESH_S
 from cluster.unloading import unload_models
+from lilo.backend.paging import Room
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError, LiloError
 from lilo.futures.store import DisplacedModel
@@ -69,8 +72,9 @@ def lost_message(trainer: str) -> str:
 
 STRAY_MESSAGE = ("The trainer this request was handed to is no longer part of the service (it restarted with fewer "
                  "trainers), so the request did not take effect.")
-RESTORING = ("The model is being restored on a live trainer from its latest save_weights checkpoint (a fresh "
-             "adapter if it has none): steps after that checkpoint are lost. Load your last checkpoint (load_state) to "
+RESTORING = ("The model is being restored on a live trainer from its latest save_weights checkpoint, or from its "
+             "page file when it was paged out to disk after that checkpoint (a fresh adapter if it has neither): steps "
+             "after that copy are lost. Load your last checkpoint (load_state) to "
              "resume from it, or go on from the restored state.")
 
 
@@ -276,7 +280,7 @@ class RecoveryActor:
             await asyncio.sleep(RETRY_PLACEMENT_S)  # a trainer may restart or free a slot meanwhile
 
     async def _restore_round(self, models: Sequence[DisplacedModel], restored: dict, unloaded: dict) -> None:
-        """Place and restore each model on the least loaded live trainer serving its base model, asking the
+        """Place and restore each model on the live trainer with the most room serving its base model, asking the
         trainers once for the round (a dead one would cost a timeout per model); ``restored`` gains, per model
         restored, its trainer and the checkpoint it was restored from (None: a fresh adapter). A model whose base
         model the service does not serve, or whose record holds no valid LoRA config, is unloaded,
@@ -300,7 +304,7 @@ class RecoveryActor:
                 logger.warning("cannot restore model %s yet (%s); retrying in %.0f s", model.model_id,
                                str(error).splitlines()[0], RETRY_PLACEMENT_S)
                 continue
-            facts[trainer]["free_slots"] -= 1
+            facts[trainer]["room"] = Room(**facts[trainer]["room"]).less_one()._asdict()
             placed[trainer] = placed.get(trainer, 0) + 1
             restored[model.model_id] = (trainer, checkpoint)
             logger.warning("model %s restored on %s from %s", model.model_id, trainer, checkpoint or "a fresh adapter")

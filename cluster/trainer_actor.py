@@ -32,9 +32,11 @@ from cluster.sampling_plane import SamplerRelay, SamplerSeat, samplers_of, train
 from cluster.timing import TimingPublisher, get_timing_actor
 from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoint_index import (
-    WEIGHTS, CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, list_checkpoints,
+    CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, latest_weights, list_checkpoints,
     read_checkpoint_file, weights_spec,
 )
+from lilo.backend.page_files import PageFile, delete_page_files, find_page_files
+from lilo.backend.paging import page_file_wins
 from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
@@ -185,7 +187,8 @@ class TrainerActor:
         loaded.engine.timings.mark(SERVING_READY)
         backend = loaded.backend
         eos = backend.model.config.eos_token_id
-        return {"name": self.name, "base_model": self.base_model, "free_slots": backend.room,
+        room = backend.room_by_tier()
+        return {"name": self.name, "base_model": self.base_model, "free_slots": room.total, "room": room._asdict(),
                 "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(),
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
@@ -221,8 +224,8 @@ class TrainerActor:
             raise UnavailableError(
                 f"Model {command.model_id!r} is not on trainer {self.name} any more (the trainer restarted), so this "
                 "request did not take effect. The model is being restored from its latest save_weights checkpoint "
-                "(steps after it are lost); send your next request in a few seconds, or load_state your last "
-                "checkpoint first.") from None
+                "or its newer page file (steps after that copy are lost); send your next request in a few seconds, "
+                "or load_state your last checkpoint first.") from None
         self._report(command.kind, command.request_id, future, recorded_prompt_of(command))
 
     async def create_model(self, model_id: str, spec: LoraSpec) -> str:
@@ -247,29 +250,73 @@ class TrainerActor:
         await self.submit(load)
 
     async def restore_model(self, model_id: str, spec: LoraSpec, next_seq: int | None) -> str | None:
-        """Take over a model whose trainer failed: its adapter (and optimizer state) from its latest training
-        checkpoint, or a fresh adapter if it has none, taking its client's steps from ``next_seq`` on (None: this
-        engine's default). Returns the checkpoint's tinker path, or None (a fresh adapter, or the model was here
-        already: an earlier call got this far, and the recovery actor failed to record the placement). A model that
-        cannot be created here (no free slot any more) raises, for the recovery actor to try again."""
-        engine = (await self._loaded()).engine
+        """Take over a model whose trainer failed, from whichever copy of it is newer (``paging.page_file_wins``):
+        its page file (its whole training state as it was paged out to disk, found in any trainer's page directory)
+        or its latest save_weights checkpoint (adapter and optimizer state); a fresh adapter if it has neither.
+        Its client's steps run from ``next_seq`` on (None: this engine's default, and a fresh adapter). Returns
+        the page file's path or the checkpoint's tinker path, or None (a fresh adapter, or the model was here
+        already: an earlier call got this far, and the recovery actor failed to record the placement). A model
+        that cannot be created here (no room any more) raises, for the recovery actor to try again."""
+        loaded = await self._loaded()
+        engine = loaded.engine
         if model_id in engine.model_ids():
             return None
-        saved = await self._in_checkpoint_dir(list_checkpoints, model_id)
-        latest = max((entry for entry in saved if entry.kind == WEIGHTS), key=lambda entry: entry.time_s, default=None)
+        pages_root = loaded.backend.pages.directory.parent
+        pages = await asyncio.to_thread(find_page_files, pages_root, model_id)
+        latest = await self._in_checkpoint_dir(latest_weights, model_id)
+        if next_seq is not None and pages and page_file_wins(pages[0].paged_at, latest and latest[1]):
+            restored = await self._restore_from_page(loaded, model_id, spec, next_seq, pages)
+            if restored is not None:
+                return restored
+        # None of its page files is its latest state: gone before the model is created here, so that none can
+        # come back on a later restore.
+        await asyncio.to_thread(delete_page_files, pages_root, model_id)
         if latest is None or next_seq is None:
             await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq))
             return None
+        path = latest[0].tinker_path
         # The load runs in the model's order just before the client's next step, under the seq before it.
-        await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq - 1))
+        await self._create_for_restore(loaded, model_id, spec, next_seq - 1)
         try:
             await self.run(Command(model_id, next_seq - 1, Kind.LOAD_WEIGHTS, f"restore-{model_id}",
-                                   payload=LoadRequest(path=latest.tinker_path, optimizer=True)))
+                                   payload=LoadRequest(path=path, optimizer=True)))
         except Exception:
-            logger.exception("restoring %s from %s failed; it goes on from a fresh adapter", model_id,
-                             latest.tinker_path)
+            logger.exception("restoring %s from %s failed; it goes on from a fresh adapter", model_id, path)
             return None
-        return latest.tinker_path
+        return path
+
+    @staticmethod
+    async def _create_for_restore(loaded: Loaded, model_id: str, spec: LoraSpec, first_seq: int) -> None:
+        """Create ``model_id`` for the restore's load at ``first_seq``; until that load has run, a page-out of the
+        model writes no page file a later restore would take (``TorchBackend.restoring``)."""
+        loaded.backend.restoring.add(model_id)
+        try:
+            await asyncio.wrap_future(loaded.engine.create_model(model_id, spec, first_seq=first_seq))
+        except BaseException:
+            loaded.backend.restoring.discard(model_id)
+            raise
+
+    async def _restore_from_page(self, loaded: Loaded, model_id: str, spec: LoraSpec, next_seq: int,
+                                 pages: Sequence[PageFile]) -> str | None:
+        """Restore ``model_id`` from its newest page file (``pages[0]``), its load run under the seq before
+        ``next_seq``; the file's path. None when the file does not read back whole (nothing created then), or its
+        load failed (the model goes on from a fresh adapter, as after a checkpoint's failed load)."""
+        from lilo.backend.page_store import PageRestore, read_page_file  # torch: this process's torch thread has it
+
+        try:
+            state = await asyncio.to_thread(read_page_file, pages[0])
+        except Exception:
+            logger.exception("page file %s of %s does not read back; restoring from its checkpoint", pages[0].path,
+                             model_id)
+            return None
+        await self._create_for_restore(loaded, model_id, spec, next_seq - 1)
+        restore = PageRestore(state, tuple(page.path for page in pages))
+        try:
+            await self.run(Command(model_id, next_seq - 1, Kind.LOAD_WEIGHTS, f"restore-{model_id}", payload=restore))
+        except Exception:
+            logger.exception("restoring %s from %s failed; it goes on from a fresh adapter", model_id, pages[0].path)
+            return None
+        return str(pages[0].path)
 
     async def watch(self, known: str | None = None) -> str:
         """This process's incarnation id, at once, when ``known`` is not it; else never returns: the recovery actor
@@ -283,10 +330,13 @@ class TrainerActor:
         """Free the model's adapter slot once what it queued has run; the unload_model future ``request_id``
         completes with ``{"model_id"}`` then. New commands for it are refused from now on. A model this trainer
         does not hold (it restarted, and nobody restored the model yet) is unloaded at once: nothing to free."""
-        engine = (await self._loaded()).engine
+        loaded = await self._loaded()
+        engine = loaded.engine
         if model_id in engine.model_ids():
             unloaded = engine.unload_model(model_id)
-        else:
+        else:  # a page file this trainer's dead incarnation left of it must not bring it back
+            pages = loaded.backend.pages.directory
+            await asyncio.to_thread(delete_page_files, pages.parent, model_id, pages.name)
             unloaded = Future()
             unloaded.set_result(model_id)
         self._report(Kind.UNLOAD_MODEL, request_id, unloaded)
@@ -394,8 +444,8 @@ class TrainerActor:
     async def stop(self, save_as: str | None = None) -> list[str]:
         """Stop serving: the execution under way finishes, queued commands fail. With ``save_as``, every training
         model's adapter and optimizer state is then saved as the save_weights checkpoint of that name (replacing
-        an older one), so that the next start restores each model exactly where it stopped. Returns the saved
-        checkpoints' tinker paths."""
+        an older one), so that the next start restores each model exactly where it stopped: a paged model from
+        its paged state, where it waits (no page-in). Returns the saved checkpoints' tinker paths."""
         loaded = await self._loaded()
         engine, backend = loaded.engine, loaded.backend
         loaded.publisher.stop()
@@ -403,7 +453,7 @@ class TrainerActor:
         if save_as is None:
             return []
         await asyncio.to_thread(self._torch_thread.join)  # the compute lane returns once its execution ends
-        models = sorted(engine.model_ids() & backend.adapters.keys())
+        models = sorted(model_id for model_id in engine.model_ids() if backend.holds(model_id))
         return await asyncio.to_thread(lambda: [backend.save_now(model_id, save_as) for model_id in models])
 
 

@@ -120,18 +120,36 @@ def train_one(service: Any, base_model: str, tokenizer: Any, task: Task, steps: 
 
 
 def time_table(base_url: str, model_ids: dict[str, str]) -> str:
-    """Per model: the forward_backward execute time, its queue wait split, and how many commands shared a pass."""
-    lines = [f"{'model':<8} {'execute s':>10} {'wait self':>10} {'others':>10} {'idle':>10} {'mean batch':>11}"]
-    for name, model_id in model_ids.items():
-        metrics = critical_path_metrics(model_id, base_url=base_url, api_key=api_key(), reset=False,
-                                        reader="demo-summary")
-        phase = "lilo/forward_backward"
+    """The closing table (``render_time_table``) of each model's critical path as the server has it now."""
+    return render_time_table({name: critical_path_metrics(model_id, base_url=base_url, api_key=api_key(),
+                                                          reset=False, reader="demo-summary")
+                              for name, model_id in model_ids.items()})
+
+
+def render_time_table(metrics_by_name: dict[str, dict[str, float]]) -> str:
+    """Per model (its flattened ``lilo/...`` timing): the forward_backward execute time, its queue wait split,
+    the time its commands waited for it to be paged back into a slot and for others to be paged out to make room
+    (``<kind>.page_in`` / ``<kind>.page_out`` summed over its commands' kinds: 0 while every model has a slot), and
+    how many commands shared a pass."""
+    lines = [f"{'model':<8} {'execute s':>10} {'wait self':>10} {'others':>10} {'idle':>10} {'page in':>10} "
+             f"{'page out':>10} {'mean batch':>11}"]
+    phase = "lilo/forward_backward"
+    for name, metrics in metrics_by_name.items():
         lines.append(f"{name:<8} {metrics.get(f'{phase}.execute.total_s', 0.0):10.2f} "
                      f"{metrics.get(f'{phase}.queue_wait_self.total_s', 0.0):10.2f} "
                      f"{metrics.get(f'{phase}.queue_wait_others.total_s', 0.0):10.2f} "
                      f"{metrics.get(f'{phase}.queue_wait_idle.total_s', 0.0):10.2f} "
+                     f"{paging_seconds(metrics, 'page_in'):10.2f} {paging_seconds(metrics, 'page_out'):10.2f} "
                      f"{metrics.get(f'{phase}.execute.mean_batch', 0.0):11.2f}")
     return "\n".join(lines)
+
+
+def paging_seconds(metrics: dict[str, float], move: str) -> float:
+    """Seconds of ``move`` ("page_in" or "page_out") on the model's critical path, over every kind of command
+    (the read-ahead on the persist lane, ``prefetch.page_in``, is off it)."""
+    suffix = f".{move}.total_s"
+    return sum(value for key, value in metrics.items()
+               if key.endswith(suffix) and not key.startswith("lilo/prefetch."))
 
 
 def run_demo(base_url: str, *, home: Path, base_model: str = DEFAULT_BASE_MODEL, steps: int = 25,
@@ -176,7 +194,7 @@ def run_demo(base_url: str, *, home: Path, base_model: str = DEFAULT_BASE_MODEL,
     for task in TASKS:
         print(f"  [{task.name}] {task.prompts[0]}\n      before: {samples[task.name]['before']!r}\n"
               f"      after:  {samples[task.name]['after']!r}", file=out)
-    print("\nWhere each model's forward_backward time went (seconds, whole run):", file=out)
+    print("\nWhere each model's forward_backward time went, and its paging (seconds, whole run):", file=out)
     print(table, file=out, flush=True)
     return samples
 

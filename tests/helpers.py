@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import numpy as np
 import psutil
 
 LILO = str(Path(sys.executable).parent / "lilo")
@@ -153,3 +154,36 @@ def ray_test_cluster(head_cpus: int) -> Iterator:
     finally:
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def train_input(seed: int):
+    """A lilo TrainInput of one 32-token datum (what a trainer actor's ``run`` takes), random but repeatable."""
+    from lilo.backend.types import Datum, TrainInput
+
+    tokens = np.random.default_rng(seed).integers(0, 1000, 32)
+    return TrainInput(data=[Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
+                                                              "weights": np.ones(32, dtype=np.float32)})])
+
+
+def paged_timings(directory: Path, models: int = 2):
+    """The critical path of a real engine whose ``models`` tiny models share one slot, each taking a
+    forward_backward in turn (so each is paged out to host memory and back in); and the models' ids."""
+    from lilo.backend.models import build_tiny_llama, load_base_model
+    from lilo.backend.torch_backend import TorchBackend
+    from lilo.backend.types import LoraSpec
+    from lilo.engine.commands import Command, Kind
+    from lilo.engine.engine import Engine
+
+    backend = TorchBackend(load_base_model(build_tiny_llama(directory / "tiny-llama")), max_adapters=1, max_rank=8,
+                           checkpoint_dir=directory / "checkpoints", host_adapter_bytes=16 * 2**20)
+    engine = Engine(backend)
+    model_ids = [f"paged-{i}-{os.urandom(4).hex()}" for i in range(models)]
+    try:
+        for model_id in model_ids:
+            engine.create_model(model_id, LoraSpec(rank=4, seed=0)).result(60)
+        for model_id in model_ids:
+            engine.submit(Command(model_id, 1, Kind.FORWARD_BACKWARD, f"{model_id}:1", payload=train_input(1),
+                                  tokens=32)).result(60)
+    finally:
+        engine.stop()
+    return engine.timings, model_ids

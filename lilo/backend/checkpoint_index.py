@@ -71,6 +71,18 @@ def list_checkpoints(root: Path, run: str) -> list[CheckpointEntry]:
     return sorted(found, key=lambda checkpoint: (checkpoint.time_s, checkpoint.checkpoint_id))
 
 
+def latest_weights(root: Path, run: str) -> tuple[CheckpointEntry, float] | None:
+    """``run``'s latest save_weights checkpoint (the last written) and when its state was captured (read from its
+    metadata file; its write time for a checkpoint saved before lilo recorded that); None when it has none."""
+    latest = max((entry for entry in list_checkpoints(root, run) if entry.kind == WEIGHTS),
+                 key=lambda entry: entry.time_s, default=None)
+    if latest is None:
+        return None
+    meta = json.loads((local_directory(root, latest.tinker_path) / META_FILE).read_text())
+    captured = meta.get("captured_at")
+    return latest, latest.time_s if captured is None else float(captured)
+
+
 def delete_checkpoint(root: Path, run: str, checkpoint_id: str) -> None:
     """Remove ``<run>/<checkpoint_id>`` (``<kind directory>/<name>``) from disk."""
     directory = _inside(root, local_directory(root, checkpoint_path(run, checkpoint_id)))

@@ -31,12 +31,14 @@ class AdapterState:
     spec: LoraSpec
     tensors: dict[str, torch.Tensor]  # "<path>.lora_A" / "<path>.lora_B" (and ".exp_avg" / ".exp_avg_sq")
     step: int | None = None  # optimizer steps taken; None when the optimizer state was not captured
+    # When the state was copied out of its slot (wall clock); a restore compares it with a page file's.
+    captured_at: float | None = None
 
 
 def write_state(state: AdapterState, directory: Path) -> Path:
     _start_writing(directory, META_FILE)
     save_file({key: tensor.contiguous() for key, tensor in state.tensors.items()}, str(directory / STATE_FILE))
-    meta = {"spec": dataclasses.asdict(state.spec), "step": state.step}
+    meta = {"spec": dataclasses.asdict(state.spec), "step": state.step, "captured_at": state.captured_at}
     (directory / META_FILE).write_text(json.dumps(meta, indent=2))
     return directory
 
@@ -55,7 +57,7 @@ def read_state(directory: Path) -> AdapterState:
         tensors = load_file(str(directory / STATE_FILE))
     except FileNotFoundError:
         raise InvalidRequestError(f"No weights checkpoint at {directory}; pass a path save_weights returned.") from None
-    return AdapterState(LoraSpec(**meta["spec"]), tensors, meta["step"])
+    return AdapterState(LoraSpec(**meta["spec"]), tensors, meta["step"], meta.get("captured_at"))
 
 
 def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:

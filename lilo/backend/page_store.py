@@ -1,6 +1,12 @@
 """Paged models' states: in host memory (pinned where CUDA is present, so the copy back is one DMA) or in one
 safetensors file per model (written whole, then renamed into place). Nothing read back is unpickled.
 
+A page file describes itself (``lilo.backend.page_files``), so after its trainer's process dies another trainer
+can restore the model from it (``read_page_file``). It is not fsynced: a process death leaves what it wrote with
+the kernel, which writes it out; only a machine crash can lose it, and a page file that does not read back whole is
+passed over (the model comes back from its checkpoint). A file exists only while its model is paged out to disk:
+paging in, unloading and a restore delete it.
+
 Threads: the compute lane puts, takes and drops; the persist lane may ``stage`` at the same time (read a page file
 ahead of its model's turn). One lock covers the tables; ``stage`` reads its file outside it, and keeps what it read
 only if the file was not rewritten meanwhile."""
@@ -19,10 +25,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lilo.backend.page_files import PAGE_FORMAT, PageFile, page_file_name
 from lilo.backend.paging import DISK, HOST, PageMove, Tier, host_demotions
 from lilo.backend.types import LoraSpec
 
-PAGE_FILE_SUFFIX = ".page.safetensors"
 # Page files read ahead and kept in memory at most (each is one model's state, about to be paged in).
 MAX_STAGED = 8
 
@@ -36,6 +42,11 @@ class PagedState:
     step: int
     has_grads: bool
     data: torch.Tensor
+    # When this state left its slot (wall clock): what a restore compares with a checkpoint's capture time.
+    paged_at: float = dataclasses.field(default_factory=time.time)
+    # False for a model created for a restore whose load has not run yet: its fresh adapter is not the model's
+    # state, and its page file must never pass for newer than the checkpoint it is about to load.
+    restorable: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +125,16 @@ class PageStore:
         path.unlink(missing_ok=True)
         return state, DISK
 
+    def peek(self, model_id: str) -> PagedState:
+        """``model_id``'s paged state, left where it is (a trainer saving its paged models as it stops)."""
+        with self._lock:
+            if model_id in self.host:
+                return self.host[model_id][0]
+            staged = self.staged.get(model_id)
+            if staged is not None and staged[0] == self._generations[model_id]:
+                return staged[1]
+            return _read(self._path(model_id), self.disk[model_id][0])
+
     def drop(self, model_id: str) -> None:
         with self._lock:
             if model_id in self.host or model_id in self.disk:
@@ -144,8 +165,10 @@ class PageStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(model_id)
         temporary = path.with_name(path.name + ".tmp")
-        meta = {"spec": json.dumps(dataclasses.asdict(state.spec)), "step": str(state.step),
-                "has_grads": "1" if state.has_grads else "0"}
+        meta = {"format": PAGE_FORMAT, "model_id": model_id, "spec": json.dumps(dataclasses.asdict(state.spec)),
+                "step": str(state.step), "has_grads": "1" if state.has_grads else "0",
+                "paged_at": repr(state.paged_at), "written_at": repr(time.time()),
+                "restorable": "1" if state.restorable else "0"}
         save_file({"state": state.data.contiguous()}, str(temporary), metadata=meta)
         # A page file is whole or absent: a crash mid-write leaves only the temporary file.
         os.replace(temporary, path)
@@ -156,7 +179,7 @@ class PageStore:
         return time.perf_counter() - started
 
     def _path(self, model_id: str) -> Path:
-        return self.directory / (model_id.replace("/", "_") + PAGE_FILE_SUFFIX)
+        return self.directory / page_file_name(model_id)
 
     def _host_plan(self, nbytes: int) -> list[str] | None:
         """The host models to demote so ``nbytes`` fit in host memory, when the disk takes them (else None)."""
@@ -169,8 +192,24 @@ class PageStore:
         return {model: (used, state.nbytes) for model, (state, used) in self.host.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class PageRestore:
+    """The payload of the load_weights command that restores a model from its page file, which the restoring
+    trainer read and built itself (a client's load_weights always names a checkpoint): ``state`` goes into the
+    model's slot, and ``files`` (all of the model's page files) are deleted as it does."""
+
+    state: PagedState
+    files: tuple[Path, ...]
+
+
+def read_page_file(page: PageFile) -> PagedState:
+    """The whole state a page file holds (read in full: a torn file raises here, not once installed)."""
+    return _read(page.path, page.spec)
+
+
 def _read(path: Path, spec: LoraSpec) -> PagedState:
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata()
         data = handle.get_tensor("state")
-    return PagedState(spec, int(meta["step"]), meta["has_grads"] == "1", data)
+    return PagedState(spec, int(meta["step"]), meta["has_grads"] == "1", data, float(meta["paged_at"]),
+                      meta["restorable"] == "1")

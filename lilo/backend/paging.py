@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Collection, Literal, Mapping
+from typing import Collection, Literal, Mapping, NamedTuple
 
 # The default host tier: a sixteenth of the node's memory per trainer (eight trainers of an 8-GPU node: half).
 DEFAULT_HOST_SHARE = 16
@@ -52,6 +52,39 @@ def host_demotions(host: Mapping[str, tuple[int, int]], needed_bytes: int, host_
         demoted.append(model)
         free += size
     return demoted if free >= needed_bytes else None
+
+
+def page_file_wins(paged_at: float | None, checkpoint_captured_at: float | None) -> bool:
+    """After its trainer died, whether a model comes back from its page file rather than its latest save_weights
+    checkpoint: the newer one wins, "newer" meaning the later state in the model's history, timed by when that
+    state left the device (a page file: when the model left its slot; a checkpoint: when save_weights copied it
+    out). Not by optimizer steps: a load_state takes the step count back, and what follows it is still newer. A tie
+    goes to the checkpoint (what the client was told is saved). None: there is no such copy."""
+    if paged_at is None:
+        return False
+    return checkpoint_captured_at is None or paged_at > checkpoint_captured_at
+
+
+class Room(NamedTuple):
+    """Models a trainer can still take, per tier: free device slots, and how many models of the largest size
+    (``max_rank``, every projection) its host memory and its disk still hold paged out."""
+
+    device: int
+    host: int
+    disk: int
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk
+
+    def less_one(self) -> Room:
+        """The room left once one more model is placed: a new model takes a device slot while one is free, and
+        pushes an idle model out to host memory, or to disk, once none is."""
+        if self.device > 0:
+            return self._replace(device=self.device - 1)
+        if self.host > 0:
+            return self._replace(host=self.host - 1)
+        return self._replace(disk=max(0, self.disk - 1))
 
 
 def host_adapter_bytes(host_adapter_mb: int | None, node_bytes: int | None = None) -> int:

@@ -25,8 +25,8 @@ from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_
 from lilo.backend.loss_inputs import check_train_input
 from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import SlotAdamW
-from lilo.backend.page_store import PagedState, PageStore
-from lilo.backend.paging import PageMove, Tier, choose_victims
+from lilo.backend.page_store import PagedState, PageRestore, PageStore
+from lilo.backend.paging import PageMove, Room, Tier, choose_victims
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import ForwardBackwardResult, LoadResult, OptimStepResult, SampleResult, SaveResult
@@ -81,6 +81,9 @@ class TorchBackend:
         self._last_used: dict[str, int] = {}  # training model -> when make_room or add_adapter last saw it
         self._grad_slots: set[int] = set()  # slots holding gradients an optim_step has not consumed yet
         self._entry_indices: dict[tuple, torch.Tensor] = {}
+        # Models created for a restore whose load has not run yet (the trainer adds them, the load discards them):
+        # their paged states are not restorable (``PagedState.restorable``).
+        self.restoring: set[str] = set()
 
     # --- adapters ------------------------------------------------------------------------------------------
     def add_adapter(self, model_id: str, spec: LoraSpec) -> None:
@@ -127,11 +130,19 @@ class TorchBackend:
 
     @property
     def room(self) -> int:
-        """Training models this trainer can still take: free slots, and as many of the largest (``max_rank``,
-        every projection) as host memory and disk still hold paged out."""
+        """Training models this trainer can still take, in every tier (``room_by_tier``'s total)."""
+        return self.room_by_tier().total
+
+    def room_by_tier(self) -> Room:
+        """Free slots, and as many models of the largest size (``max_rank``, every projection) as host memory and
+        disk still hold paged out."""
         largest = 3 * self.bank.weights.shape[1] * self.bank.weights.element_size()
-        free_bytes = (self.pages.host_bytes - self.pages.host_used) + (self.pages.disk_bytes - self.pages.disk_used)
-        return self.free_slots + max(0, free_bytes) // largest
+        host = max(0, self.pages.host_bytes - self.pages.host_used) // largest
+        return Room(self.free_slots, host, max(0, self.pages.disk_bytes - self.pages.disk_used) // largest)
+
+    def holds(self, model_id: str) -> bool:
+        """Whether ``model_id`` is a training model here, in a slot or paged out."""
+        return (model_id in self.adapters and model_id not in self._samplers) or model_id in self.pages
 
     # --- paging -------------------------------------------------------------------------------------------
     def training_slots(self) -> int:
@@ -224,7 +235,8 @@ class TorchBackend:
         if self.pages.pin:
             host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
             data = host.copy_(data)
-        state = PagedState(adapter.spec, self.optimizer.steps(slot), has_grads, data)
+        state = PagedState(adapter.spec, self.optimizer.steps(slot), has_grads, data,
+                           restorable=model_id not in self.restoring)
         if has_grads:
             self.bank.grads[slot].zero_()
             self._grad_slots.discard(slot)
@@ -236,7 +248,12 @@ class TorchBackend:
     def _page_in(self, model_id: str, state: PagedState, tier: Tier) -> PageMove:
         started = time.perf_counter()
         self._make_room()
-        slot = self._free_slots.pop(0)
+        self._fill_slot(model_id, self._free_slots.pop(0), state)
+        self._touch(model_id)
+        return PageMove(model_id, "in", tier, time.perf_counter() - started)
+
+    def _fill_slot(self, model_id: str, slot: int, state: PagedState) -> None:
+        """``slot`` becomes ``model_id``'s, holding exactly ``state`` (weights, moments, step, gradients)."""
         index = self._entry_index(state.spec)
         data = state.data.to(self.device, non_blocking=True)
         flats = [self.bank.weights, self.optimizer.exp_avg, self.optimizer.exp_avg_sq, self.bank.grads]
@@ -246,6 +263,8 @@ class TorchBackend:
                 flat[slot].index_copy_(0, index, data[k])
         if state.has_grads:
             self._grad_slots.add(slot)
+        else:
+            self._grad_slots.discard(slot)
         self.optimizer.set_steps(slot, state.step)
         targets = set(target_names(state.spec.train_attn, state.spec.train_mlp, state.spec.train_unembed))
         scale = (state.spec.alpha or state.spec.rank) / state.spec.rank
@@ -254,8 +273,6 @@ class TorchBackend:
             layer.scale[slot] = scale if trained else 0.0
             layer.trained[slot] = trained
         self.adapters[model_id] = Adapter(slot, state.spec)
-        self._touch(model_id)
-        return PageMove(model_id, "in", tier, time.perf_counter() - started)
 
     def _make_room(self, pinned: Container[str] = ()) -> None:
         """Free a slot if none is: evict the least recently used sampler checkpoint not in ``pinned``."""
@@ -398,15 +415,28 @@ class TorchBackend:
         return name, self._state_of(self._adapter(command.model_id), with_optimizer=command.kind == Kind.SAVE_WEIGHTS)
 
     def _state_of(self, adapter: Adapter, with_optimizer: bool) -> AdapterState:
-        tensors = {}
         sources = {"": self.bank.weights}
         if with_optimizer:
             sources.update({".exp_avg": self.optimizer.exp_avg, ".exp_avg_sq": self.optimizer.exp_avg_sq})
+        step = self.optimizer.steps(adapter.slot) if with_optimizer else None
+        return AdapterState(adapter.spec, self._tensors_of(adapter, sources), step, captured_at=time.time())
+
+    def _tensors_of(self, adapter: Adapter, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per projection the adapter trains, its A and B (``<path>.lora_A`` + suffix) in each of ``sources``
+        (flat (slots, D) tensors: the weights, the moments), copied to the CPU."""
+        tensors = {}
         for key, index, where in self._slices(adapter):
             for suffix, flat in sources.items():
                 tensors[key + suffix] = self.bank.view(flat, index)[where].to("cpu", copy=True)
-        step = self.optimizer.steps(adapter.slot) if with_optimizer else None
-        return AdapterState(adapter.spec, tensors, step)
+        return tensors
+
+    def _state_of_paged(self, state: PagedState) -> AdapterState:
+        """What ``_state_of`` (with the optimizer) would capture of ``state`` back in a slot, without a slot: its
+        entries scattered into one CPU row per flat tensor (a paged model is saved where it waits)."""
+        rows = torch.zeros(3, 1, self.bank.weights.shape[1], dtype=self.bank.weights.dtype)
+        rows[:, 0].index_copy_(1, self._entry_index(state.spec).cpu(), state.data[:3].to(rows.dtype))
+        tensors = self._tensors_of(Adapter(0, state.spec), dict(zip(("", ".exp_avg", ".exp_avg_sq"), rows)))
+        return AdapterState(state.spec, tensors, state.step, captured_at=state.paged_at)
 
     def persist_checkpoint(self, command: Command[SaveRequest], captured: tuple[str, AdapterState]) -> SaveResult:
         """Write the captured adapter; returns its ``tinker://`` path (the directory is ``local_directory`` of it)."""
@@ -425,13 +455,24 @@ class TorchBackend:
         """Capture and write ``model_id``'s adapter and optimizer state as the save_weights checkpoint ``name``
         at once, outside any engine (a trainer saving its models as it stops); returns its tinker path."""
         command = Command(model_id, 0, Kind.SAVE_WEIGHTS, f"save-{model_id}", payload=SaveRequest(name=name))
-        self.make_room([model_id], (), ())
-        return self.persist_checkpoint(command, self.capture_checkpoint(command))["path"]
+        if model_id in self.pages:  # saved from its paged state, where it waits: no slot for it, no page-in
+            captured = (checked_name(name), self._state_of_paged(self.pages.peek(model_id)))
+        else:
+            captured = self.capture_checkpoint(command)
+        return self.persist_checkpoint(command, captured)["path"]
 
     def load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:
         """Restore an adapter (and its optimizer state, unless ``optimizer=False``) saved by save_weights. A load
         that fails part-way (a rank over this trainer's maximum, tensors of another base model) leaves the model
         as it was."""
+        try:
+            if isinstance(command.payload, PageRestore):
+                return self._restore_paged(command.model_id, command.payload)
+            return self._load_checkpoint(command)
+        finally:  # loaded or not, what the model holds from now on is its state
+            self.restoring.discard(command.model_id)
+
+    def _load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:
         request: LoadRequest = command.payload
         state = read_state(local_directory(self.checkpoint_dir, request.path))
         before = self._state_of(self._adapter(command.model_id), with_optimizer=True)
@@ -441,6 +482,17 @@ class TorchBackend:
             self._install(command.model_id, before, optimizer=True)
             raise
         return {"path": request.path}
+
+    def _restore_paged(self, model_id: str, restore: PageRestore) -> LoadResult:
+        """``model_id`` (just created) takes the state of its page file, and its page files go: here, on the
+        compute lane, so that none is deleted after this trainer pages the model out again to the same path."""
+        if not 1 <= restore.state.spec.rank <= self.max_rank:
+            raise InvalidRequestError(f"The page file's LoRA rank {restore.state.spec.rank} does not fit this "
+                                      f"trainer's --max-rank {self.max_rank}.")
+        self._fill_slot(model_id, self._adapter(model_id).slot, restore.state)
+        for path in restore.files:
+            path.unlink(missing_ok=True)
+        return {"path": str(restore.files[0])}
 
     def _install(self, model_id: str, state: AdapterState, optimizer: bool) -> None:
         """``model_id``'s adapter becomes ``state``'s, with its optimizer state when ``optimizer`` and it has one

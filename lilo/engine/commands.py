@@ -35,7 +35,8 @@ SAVING_KINDS = frozenset({Kind.SAVE_WEIGHTS, Kind.SAVE_WEIGHTS_FOR_SAMPLER, Kind
 
 
 # A command's payload, by its kind: TrainInput (forward, forward_backward), AdamParams (optim_step), SamplingRequest
-# (sample), SaveRequest (the saves), LoadRequest (load_weights), the refusal's message (refused).
+# (sample), SaveRequest (the saves), LoadRequest (load_weights; a restore from a page file: the backend's
+# PageRestore, which only a trainer builds), the refusal's message (refused).
 Payload = TypeVar("Payload")
 
 

@@ -2,23 +2,44 @@
 
 import pytest
 
-from cluster.placement import choose_sampling_trainer, choose_trainer
+from cluster.placement import choose_sampling_trainer, choose_trainer, free_slots
+from lilo.backend.paging import Room
 from lilo.errors import InvalidRequestError, SaturatedError
 
 
-@pytest.mark.parametrize(("free", "placed", "expected"), [
-    ({"t0": 4, "t1": 4}, {}, "t0"),
-    ({"t0": 3, "t1": 4}, {"t0": 1}, "t1"),
-    ({"t0": 0, "t1": 1}, {"t0": 0, "t1": 9}, "t1"),
-    ({"t1": 2, "t0": 2}, {"t0": 1, "t1": 1}, "t0"),
+@pytest.mark.parametrize(("room", "placed", "expected"), [
+    ({"t0": Room(4, 0, 0), "t1": Room(4, 0, 0)}, {}, "t0"),  # a tie: the lowest name
+    ({"t0": Room(3, 0, 0), "t1": Room(4, 0, 0)}, {"t0": 1}, "t1"),
+    ({"t0": Room(0, 0, 0), "t1": Room(1, 0, 0)}, {"t0": 0, "t1": 9}, "t1"),  # t0 is full
+    ({"t1": Room(2, 0, 0), "t0": Room(2, 0, 0)}, {"t0": 1, "t1": 1}, "t0"),
+    ({"t0": Room(2, 5, 5), "t1": Room(2, 5, 5)}, {"t0": 3, "t1": 1}, "t1"),  # equal room: the fewest models
+    ({"t0": Room(1, 0, 0), "t1": Room(0, 50, 500)}, {}, "t0"),  # a free device slot beats any paging room
+    ({"t0": Room(0, 2, 0), "t1": Room(0, 1, 900)}, {}, "t0"),  # then host memory: a copy back, not a file read
+    ({"t0": Room(0, 0, 10), "t1": Room(0, 0, 20)}, {"t1": 30}, "t1"),  # then disk, more models or not
+    ({"t0": Room(0, 0, 0), "t1": Room(0, 0, 1)}, {"t1": 99}, "t1"),  # room in any tier admits
 ])
-def test_the_least_loaded_trainer_with_room_gets_the_model(free, placed, expected):
-    assert choose_trainer(free, placed) == expected
+def test_the_trainer_with_the_most_room_gets_the_model(room, placed, expected):
+    assert choose_trainer(room, placed) == expected
 
 
 def test_a_full_cluster_is_a_429_that_says_so():
-    with pytest.raises(SaturatedError, match="Every trainer is full"):
-        choose_trainer({"t0": 0}, {"t0": 16})
+    with pytest.raises(SaturatedError, match="Every trainer is full .* nor room to page one out"):
+        choose_trainer({"t0": Room(0, 0, 0)}, {"t0": 16})
+
+
+@pytest.mark.parametrize(("room", "after"), [
+    (Room(2, 1, 1), Room(1, 1, 1)),  # a new model takes a slot
+    (Room(0, 1, 1), Room(0, 0, 1)),  # or pushes an idle one to host memory
+    (Room(0, 0, 1), Room(0, 0, 0)),  # or to disk
+])
+def test_placing_a_model_takes_the_room_of_the_tier_it_lands_in(room, after):
+    assert room.less_one() == after
+
+
+def test_each_trainers_room_is_read_from_what_it_says():
+    facts = {"t0": {"base_model": "tiny", "room": {"device": 1, "host": 2, "disk": 3}},
+             "t1": {"base_model": "small", "room": {"device": 4, "host": 0, "disk": 0}}}
+    assert free_slots(facts, "tiny") == {"t0": Room(1, 2, 3)}
 
 
 SERVED = {"t0": "tiny", "t1": "tiny", "t2": "small"}

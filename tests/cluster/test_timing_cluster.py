@@ -16,7 +16,7 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.timing import TimingPublisher, get_timing_actor
-from helpers import AUTH
+from helpers import AUTH, paged_timings
 from lilo.timing.critical_path import CriticalPath, Operation
 
 
@@ -94,12 +94,12 @@ def test_unknown_model_is_a_404_with_a_message_and_bad_input_a_422(local_cluster
     assert too_long.status_code == 422
 
 
-def test_phases_show_on_the_nodes_metrics_endpoint(local_cluster, ray_driver):
-    model_id = f"m-{uuid.uuid4().hex[:8]}"
-    assert TimingPublisher(recorded_steps(model_id, steps=1), "trainer-metrics", get_timing_actor()).push_now()
+def metric_lines(model_id: str, within_s: float = 90.0) -> list[str]:
+    """The node's Ray metrics lines of ``model_id``, once its phase counts are exported (Ray exports every few
+    seconds)."""
     port = ray.nodes()[0]["MetricsExportPort"]
     wanted = f'model_id="{model_id}"'
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + within_s
     lines: list[str] = []
     while time.monotonic() < deadline:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -107,10 +107,26 @@ def test_phases_show_on_the_nodes_metrics_endpoint(local_cluster, ray_driver):
         if any(line.startswith("ray_lilo_phase_count_total") for line in lines):
             break
         time.sleep(2)
+    return lines
+
+
+def test_phases_show_on_the_nodes_metrics_endpoint(local_cluster, ray_driver):
+    model_id = f"m-{uuid.uuid4().hex[:8]}"
+    assert TimingPublisher(recorded_steps(model_id, steps=1), "trainer-metrics", get_timing_actor()).push_now()
+    lines = metric_lines(model_id)
     count_lines = [line for line in lines if line.startswith("ray_lilo_phase_count_total")]
     assert any('phase="forward_backward.execute"' in line and 'trainer="trainer-metrics"' in line
                for line in count_lines), lines
     assert any(line.startswith("ray_lilo_phase_seconds_total") and "queue_wait_idle" in line for line in lines)
+
+
+def test_a_models_page_ins_and_outs_show_on_the_metrics_endpoint(local_cluster, ray_driver, tmp_path):
+    timings, (model_id, _) = paged_timings(tmp_path)  # its step paged it in, and the other model out
+    assert TimingPublisher(timings, "trainer-paging", get_timing_actor()).push_now()
+    lines = [line for line in metric_lines(model_id) if line.startswith("ray_lilo_phase_seconds_total")]
+    for phase in ("forward_backward.page_in", "forward_backward.page_out"):
+        (line,) = [line for line in lines if f'phase="{phase}"' in line]
+        assert 'trainer="trainer-paging"' in line and float(line.split()[-1]) > 0
 
 
 def test_timing_actor_prints_the_clusters_json_line_when_nobody_polls(local_cluster, ray_driver):

@@ -9,15 +9,14 @@ import uuid
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import ray
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.trainer_actor import TrainerConfig, lower_thread_priority, start_trainer, trainer_name
-from helpers import AUTH
-from lilo.backend.types import AdamParams, Datum, LoraSpec, SaveRequest, TrainInput
+from helpers import AUTH, train_input
+from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import SaturatedError, UnavailableError
 from lilo.settings import load_settings
@@ -34,12 +33,6 @@ def trainer(ray_driver, tmp_path_factory):
     yield actor, info
     ray.get(actor.stop.remote(), timeout=60)
     ray.kill(actor)
-
-
-def train_input(seed: int) -> TrainInput:
-    tokens = np.random.default_rng(seed).integers(0, 1000, 32)
-    return TrainInput(data=[Datum(tokens=tokens, loss_inputs={"target_tokens": np.roll(tokens, -1),
-                                                              "weights": np.ones(32, dtype=np.float32)})])
 
 
 def test_a_trainer_trains_its_models_on_its_own_torch_thread(trainer):

@@ -27,6 +27,7 @@ def test_the_demo_trains_four_clients_at_once_and_reports_where_the_time_went(lo
     assert len(logged) == steps * len(TASKS)
     assert all(entry["lilo/forward_backward.execute.count"] >= 1 for entry in logged)
     # The closing table: one row per model, each with a mean batch of at least one command.
-    table = lines[lines.index("Where each model's forward_backward time went (seconds, whole run):") + 2:]
+    table = lines[lines.index("Where each model's forward_backward time went, and its paging (seconds, whole run):")
+                  + 2:]
     assert sorted(row.split()[0] for row in table) == sorted(task.name for task in TASKS)
     assert all(float(row.split()[-1]) >= 1.0 for row in table)

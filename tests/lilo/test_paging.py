@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from lilo.backend.checkpoint_paths import local_directory
+from lilo.backend.checkpoints import read_state
 from lilo.backend.models import build_tiny_llama, load_base_model
-from lilo.backend.paging import choose_victims, host_adapter_bytes, host_demotions
+from lilo.backend.page_files import delete_page_files, find_page_files
+from lilo.backend.paging import Room, choose_victims, host_adapter_bytes, host_demotions, page_file_wins
 from lilo.backend.torch_backend import TorchBackend
-from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, TrainInput
+from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine, _parts
 from lilo.errors import SaturatedError
@@ -229,3 +232,76 @@ def test_models_waiting_their_turn_are_read_ahead_and_train_bit_for_bit_as_resid
     for model_id in models:
         for ours, theirs in zip(training_state(paged, model_id), training_state(resident, model_id), strict=True):
             assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("paged_at, captured_at, page_wins", [
+    (20.0, 10.0, True),  # paged out after the checkpoint was captured: the page file holds the later state
+    (10.0, 20.0, False),  # a checkpoint captured after (the page file is left over from before): the checkpoint
+    (10.0, 10.0, False),  # a tie: what the client was told is saved
+    (10.0, None, True),  # no checkpoint
+    (None, 10.0, False),  # no page file
+    (None, None, False),
+])
+def test_a_restore_takes_the_copy_whose_state_left_its_slot_last(paged_at, captured_at, page_wins):
+    assert page_file_wins(paged_at, captured_at) is page_wins
+
+
+def test_a_trainer_says_its_room_per_tier_in_models_of_the_largest_size(base, tmp_path):
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, checkpoint_dir=tmp_path)
+    largest = 3 * backend.bank.weights.shape[1] * 4
+    backend.pages.host_bytes, backend.pages.disk_bytes = 3 * largest, 5 * largest + 1
+    backend.make_room(["a"], (), ())
+    backend.add_adapter("a", LoraSpec(rank=4))
+    assert backend.room_by_tier() == Room(device=1, host=3, disk=5) and backend.room == 9
+
+
+@pytest.mark.parametrize("host_mb, disk_mb", [(64, 0), (0, 64)], ids=["host", "disk"])
+def test_a_paged_model_is_saved_from_its_paged_state_as_it_would_be_from_a_slot(base, tmp_path, host_mb, disk_mb):
+    resident = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, checkpoint_dir=tmp_path / "r")
+    paged = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "p",
+                         host_adapter_bytes=host_mb * MB, disk_adapter_bytes=disk_mb * MB)
+    train(resident)
+    train(paged)
+    (waiting,) = set(SPECS) - set(paged.adapters)
+    for model_id in SPECS:
+        ours = read_state(local_directory(paged.checkpoint_dir, paged.save_now(model_id, "stop")))
+        theirs = read_state(local_directory(resident.checkpoint_dir, resident.save_now(model_id, "stop")))
+        assert ours.step == theirs.step and ours.spec == theirs.spec and ours.tensors.keys() == theirs.tensors.keys()
+        assert all(torch.equal(ours.tensors[key], theirs.tensors[key]) for key in theirs.tensors)
+    assert waiting in paged.pages and waiting not in paged.adapters  # saved where it waits: not paged in
+    assert paged.holds(waiting) and not paged.holds("nobody")
+
+
+def test_a_page_file_describes_itself_and_a_torn_one_is_passed_over(tmp_path):
+    from lilo.backend.page_store import PagedState, PageStore, read_page_file
+
+    store = PageStore(host_bytes=0, disk_bytes=MB, directory=tmp_path / "lilo-trainer-0")
+    state = PagedState(LoraSpec(rank=4, seed=3), 7, True, torch.arange(16.0).view(4, 4), paged_at=123.5)
+    store.put("m", state, last_used=1)
+    store.put("other", PagedState(LoraSpec(rank=4), 1, False, torch.ones(3, 4)), last_used=2)
+    (page,) = find_page_files(tmp_path, "m")
+    assert (page.model_id, page.spec, page.step, page.paged_at) == ("m", LoraSpec(rank=4, seed=3), 7, 123.5)
+    back = read_page_file(page)
+    assert torch.equal(back.data, state.data) and back.has_grads and back.step == 7
+    torn = tmp_path / "lilo-trainer-1" / page.path.name
+    torn.parent.mkdir()
+    torn.write_bytes(page.path.read_bytes()[:50])  # a machine crash mid-write
+    assert find_page_files(tmp_path, "m") == [page]
+    delete_page_files(tmp_path, "m")
+    assert find_page_files(tmp_path, "m") == [] and not torn.exists() and find_page_files(tmp_path, "other")
+
+
+def test_a_model_created_for_a_restore_leaves_no_restorable_page_file_until_its_load_has_run(base, tmp_path):
+    # Else a trainer dying between the two would bring the model back as the fresh adapter, newer than its checkpoint.
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "c",
+                           disk_adapter_bytes=MB, page_dir=tmp_path / "pages" / "t0")
+    backend.restoring.add("a")
+    for model_id in "ab":
+        backend.make_room([model_id], (), ())
+        backend.add_adapter(model_id, LoraSpec(rank=4))
+    assert "a" in backend.pages and find_page_files(tmp_path / "pages", "a") == []
+    saved = backend.save_now("b", "x")
+    backend.make_room(["a"], (), ())
+    backend.load_checkpoint(Command("a", 0, Kind.LOAD_WEIGHTS, "restore-a", payload=LoadRequest(path=saved)))
+    backend.make_room(["b"], (), ())
+    assert [page.model_id for page in find_page_files(tmp_path / "pages", "a")] == ["a"] and not backend.restoring
