@@ -57,6 +57,8 @@ REGISTRY_REFRESH_S = 1.0
 RELEASE_GRACE_S = 2 * REGISTRY_REFRESH_S + 1.0
 # How long a (re)started reconciler waits for a trainer it adopts to say what it serves.
 ADOPT_WITHIN_S = 10.0
+# How long `lilo status` waits for a trainer to say what its samplers answered (a dying one would hold it up).
+SAMPLING_WITHIN_S = 2.0
 # Where `ray up` leaves the cluster's config on the head.
 RAY_UP_CONFIG = Path("~/ray_bootstrap_config.yaml")
 
@@ -322,7 +324,7 @@ class ReconcilerActor:
     async def _sampling_of(self, name: str) -> tuple[str, dict | None]:
         """A trainer's vLLM samplers and how many samples each engine answered (None: it did not say in time)."""
         try:
-            return name, await asyncio.wait_for(self._handles[name].sampling.remote(), 5.0)
+            return name, await asyncio.wait_for(self._handles[name].sampling.remote(), SAMPLING_WITHIN_S)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError, KeyError):
             return name, None
 

@@ -8,6 +8,7 @@ same supervisor in the background, shows its progress until the service answers,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -273,13 +274,16 @@ def _trainer_status(settings: Settings) -> dict | None:
     from cluster.local import connect_driver, NAMESPACE
     from cluster.reconciler import RECONCILER_ACTOR_NAME
 
-    try:
-        connect_driver(settings)
-        return ray.get(ray.get_actor(RECONCILER_ACTOR_NAME, namespace=NAMESPACE).status.remote(), timeout=15)
-    except Exception:  # the cluster is starting or stopping: status says what it can without the trainers
-        return None
-    finally:
-        ray.shutdown()
+    # Ray's driver prints the cluster's error messages (a node that died, say) to stdout even without its workers'
+    # logs: they go to stderr here, so that `lilo status --json` prints nothing but its JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            connect_driver(settings)
+            return ray.get(ray.get_actor(RECONCILER_ACTOR_NAME, namespace=NAMESPACE).status.remote(), timeout=15)
+        except Exception:  # the cluster is starting or stopping: status says what it can without the trainers
+            return None
+        finally:
+            ray.shutdown()
 
 
 def trainer_lines(status: dict) -> list[str]:
