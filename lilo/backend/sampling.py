@@ -94,6 +94,9 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
     device = next(model.parameters()).device
     rows = [Row(i, slots[i], request, _generator(request.seed, k), stop_reason=None if request.max_tokens else LENGTH)
             for i, request in enumerate(requests) for k in range(request.num_samples)]
+    # Each adapter's rows side by side, so the LoRA layers run one GEMM per adapter, not per row (a stable sort: a
+    # request's samples keep their order, and results go back by request).
+    rows.sort(key=lambda row: row.slot)
     width = max(len(request.prompt) for request in requests)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
