@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -198,6 +199,8 @@ def main() -> None:
             rate, results = timed_sample(backend, with_adapters)
             rates["adapters"].append(rate)
             rates["base"].append(timed_sample(backend, bare)[0])
+            print(f"run {len(rates['base'])}: {rates['adapters'][-1]:.1f} tok/s with adapters, "
+                  f"{rates['base'][-1]:.1f} bare", file=sys.stderr, flush=True)  # progress on a slow machine
         own = [{"prompt_index": i, **sequence} for i, result in enumerate(results) for sequence in result["sequences"]]
         torch_diff = max_diff(own, trainer_logprobs(backend, names, workload, own))
         torch_tok_s, base_tok_s = statistics.median(rates["adapters"]), statistics.median(rates["base"])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from lilo.backend import sampling
 from lilo.backend.lora import BASE_SLOT, BATCHED, RUNS
 from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.torch_backend import TorchBackend
@@ -113,3 +114,30 @@ def test_per_run_deltas_equal_the_per_row_gathered_ones(backend):
             finally:
                 backend.bank.route(None)
     assert (outputs[0] - outputs[1]).abs().max().item() <= 1e-5
+
+
+# Mixed settings in one step (greedy, two temperatures, top-k and top-p: those two go through sample_next), and the
+# usual batch: one temperature for every row.
+MIXED = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 1.0},
+         {"temperature": 0.9, "top_k": 50}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.7}]
+
+
+@pytest.mark.parametrize("settings", [MIXED, [{"temperature": 1.0}] * 5], ids=["mixed", "one-temperature"])
+def test_a_batched_sampling_step_draws_what_sample_next_draws_row_by_row(settings):
+    logits = torch.randn(len(settings), 1000, generator=torch.Generator().manual_seed(5)) * 3
+
+    def rows() -> list[sampling.Row]:
+        return [sampling.Row(n, 0, SamplingRequest(prompt=[1], **s), sampling._generator(7, n))
+                for n, s in enumerate(settings)]
+
+    tokens, logprobs = sampling.sample_step(logits, rows())
+    for n, row in enumerate(rows()):
+        token, expected = sampling.sample_next(logits[n], row.settings, row.generator)
+        assert tokens[n] == token
+        assert torch.equal(logprobs[n], expected)
+    # The same generators, one step after another, go on drawing the same tokens.
+    batched, separate = rows(), rows()
+    for _ in range(3):
+        tokens, _ = sampling.sample_step(logits, batched)
+        assert tokens == [sampling.sample_next(logits[n], row.settings, row.generator)[0]
+                          for n, row in enumerate(separate)]
