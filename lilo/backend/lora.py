@@ -6,6 +6,11 @@ zero gradients, so they never move). Before each execution the engine routes eve
 for row i is ``scale[slot_i] * (x_i @ A[slot_i].T) @ B[slot_i].T``, so rows of different adapters (and ranks)
 share one pass over the base weights, and a row's gradients reach only its own adapter's slot.
 
+Three ways to run the deltas (``Routing.mode``): ``batched`` gathers every row's A and B (padded to max_rank) for
+one batched GEMM (training on the CPU, where autograd wants one op over all rows); ``grouped`` runs one GEMM per run
+of consecutive rows sharing a slot (torch's grouped GEMM, on CUDA); ``runs`` loops over those runs with plain GEMMs
+at each adapter's own rank, skipping rows of no adapter (sampling on the CPU, without autograd).
+
 All of it lives in one ``LoraBank``: a ``(slots, D)`` tensor holding every projection's A and B of a slot in one
 contiguous row, and a gradient tensor laid out alike. The layers' parameters are views into those rows, so the
 optimizer steps k adapters with a few ops over k rows, and a slot is reset or copied as one row.
@@ -32,22 +37,27 @@ BASE_SLOT = -1
 warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
 
 
+BATCHED, GROUPED, RUNS = "batched", "grouped", "runs"
+
+
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """Which slot every batch row uses during one execution, and the runs of consecutive rows sharing one."""
     row_slots: torch.Tensor  # (rows,) long
     run_slots: torch.Tensor  # (runs,) long: the slot of each run of equal consecutive rows
     run_ends: torch.Tensor  # (runs,) long: rows up to the end of each run
-    grouped: bool  # one GEMM per run (torch's grouped GEMM) instead of a batched GEMM per row
+    runs: tuple[tuple[int, int, int], ...]  # (slot, first row, end row) of each run, on the CPU
+    mode: str  # BATCHED, GROUPED or RUNS (the module's docstring)
 
     @classmethod
-    def of(cls, slots: torch.Tensor, grouped: bool, device: torch.device | str = "cpu") -> Routing:
+    def of(cls, slots: torch.Tensor, mode: str, device: torch.device | str = "cpu") -> Routing:
         """From the rows' slots as a CPU tensor."""
         listed = slots.tolist()
         ends = [i + 1 for i in range(len(listed)) if i + 1 == len(listed) or listed[i + 1] != listed[i]]
         run_slots = [listed[end - 1] for end in ends]
+        runs = tuple(zip(run_slots, [0] + ends[:-1], ends))
         return cls(slots.to(device), torch.tensor(run_slots, device=device), torch.tensor(ends, device=device),
-                   grouped)
+                   runs, mode)
 
 
 class MultiLoRALinear(nn.Module):
@@ -65,9 +75,21 @@ class MultiLoRALinear(nn.Module):
         slots = lora_A.shape[0]
         self.register_buffer("scale", torch.zeros(slots + 1, dtype=lora_A.dtype, device=lora_A.device),
                              persistent=False)
-        # Which slots train this projection, on the CPU: routing asks it per execution without a device sync.
+        # Which slots train this projection, at which rank (0: none) and scale, on the CPU: routing asks them per
+        # execution without a device sync. The trailing entry is BASE_SLOT's, never trained.
         self.trained = torch.zeros(slots + 1, dtype=torch.bool)
+        self.ranks = [0] * (slots + 1)
+        self.scales = [0.0] * (slots + 1)
         self.routing: Routing | None = None  # None: every row through the bare base
+
+    def set_adapter(self, slot: int, rank: int, scale: float) -> None:
+        """What routing knows of the adapter in ``slot``: its rank here (0: it does not train this projection) and
+        the scale of its delta."""
+        scale = scale if rank else 0.0
+        self.scale[slot] = scale
+        self.scales[slot] = scale
+        self.ranks[slot] = rank
+        self.trained[slot] = rank > 0
 
     def reset_slot(self, slot: int, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
         """A fresh adapter in ``slot``: A like nn.Linear's init on its first ``rank`` rows, B zero, padding zero."""
@@ -78,29 +100,43 @@ class MultiLoRALinear(nn.Module):
             a = torch.empty(rank, self.base.in_features, dtype=self.lora_A.dtype)
             a.uniform_(-bound, bound, generator=generator)
             self.lora_A[slot, :rank] = a.to(self.lora_A.device)
-            self.scale[slot] = alpha / rank
-        self.trained[slot] = True
+        self.set_adapter(slot, rank, alpha / rank)
 
     def clear_slot(self, slot: int) -> None:
         with torch.no_grad():
             self.lora_A[slot].zero_()
             self.lora_B[slot].zero_()
-            self.scale[slot] = 0.0
-        self.trained[slot] = False
+        self.set_adapter(slot, 0, 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         routing = self.routing
         if routing is None:
             return out
-        if routing.grouped:
+        if routing.mode == GROUPED:
             return out + self._grouped_delta(x, routing)
+        if routing.mode == RUNS:
+            return self._add_runs(out, x, routing)
         slots = routing.row_slots
         a = self.lora_A[slots].to(x.dtype)  # (rows, r, in)
         b = self.lora_B[slots].to(x.dtype)  # (rows, out, r)
         # Scaling the rank-r intermediate, not the output, and adding in the GEMM keep this at two passes over x.
         h = torch.bmm(x, a.transpose(1, 2)) * self.scale[slots].to(x.dtype).view(-1, 1, 1)
         return torch.baddbmm(out, h, b.transpose(1, 2))
+
+    def _add_runs(self, out: torch.Tensor, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``out`` plus each run's delta, in place: two GEMMs per run at its adapter's own rank (A's first rows, B's
+        first columns: strided views, no copies), none for rows of no adapter (rank 0 here)."""
+        width = out.shape[-1]
+        for slot, start, end in routing.runs:
+            rank = self.ranks[slot]
+            if not rank:
+                continue
+            a = self.lora_A[slot, :rank].to(x.dtype)  # (r, in)
+            b = self.lora_B[slot, :, :rank].to(x.dtype)  # (out, r)
+            h = x[start:end].reshape(-1, x.shape[-1]) @ a.T
+            out[start:end].view(-1, width).addmm_(h, b.T, alpha=self.scales[slot])
+        return out
 
     def _grouped_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """One GEMM per run of rows sharing a slot (CUDA's grouped GEMM): no per-row copies of A and B."""
@@ -144,11 +180,11 @@ class LoraBank:
     def parameters(self) -> list[nn.Parameter]:
         return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
 
-    def route(self, slots: Sequence[int] | None, grouped: bool = False) -> None:
-        """Route batch rows to slots; a layer no routed adapter trains runs as the bare base (and stays off the
-        autograd graph)."""
+    def route(self, slots: Sequence[int] | None, mode: str = BATCHED) -> None:
+        """Route batch rows to slots, the deltas run as ``mode`` says; a layer no routed adapter trains runs as the
+        bare base (and stays off the autograd graph)."""
         rows = torch.tensor(list(slots)) if slots is not None else None
-        routing = Routing.of(rows, grouped, self.weights.device) if rows is not None else None
+        routing = Routing.of(rows, mode, self.weights.device) if rows is not None else None
         for layer in self.layers.values():
             active = routing is not None and bool(layer.trained[rows].any())
             layer.routing = routing if active else None

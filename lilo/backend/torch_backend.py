@@ -23,7 +23,7 @@ from lilo.backend import losses, sampling
 from lilo.backend.checkpoint_paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
 from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_peft, write_state
 from lilo.backend.loss_inputs import check_train_input
-from lilo.backend.lora import BASE_SLOT, LoraBank, projection_kind, target_names
+from lilo.backend.lora import BASE_SLOT, BATCHED, GROUPED, RUNS, LoraBank, projection_kind, target_names
 from lilo.backend.optimizer import SlotAdamW
 from lilo.backend.page_store import PagedState, PageRestore, PageStore
 from lilo.backend.paging import PageMove, Room, Tier, choose_victims
@@ -269,9 +269,7 @@ class TorchBackend:
         targets = set(target_names(state.spec.train_attn, state.spec.train_mlp, state.spec.train_unembed))
         scale = (state.spec.alpha or state.spec.rank) / state.spec.rank
         for path, layer in self.layers.items():
-            trained = projection_kind(path) in targets
-            layer.scale[slot] = scale if trained else 0.0
-            layer.trained[slot] = trained
+            layer.set_adapter(slot, state.spec.rank if projection_kind(path) in targets else 0, scale)
         self.adapters[model_id] = Adapter(slot, state.spec)
 
     def _make_room(self, pinned: Container[str] = ()) -> None:
@@ -359,7 +357,11 @@ class TorchBackend:
 
     def _route(self, slots: Sequence[int] | None) -> None:
         """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none)."""
-        self.bank.route(slots, grouped=self._grouped)
+        self.bank.route(slots, GROUPED if self._grouped else BATCHED)
+
+    def _route_sampling(self, slots: Sequence[int] | None) -> None:
+        """The same for a generation: no autograd, so on the CPU one GEMM per run of rows at its adapter's rank."""
+        self.bank.route(slots, GROUPED if self._grouped else RUNS)
 
     def optim_step(self, commands: Sequence[Command[AdamParams]]) -> list[OptimStepResult | Exception]:
         adapters = [self._adapter(command.model_id) for command in commands]
@@ -392,8 +394,8 @@ class TorchBackend:
                 except Exception as error:
                     results[i] = error
             if valid:
-                generated = sampling.generate(self.model, self._route, [commands[i].payload for i in valid], slots,
-                                              self.decode)
+                generated = sampling.generate(self.model, self._route_sampling, [commands[i].payload for i in valid],
+                                              slots, self.decode)
                 for i, result in zip(valid, generated):
                     results[i] = result
             waiting = deferred
