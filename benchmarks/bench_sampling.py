@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the torch sampler runs: cpu (fp32), cuda (a bf16 base)")
     parser.add_argument("--workload-out", type=Path, help="where to write the workload JSON (default: a temp dir)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -179,7 +180,7 @@ def main() -> None:
         # The adapters' PEFT files lie beside the workload file, for as long as it is kept.
         checkpoint_dir = workload_path.with_name(workload_path.stem + "-adapters") if args.workload_out \
             else Path(scratch) / "adapters"
-        backend = TorchBackend(load_base_model(model_dir), max_adapters=args.adapters, sampler_slots=0,
+        backend = TorchBackend(load_base_model(model_dir, args.device), max_adapters=args.adapters, sampler_slots=0,
                                checkpoint_dir=checkpoint_dir, base_model_name=str(model_dir))
         names = make_adapters(backend, args.adapters, args.rank)
         workload = {
@@ -205,7 +206,8 @@ def main() -> None:
         torch_diff = max_diff(own, trainer_logprobs(backend, names, workload, own))
         torch_tok_s, base_tok_s = statistics.median(rates["adapters"]), statistics.median(rates["base"])
         line = {
-            "bench": "sampling", "model": "SmolLM2-135M", "dtype": "float32", "prompts": args.prompts,
+            "bench": "sampling", "model": "SmolLM2-135M", "device": args.device,
+            "dtype": str(next(backend.model.parameters()).dtype).removeprefix("torch."), "prompts": args.prompts,
             "prompt_tokens": [min(map(len, workload["prompts"])), max(map(len, workload["prompts"]))],
             "samples": args.samples, "max_tokens": args.max_tokens, "adapters": args.adapters, "rank": args.rank,
             "max_rank": backend.max_rank, "temperature": 1.0, "runs": args.runs,

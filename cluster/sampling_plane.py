@@ -40,7 +40,7 @@ from lilo.backend.types import SamplingRequest
 from lilo.backend.vllm_sampler import vllm_unsupported
 from lilo.engine.commands import Command
 from lilo.settings import Settings
-from lilo.errors import NotFoundError
+from lilo.errors import InvalidRequestError, NotFoundError
 from lilo.timing.critical_path import Observer, Operation
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,13 @@ class SamplerRelay:
         t0 = self._clock()
         try:
             if key is not None:
-                await self._fresh(sampler, key, command.model_id, "publish:sample")
+                try:
+                    await self._fresh(sampler, key, command.model_id, "publish:sample")
+                except InvalidRequestError as error:  # vLLM cannot take this adapter (its rank, say): torch can
+                    self._count("torch: vLLM could not load the adapter")
+                    logger.info("sample %s goes to the torch sampler: %s", command.request_id, error)
+                    _chain(fallback(), future)
+                    return
             t1 = self._clock()
             [outcome] = await named_actor(sampler).sample.remote([command.payload], [key])
             if isinstance(outcome, NotFoundError) and key is not None:

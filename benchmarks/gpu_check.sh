@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The sampling benches on a GPU machine (the device tool's H200, or a cluster node), in under 8 minutes: the torch
+# sampler on CUDA over 4 adapters against the bare base (bench_sampling.py; its vLLM half where .venv-vllm holds the
+# GPU build), then the RL loop of 1, 4 and 8 SDK clients on the torch sampler and on vLLM (bench_rl.py, SmolLM2),
+# where this machine has lilo's whole environment. Each JSON line goes to stdout and to $OUT (when set); a part
+# this machine cannot run says why and the rest goes on.
+#
+#   bash benchmarks/gpu_check.sh            # from the checkout, with .venv (and .venv-vllm) made by make
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/lilo-gpu-check}"
+mkdir -p "$OUT"
+PYTHON="${PYTHON:-.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { echo "no NVIDIA GPU here"; exit 1; }
+
+run() {  # run NAME SECONDS COMMAND...: one bench, its JSON line kept, its failure reported
+    local name=$1 seconds=$2; shift 2
+    echo "== $name (at most ${seconds} s)"
+    if timeout "$seconds" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"; then
+        cat "$OUT/$name.json"
+    else
+        echo "$name did not finish (exit $?); the end of its output:"; tail -5 "$OUT/$name.err"
+    fi
+}
+
+run sampling 240 "$PYTHON" benchmarks/bench_sampling.py --device cuda --runs 3
+if "$PYTHON" -c "import ray, tinker, fastapi" 2> /dev/null; then
+    (cd benchmarks && run rl 240 "../$PYTHON" bench_rl.py --model smollm2 --clients 1,4,8 --steps 2 --max-tokens 64)
+else
+    echo "== rl skipped: $PYTHON lacks lilo's service environment (ray, tinker, fastapi); make .venv/.installed first"
+fi
