@@ -55,6 +55,13 @@ def train(training: tinker.TrainingClient, steps: int, learning_rate: float, see
         training.optim_step(types.AdamParams(learning_rate=learning_rate)).result(timeout=TIMEOUT_S)
 
 
+def trained_checkpoint(service, name: str, steps: int, learning_rate: float, seed: int = 3):
+    """A new adapter trained ``steps`` steps, and its sampler checkpoint ``name``."""
+    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
+    train(training, steps=steps, learning_rate=learning_rate, seed=seed)
+    return training, training.save_weights_for_sampler(name).result(timeout=TIMEOUT_S)
+
+
 def trainer_logprobs(training: tinker.TrainingClient, prompt: list[int], tokens: list[int]) -> list[float]:
     """The trainer's logprob of each of ``tokens`` after ``prompt`` (a forward pass, as the cookbook checks)."""
     forward = training.forward([datum(prompt + tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
@@ -83,9 +90,7 @@ def phases(url: str, model_id: str, until=lambda phases: True, within_s: float =
 
 def test_samples_run_on_vllm_and_score_as_the_trainer_scores_them(vllm_service):
     service, url = vllm_service
-    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
-    train(training, steps=3, learning_rate=1e-2)
-    saved = training.save_weights_for_sampler("parity").result(timeout=TIMEOUT_S)
+    training, saved = trained_checkpoint(service, "parity", steps=3, learning_rate=1e-2)
     sampler = service.create_sampling_client(model_path=saved.path).result(timeout=TIMEOUT_S)
     prompt = [5, 6, 7, 8]
     response = sample(sampler, prompt, num_samples=4, temperature=1.0, seed=11).result(timeout=TIMEOUT_S)
@@ -139,9 +144,7 @@ def test_the_bare_base_model_samples_beside_an_adapter_in_one_engine(vllm_servic
 
 def test_what_vllm_cannot_answer_the_torch_sampler_still_does(vllm_service):
     service, url = vllm_service
-    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
-    train(training, steps=2, learning_rate=1e-2)
-    saved = training.save_weights_for_sampler("scored").result(timeout=TIMEOUT_S)
+    training, saved = trained_checkpoint(service, "scored", steps=2, learning_rate=1e-2)
     sampler = service.create_sampling_client(model_path=saved.path).result(timeout=TIMEOUT_S)
     tokens = [3, 4, 5, 6, 7, 8]
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=TIMEOUT_S)
@@ -157,9 +160,7 @@ def test_what_vllm_cannot_answer_the_torch_sampler_still_does(vllm_service):
 
 def test_the_openai_endpoint_samples_a_checkpoint_on_vllm_as_the_tinker_sdk_does(vllm_service):
     service, url = vllm_service
-    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
-    train(training, steps=2, learning_rate=2e-2, seed=6)
-    saved = training.save_weights_for_sampler("openai").result(timeout=TIMEOUT_S)
+    _, saved = trained_checkpoint(service, "openai", steps=2, learning_rate=2e-2, seed=6)
     prompt = [20, 21, 22, 23]
     client = openai.OpenAI(base_url=f"{url}/oai/api/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
     completion = client.completions.create(model=saved.path, prompt=prompt, max_tokens=6, temperature=0,
