@@ -115,8 +115,10 @@ def main() -> None:
     counts = [int(n) for n in args.clients.split(",")]
     results: dict[str, list] = {}
     for engine in args.engines.split(","):
-        with private_cluster(base_model, args.port, *ENGINES[engine], "--max-adapters", str(max(counts) + 2),
-                             "--timeout", "600"):
+        # A slot for each client's model and one for its latest sampler checkpoint; rank 8 at most, so the LoRA
+        # math of both engines is sized to the adapters.
+        with private_cluster(base_model, args.port, *ENGINES[engine], "--max-adapters", str(2 * max(counts)),
+                             "--max-rank", "8", "--timeout", "600"):
             results[engine] = [run_clients(f"http://127.0.0.1:{args.port}", base_model, n, args) for n in counts]
     headline: dict = {"clients": max(counts)}
     for engine, rows in results.items():
