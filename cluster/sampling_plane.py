@@ -39,8 +39,8 @@ from lilo.backend.checkpoint_paths import TINKER_SCHEME, local_directory
 from lilo.backend.types import SamplingRequest
 from lilo.backend.vllm_sampler import vllm_unsupported
 from lilo.engine.commands import Command
-from lilo.settings import Settings
 from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.settings import Settings
 from lilo.timing.critical_path import Observer, Operation
 
 logger = logging.getLogger(__name__)
@@ -157,8 +157,7 @@ class SamplerRelay:
         ready = sorted(self._ready)
         key = _adapter_key(command)
         holding = [name for name in ready if key is not None and key in self._loaded[name]]
-        pool = holding or ready
-        return pool[zlib.crc32(command.model_id.encode()) % len(pool)]
+        return _picked_by(command.model_id, holding or ready)
 
     def relay(self, command: Command[SamplingRequest], sampler: str,
               fallback: Callable[[], Future]) -> Future:
@@ -239,8 +238,7 @@ class SamplerRelay:
     async def _publish_saved(self, saved: Future, model_id: str, published: Future) -> None:
         if saved.exception() is None and self._ready:
             path = saved.result()["path"]
-            pool = sorted(self._ready)
-            sampler = pool[zlib.crc32(path.encode()) % len(pool)]
+            sampler = _picked_by(path, sorted(self._ready))
             try:
                 await asyncio.wait_for(self._fresh(sampler, path, model_id, "publish:save_weights_for_sampler"),
                                        PUBLISH_WAIT_S)
@@ -259,6 +257,11 @@ def _adapter_key(command: Command[SamplingRequest]) -> str | None:
     if command.payload.base_only or not command.model_id.startswith(TINKER_SCHEME):
         return None
     return command.model_id
+
+
+def _picked_by(key: str, pool: Sequence[str]) -> str:
+    """One of ``pool`` by ``key``: the same key picks the same sampler, so a save and its samples meet on one."""
+    return pool[zlib.crc32(key.encode()) % len(pool)]
 
 
 def _chain(source: Future, target: Future) -> None:
