@@ -106,11 +106,17 @@ def training_state(backend: TorchBackend, model_id: str) -> list[torch.Tensor]:
     return [flat[slot].clone() for flat in flats] + [backend.optimizer.step_counts[slot].clone()]
 
 
-@pytest.mark.parametrize("host_mb, disk_mb", [(64, 0), (0, 64)], ids=["host", "disk"])
-def test_a_model_paged_out_after_every_step_trains_bit_for_bit_as_one_resident(base, tmp_path, host_mb, disk_mb):
+def resident_and_paged(base, tmp_path, host_mb: int, disk_mb: int) -> tuple[TorchBackend, TorchBackend]:
+    """A backend with a slot for each model, and one with one slot and a host or a disk tier for the rest."""
     resident = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, checkpoint_dir=tmp_path / "r")
     paged = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "p",
                          host_adapter_bytes=host_mb * MB, disk_adapter_bytes=disk_mb * MB)
+    return resident, paged
+
+
+@pytest.mark.parametrize("host_mb, disk_mb", [(64, 0), (0, 64)], ids=["host", "disk"])
+def test_a_model_paged_out_after_every_step_trains_bit_for_bit_as_one_resident(base, tmp_path, host_mb, disk_mb):
+    resident, paged = resident_and_paged(base, tmp_path, host_mb, disk_mb)
     train(resident)
     timings = train(paged)[0].timings.snapshot("m")["phases"]
     assert {"forward_backward.page_in", "optim_step.page_in", "forward_backward.page_out"} <= set(timings)
@@ -257,9 +263,7 @@ def test_a_trainer_says_its_room_per_tier_in_models_of_the_largest_size(base, tm
 
 @pytest.mark.parametrize("host_mb, disk_mb", [(64, 0), (0, 64)], ids=["host", "disk"])
 def test_a_paged_model_is_saved_from_its_paged_state_as_it_would_be_from_a_slot(base, tmp_path, host_mb, disk_mb):
-    resident = TorchBackend(copy.deepcopy(base), max_adapters=2, max_rank=8, checkpoint_dir=tmp_path / "r")
-    paged = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "p",
-                         host_adapter_bytes=host_mb * MB, disk_adapter_bytes=disk_mb * MB)
+    resident, paged = resident_and_paged(base, tmp_path, host_mb, disk_mb)
     train(resident)
     train(paged)
     (waiting,) = set(SPECS) - set(paged.adapters)
