@@ -10,12 +10,18 @@ its turn in the rotation like a model, each turn one generation over as many sam
 Telemetry: the engine reports through the Observer protocol only (``begin`` at submission, one ``span`` per
 physical batch with every model, ``request_ids``, ``n`` and ``ok``; ``capture:<kind>`` / ``persist:<kind>`` on
 their lanes; ``accept`` for a new model; ``page_in:<kind>`` / ``page_out:<kind>`` on the model whose command
-needed a model paged back into a slot, or a slot freed, before it ran). Whatever observer it is given is composed
-with its own CriticalPath, ``engine.timings``, so timing cannot be switched off.
+needed a model paged back into a slot, or a slot freed, before it ran; ``coalesce_wait:<kind>`` for a pass that
+held its coalescing window open, with the request ids of every command it ran). Whatever observer it is given is
+composed with its own CriticalPath, ``engine.timings``, so timing cannot be switched off.
+
+The coalescing window (``lilo.engine.window``): a forward, forward_backward or optim_step pass that could start
+while other models stepping in rhythm with it have no command queued yet waits a bounded time for theirs, then
+runs everything that arrived as one pass. ``window_cap_ms=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,6 +35,7 @@ from lilo.engine.commands import SAVING_KINDS, Command, Kind
 from lilo.engine.contract import Backend
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
+from lilo.engine.window import DEFAULT_WINDOW_CAP_MS, WINDOW_KINDS, Rhythm, awaited, window_s
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
 from lilo.timing.critical_path import CriticalPath, Observer, Observers, Operation
 
@@ -49,17 +56,30 @@ class EngineStopped(RuntimeError):
     """The engine shut down before this command ran."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """A coalescing window held open for the pass anchored at ``request_id``."""
+
+    request_id: str
+    opened_s: float
+    deadline_s: float
+
+
 class Engine:
     def __init__(self, backend: Backend[Any], observer: Observer | None = None, *,
                  token_budget: int = TOKENS_PER_BATCH, first_seq: int = 1, coalesce: bool = True,
-                 clock: Callable[[], float] = time.monotonic, start: bool = True) -> None:
+                 window_cap_ms: float = DEFAULT_WINDOW_CAP_MS, clock: Callable[[], float] = time.monotonic,
+                 start: bool = True) -> None:
         self._backend = backend
         self._clock = clock
         self._token_budget = token_budget
         self._coalesce = coalesce
+        self._window_cap_s = window_cap_ms / 1e3 if coalesce else 0.0
+        self._window: _Window | None = None
         self._first_seq = first_seq
         self.timings = CriticalPath(clock=clock)
         self.observer = Observers(*([observer] if observer is not None else []), self.timings)
+        self._rhythm = Rhythm()  # the models' think times and the passes' durations, for the window
         self._queues: dict[str, ModelQueue] = {}
         # Samples are independent of each other and of training, so no model queue orders them: a client's
         # samples may arrive in any order, and one refused at the door leaves no gap to wait for. A retry gets
@@ -174,6 +194,7 @@ class Engine:
     def _forget(self, model_id: str) -> list[tuple[Command, Future]]:
         model_queue = self._queues.pop(model_id)
         self._rotation.remove(model_id)
+        self._rhythm.forget(model_id)
         return model_queue.drain()
 
     def _model_queue(self, model_id: str) -> ModelQueue:
@@ -201,7 +222,11 @@ class Engine:
                     while len(self._sample_futures) > REMEMBERED_SAMPLES:
                         self._sample_futures.popitem(last=False)
             else:
-                accepted = self._model_queue(command.model_id).offer(command, future)
+                model_queue = self._model_queue(command.model_id)
+                idle_since = None if model_queue.has_work else model_queue.idle_since_s
+                accepted = model_queue.offer(command, future)
+                if accepted is future and idle_since is not None:
+                    self._rhythm.learn(command.model_id, command.kind, self._clock() - idle_since, command.tokens)
             if accepted is future:
                 self.observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock()))
                 self._cv.notify_all()
@@ -211,10 +236,10 @@ class Engine:
     def _compute_loop(self) -> None:
         while True:
             with self._cv:
-                work = self._next_work()
+                work, wait_s = self._next_work()
                 while work is None and not self._stopped:
-                    self._cv.wait()
-                    work = self._next_work()
+                    self._cv.wait(wait_s)
+                    work, wait_s = self._next_work()
                 if work is None:
                     return
             try:
@@ -222,10 +247,11 @@ class Engine:
             except Exception:  # never let one batch take the lane down; its futures were settled by the runner
                 logger.exception("engine work failed")
 
-    def _next_work(self) -> Callable[[], None] | None:
-        """Lifecycle first, then the next coalesced batch; called with the lock held."""
+    def _next_work(self) -> tuple[Callable[[], None] | None, float | None]:
+        """Lifecycle first, then the next coalesced batch, unless its coalescing window holds it: (work, None), or
+        (None, how long to wait before asking again; None: until notified). Called with the lock held."""
         if self._lifecycle:
-            return self._lifecycle.popleft()
+            return self._lifecycle.popleft(), None
         for model_id, unloaded in list(self._unloading.items()):
             model_queue = self._queues.get(model_id)
             if model_queue is None or (model_queue.ready and model_queue.head() is None and not model_queue.running):
@@ -234,13 +260,18 @@ class Engine:
                 self._unloaded[model_id] = None
                 while len(self._unloaded) > REMEMBERED_UNLOADS:
                     self._unloaded.popitem(last=False)
-                return lambda: self._unload(model_id, unloaded)
+                return lambda: self._unload(model_id, unloaded), None
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
         if self._samples:
             heads[SAMPLING_TURN] = self._samples[0][0]
         batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce)
         if not batch:
-            return None
+            self._window = None
+            return None, None
+        hold_s = self._hold_for(batch)
+        if hold_s > 0:
+            return None, hold_s
+        self._close_window(batch)
         if batch[0].kind == Kind.SAMPLE:
             anchor, taken = SAMPLING_TURN, self._take_samples()
         else:
@@ -253,7 +284,41 @@ class Engine:
                     if model in heads and model not in batch_models and model != SAMPLING_TURN][:PREFETCH_AHEAD]
         if upcoming:
             self._prefetch(upcoming)
-        return lambda: self._run(taken)
+        return lambda: self._run(taken), None
+
+    def _hold_for(self, batch: Sequence[Command]) -> float:
+        """How much longer ``batch`` waits in its coalescing window for models in rhythm with it (0: it runs now).
+        Called with the lock held; a window, once open, keeps its deadline however often this is asked."""
+        anchor = batch[0]
+        if self._window_cap_s <= 0 or anchor.kind not in WINDOW_KINDS:
+            return 0.0
+        now = self._clock()
+        window = self._window
+        if window is None or window.request_id != anchor.request_id:
+            window = _Window(anchor.request_id, now, now + window_s(self._rhythm.pass_s(anchor.kind),
+                                                                    self._window_cap_s))
+        if now >= window.deadline_s:
+            return 0.0
+        in_batch = {command.model_id for command in batch}
+        idle = {model: self._rhythm.expected(model, anchor.kind, model_queue.idle_since_s)
+                for model, model_queue in self._queues.items()
+                if model not in in_batch and model not in self._unloading and model_queue.ready
+                and not model_queue.has_work and model_queue.idle_since_s is not None}
+        budgeted = anchor.kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD)
+        room = self._token_budget - sum(command.tokens for command in batch) if budgeted else None
+        if not awaited(idle, now, window.deadline_s, room):
+            return 0.0
+        self._window = window
+        return window.deadline_s - now
+
+    def _close_window(self, batch: Sequence[Command]) -> None:
+        """``batch`` runs now: if it held a window open, that wait is a ``coalesce_wait:<kind>`` span of every
+        command in it (its queue wait ends where the window opened; one that arrived meanwhile waited less)."""
+        window, self._window = self._window, None
+        if window is not None and window.request_id == batch[0].request_id:
+            self.observer.span([command.model_id for command in batch], f"coalesce_wait:{batch[0].kind}",
+                               COMPUTE_LANE, window.opened_s, self._clock(),
+                               request_ids=[command.request_id for command in batch], n=len(batch), ok=True)
 
     def _take_samples(self) -> list[tuple[Command, Future]]:
         """The oldest samples that fit the token budget together (the first always runs), or one if not
@@ -289,6 +354,8 @@ class Engine:
             results = [error] * len(commands)
         t1 = self._clock()
         ok = not any(isinstance(result, BaseException) for result in results)
+        if ok:
+            self._rhythm.passed(kind, t1 - t0)
         self.observer.span([c.model_id for c in commands], kind, COMPUTE_LANE, t0, t1,
                            request_ids=[c.request_id for c in commands], n=len(commands), ok=ok)
         if kind != Kind.SAMPLE:  # samples were never any model queue's head
@@ -362,10 +429,11 @@ class Engine:
 
     def _finish_heads(self, commands: Sequence[Command]) -> None:
         with self._cv:
+            now = self._clock()
             for command in commands:
                 model_queue = self._queues.get(command.model_id)
                 if model_queue is not None:
-                    model_queue.finish_head()
+                    model_queue.finish_head(now)
             self._cv.notify_all()
 
     def _prefetch(self, model_ids: list[str]) -> None:

@@ -17,6 +17,7 @@ class ModelQueue:
         self.next_seq = first_seq
         self.ready = False  # set once the model's adapter is in place
         self.running = False  # its head was dispatched and has not finished
+        self.idle_since_s: float | None = None  # when its last head finished (with nothing queued behind: idle)
         self._held: dict[int, tuple[Command, Future]] = {}
         self._seen: OrderedDict[int, tuple[str, Future]] = OrderedDict()
         self._remembered = remembered
@@ -57,9 +58,10 @@ class ModelQueue:
         self.running = True
         return self._held.pop(self.next_seq)
 
-    def finish_head(self) -> None:
+    def finish_head(self, at_s: float) -> None:
         self.running = False
         self.next_seq += 1
+        self.idle_since_s = at_s
 
     def drain(self) -> list[tuple[Command, Future]]:
         """Everything still held (on removal), in seq order."""

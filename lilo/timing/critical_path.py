@@ -9,6 +9,9 @@ Phases per model (and for ``ALL_MODELS``), each with ``count, total_s, mean_s, m
 - ``<kind>.queue_wait``: submission to the start of the command's first span, split into ``queue_wait_self``
   (the lane ran batches holding an earlier command of this model), ``queue_wait_others`` (it ran batches holding
   none of this model's commands) and ``queue_wait_idle`` (it ran nothing: pure service overhead); the three add up.
+- ``<kind>.coalesce_wait``: the pass that ran the command held its coalescing window open (``lilo.engine.window``)
+  for other models in rhythm with it; from the window's opening, or the command's arrival if later. Counted apart
+  from the queue wait (which ends where the window opened), so what the window bought can be weighed against it.
 - ``<kind>.capture`` / ``<kind>.persist``: checkpoint copy-out on the compute lane, and the write on its own lane.
 - ``<kind>.page_in`` / ``<kind>.page_out``: bringing the model back into a slot before its command ran, and paging
   out another (or, for a new model, ``accept.page_out``) to free that slot.
@@ -205,16 +208,21 @@ class CriticalPath:
         request_ids = attrs.get("request_ids", ())
         batch = attrs.get("n") or len(request_ids) or len(models)
         phase = _PHASES.get(name) or _PHASES.setdefault(name, phase_of(name))
-        observations = [(model_id, phase, (t1 - t0,), batch) for model_id in models]
         history = self._lanes.get(lane)
         if history is None:
             history = self._lanes[lane] = deque(maxlen=LANE_HISTORY)
+        observations = []
+        # A model's part of the span starts when its command arrived, if that was later (a coalescing window
+        # that it joined while open); every other span starts after its commands arrived.
+        starts: dict[str, float] = {}
         for request_id in request_ids:
             entry = self._pending.pop(request_id, None)
             if entry is not None:
                 model_id, kind, submitted = entry
+                starts[model_id] = max(t0, submitted)
                 wait_phase = _WAIT_PHASES.get(kind) or _WAIT_PHASES.setdefault(kind, f"{kind}.{QUEUE_WAIT}")
                 observations.append((model_id, wait_phase, split_wait(history, model_id, submitted, t0), batch))
+        observations += [(model_id, phase, (t1 - starts.get(model_id, t0),), batch) for model_id in models]
         if name == "accept":
             for model_id in models:
                 registered = self._accepts.pop(model_id, None)

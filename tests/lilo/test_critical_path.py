@@ -269,3 +269,19 @@ def test_the_background_drainer_folds_spans_without_a_reader():
     while path.stats.models() != ["a"] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert path.stats.models() == ["a"]
+
+
+def test_a_coalescing_window_is_its_own_phase_and_ends_the_queue_wait_where_it_opened(timings):
+    # a arrives at 0, its pass could start at 1 but holds its window open until 2 for b, which arrives at 1.5;
+    # the pass then runs 2-3 with both.
+    submit(timings, "a", "a:1", "forward_backward", at=0.0)
+    submit(timings, "b", "b:1", "forward_backward", at=1.5)
+    timings.span(["a", "b"], "coalesce_wait:forward_backward", "gpu", 1.0, 2.0, request_ids=["a:1", "b:1"], n=2)
+    timings.span(["a", "b"], "forward_backward", "gpu", 2.0, 3.0, request_ids=["a:1", "b:1"], n=2)
+    a, b = timings.snapshot("a")["phases"], timings.snapshot("b")["phases"]
+    assert phase_of("coalesce_wait:forward_backward") == "forward_backward.coalesce_wait"
+    assert (a["forward_backward.queue_wait"]["total_s"], a["forward_backward.coalesce_wait"]["total_s"]) == (
+        pytest.approx(1.0), pytest.approx(1.0))
+    assert (b["forward_backward.queue_wait"]["total_s"], b["forward_backward.coalesce_wait"]["total_s"]) == (
+        pytest.approx(0.0), pytest.approx(0.5))
+    assert a["forward_backward.execute"]["mean_batch"] == 2

@@ -1,0 +1,142 @@
+"""The coalescing window's rules: the pure decision (``window_s``, ``awaited``) with hand-made rhythms, what
+``Rhythm`` learns from observer events, and the engine's window around a backend whose passes take real time."""
+
+import threading
+import time
+
+import pytest
+
+from lilo.engine.commands import Kind
+from lilo.engine.engine import Engine
+from lilo.engine.window import PASS_SMOOTHING, THINKS_KEPT, WINDOW_SHARE_OF_PASS, Expected, Rhythm, awaited, window_s
+from test_engine import Recorder, RecordingBackend, command
+
+
+@pytest.mark.parametrize(("pass_s", "cap_s", "expected"), [
+    (None, 0.05, 0.0),  # no pass of this kind ran yet: nothing to size a window by
+    (0.1, 0.05, WINDOW_SHARE_OF_PASS * 0.1),  # a share of the pass
+    (1.0, 0.05, 0.05),  # never beyond the cap
+    (1.0, 0.0, 0.0),  # the cap 0 turns it off
+])
+def test_the_window_is_a_share_of_the_pass_and_never_beyond_the_cap(pass_s, cap_s, expected):
+    assert window_s(pass_s, cap_s) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("expected", "room", "waited"), [
+    (Expected(due_s=10.01, think_s=0.01, tokens=100), 1000, True),  # due inside the window (to 10.02)
+    (Expected(due_s=10.05, think_s=0.05, tokens=100), 1000, False),  # due after the window closes
+    (None, 1000, False),  # never sent this kind after going idle: no rhythm yet
+    (Expected(due_s=9.99, think_s=0.02, tokens=100), 1000, True),  # 10 ms late, within its 20 ms think time
+    (Expected(due_s=9.9, think_s=0.02, tokens=100), 1000, False),  # later than its think time again: it stopped
+    (Expected(due_s=9.99, think_s=0.0, tokens=100), 1000, False),  # it always sent at once, and has not
+    (Expected(due_s=10.01, think_s=0.01, tokens=2000), 1000, False),  # its step would not fit the budget
+    (Expected(due_s=10.01, think_s=0.01, tokens=2000), None, True),  # optim_step: no token budget
+])
+def test_only_idle_models_in_rhythm_due_within_the_window_that_fit_are_awaited(expected, room, waited):
+    assert awaited({"b": expected}, now_s=10.0, deadline_s=10.02, room_tokens=room) == (["b"] if waited else [])
+
+
+def test_the_rhythm_is_the_median_think_time_so_one_pause_does_not_throw_it_off():
+    rhythm = Rhythm()
+    for think in (0.010, 0.012, 30.0, 0.011):  # the third step came after a 30 s evaluation
+        rhythm.learn("a", Kind.FORWARD_BACKWARD, think, tokens=64)
+    assert rhythm.expected("a", Kind.FORWARD_BACKWARD, idle_since_s=5.0) == Expected(
+        due_s=pytest.approx(5.0115), think_s=pytest.approx(0.0115), tokens=64)
+    for think in range(THINKS_KEPT):  # it keeps only the latest: a lasting change of rhythm is learnt
+        rhythm.learn("a", Kind.FORWARD_BACKWARD, 1.0, tokens=64)
+    assert rhythm.expected("a", Kind.FORWARD_BACKWARD, idle_since_s=5.0).think_s == 1.0
+    rhythm.learn("a", Kind.SAMPLE, 0.01, tokens=64)  # samples have no window
+    assert rhythm.expected("a", Kind.SAMPLE, idle_since_s=5.0) is None
+    rhythm.forget("a")
+    assert rhythm.expected("a", Kind.FORWARD_BACKWARD, idle_since_s=5.0) is None
+
+
+def test_the_pass_duration_is_a_moving_average():
+    rhythm = Rhythm()
+    assert rhythm.pass_s(Kind.FORWARD_BACKWARD) is None
+    rhythm.passed(Kind.FORWARD_BACKWARD, 0.2)
+    rhythm.passed(Kind.FORWARD_BACKWARD, 0.3)
+    assert rhythm.pass_s(Kind.FORWARD_BACKWARD) == pytest.approx(0.2 + PASS_SMOOTHING * 0.1)
+
+
+class SlowBackend(RecordingBackend):
+    """Passes that take real time, as a model's would, so the window has a pass duration to be a share of."""
+
+    def __init__(self, pass_s: float) -> None:
+        super().__init__()
+        self.pass_s = pass_s
+
+    def _batch(self, name, commands):
+        time.sleep(self.pass_s)
+        return super()._batch(name, commands)
+
+
+def lockstep(engine, models, steps, lag_s, first=1):
+    """Each model a client thread: submit its step, wait for its result, submit the next, ``steps`` times from seq
+    ``first``; each round starts together, the i-th client ``i * lag_s`` behind the first."""
+    rounds = threading.Barrier(len(models))
+
+    def client(i, model):
+        for seq in range(first, first + steps):
+            rounds.wait(timeout=30)
+            time.sleep(i * lag_s)
+            engine.submit(command(model, seq)).result(timeout=30)
+
+    threads = [threading.Thread(target=client, args=(i, m)) for i, m in enumerate(models)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+
+def passes(backend):
+    return [ids for name, ids in backend.calls if name == "forward_backward"]
+
+
+def windows(recorder):
+    return [event for event in recorder.events if event[0] == "span" and event[1].startswith("coalesce_wait:")]
+
+
+def test_lockstep_clients_a_few_ms_apart_share_every_pass_once_in_rhythm():
+    backend, recorder = SlowBackend(pass_s=0.2), Recorder()
+    engine = Engine(backend, recorder)
+    for model in "abc":
+        engine.create_model(model, spec={"rank": 8}).result(timeout=10)
+    lockstep(engine, "abc", steps=8, lag_s=0.005)
+    # Step 1 teaches the engine the pass duration, step 2 each model's think time; from then on one pass a round.
+    assert all(len(ids) == 3 for ids in passes(backend)[-4:]), passes(backend)
+    assert windows(recorder)
+    engine.stop()
+
+
+def test_without_the_window_lockstep_clients_split_their_passes():
+    backend = SlowBackend(pass_s=0.2)
+    engine = Engine(backend, window_cap_ms=0)
+    for model in "abc":
+        engine.create_model(model, spec={"rank": 8}).result(timeout=10)
+    lockstep(engine, "abc", steps=5, lag_s=0.005)
+    assert any(len(ids) < 3 for ids in passes(backend)[-3:]), passes(backend)
+    engine.stop()
+
+
+def test_a_lone_client_never_waits():
+    backend, recorder = SlowBackend(pass_s=0.02), Recorder()
+    engine = Engine(backend, recorder)
+    engine.create_model("a", spec={"rank": 8}).result(timeout=10)
+    lockstep(engine, "a", steps=6, lag_s=0.0)
+    assert len(passes(backend)) == 6 and windows(recorder) == []
+    engine.stop()
+
+
+def test_a_client_that_stopped_is_waited_for_at_most_once_and_never_holds_the_others():
+    backend, recorder = SlowBackend(pass_s=0.2), Recorder()
+    engine = Engine(backend, recorder)
+    for model in "ab":
+        engine.create_model(model, spec={"rank": 8}).result(timeout=10)
+    lockstep(engine, "ab", steps=4, lag_s=0.005)
+    held = len(windows(recorder))
+    lockstep(engine, "a", steps=4, lag_s=0.0, first=5)  # b stopped: a steps on alone
+    # After b's last step a's next pass may still wait once (b was due), never again.
+    assert len(windows(recorder)) - held <= 1
+    assert passes(backend)[-3:] == [["a:6"], ["a:7"], ["a:8"]]
+    engine.stop()
