@@ -40,6 +40,7 @@ from lilo.backend.paging import page_file_wins
 from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
+from lilo.engine.window import DEFAULT_WINDOW_CAP_MS
 from lilo.errors import NotFoundError, UnavailableError, failure_category
 from lilo.futures.sequences import RecordedSample
 from lilo.futures.store import Completion
@@ -79,13 +80,17 @@ class TrainerConfig:
     host_adapter_mb: int | None = 0
     disk_adapter_gb: float = 0.0
     page_dir: Path | None = None
+    # Padded tokens per pass (None: sized from the device's free memory) and the coalescing window's cap.
+    max_batch_tokens: int | None = None
+    coalesce_window_ms: float = DEFAULT_WINDOW_CAP_MS
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TrainerConfig:
         return cls(max_adapters=settings.max_adapters, max_rank=settings.max_rank,
                    sampler_slots=settings.sampler_slots, device=settings.device, compute_nice=settings.compute_nice,
                    checkpoint_dir=settings.home / "checkpoints", host_adapter_mb=settings.host_adapter_mb,
-                   disk_adapter_gb=settings.disk_adapter_gb, page_dir=settings.home / "pages")
+                   disk_adapter_gb=settings.disk_adapter_gb, page_dir=settings.home / "pages",
+                   max_batch_tokens=settings.max_batch_tokens, coalesce_window_ms=settings.coalesce_window_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +133,7 @@ class TrainerActor:
         try:
             # Torch is imported here, not with this module: Ray imports this module in every process that holds a
             # trainer's handle (the API replicas, the recovery actor), and those need no torch.
+            from lilo.backend.batch_tokens import size_batch_tokens
             from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
             from lilo.backend.paging import host_adapter_bytes
             from lilo.backend.torch_backend import TorchBackend
@@ -140,7 +146,12 @@ class TrainerActor:
                                    host_adapter_bytes=host_adapter_bytes(config.host_adapter_mb),
                                    disk_adapter_bytes=int(config.disk_adapter_gb * 2**30),
                                    page_dir=config.page_dir / self.name if config.page_dir else None)
-            engine = Engine(backend, start=False)
+            # Sized once the model and its slots are in: what is free then is what a pass's activations may use.
+            backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(backend.model, backend.device)
+            logger.info("%s: passes of at most %d padded tokens%s", self.name, backend.max_batch_tokens,
+                        "" if config.max_batch_tokens else " (sized from the device's free memory)")
+            engine = Engine(backend, token_budget=backend.max_batch_tokens,
+                            window_cap_ms=config.coalesce_window_ms, start=False)
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
             publisher = TimingPublisher(engine.timings, self.name, get_timing_actor()).start()

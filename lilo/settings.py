@@ -54,6 +54,13 @@ class Settings:
     samplers: float = 0.0
     # The adapters a vLLM sampler holds loaded at once (its LoRA slots); the least recently used gives way.
     sampler_max_loras: int = 8
+    # Padded tokens one forward/backward pass holds: commands of several models coalesce into a pass up to this, and
+    # a larger request runs as micro-batches of at most this. None: sized by each trainer from its device's free
+    # memory and its base model (lilo.backend.batch_tokens).
+    max_batch_tokens: int | None = None
+    # The longest a pass that could start waits for the next commands of models stepping in rhythm with it
+    # (lilo.engine.window; also never more than a quarter of the pass). 0: no window, every pass starts at once.
+    coalesce_window_ms: float = 50.0
     # Where a trainer's models beyond its slots wait, whole (weights, optimizer state, step): host memory, MB per
     # trainer (None: a sixteenth of its node's memory; pinned under CUDA), then disk under the home, GB per trainer.
     # A model comes back into a slot before its next command; create_model is refused only when all are full.
@@ -161,6 +168,11 @@ class Settings:
                                 f"a whole number (samplers per base model, a GPU each), got {self.samplers:g}.")
         if self.sampler_max_loras < 1:
             raise SettingsError(f"--sampler-max-loras must be at least 1, got {self.sampler_max_loras}.")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise SettingsError(f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}; leave it out to "
+                                "size it from each trainer's memory.")
+        if self.coalesce_window_ms < 0:
+            raise SettingsError(f"--coalesce-window-ms must be 0 (no window) or more, got {self.coalesce_window_ms:g}.")
         if self.host_adapter_mb is not None and self.host_adapter_mb < 0:
             raise SettingsError(f"--host-adapter-mb must be 0 (no host tier) or more, got {self.host_adapter_mb}.")
         if self.disk_adapter_gb < 0:
@@ -230,6 +242,8 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_SAMPLER_SLOTS": ("sampler_slots", int),
     "LILO_SAMPLERS": ("samplers", float),
     "LILO_SAMPLER_MAX_LORAS": ("sampler_max_loras", int),
+    "LILO_MAX_BATCH_TOKENS": ("max_batch_tokens", int),
+    "LILO_COALESCE_WINDOW_MS": ("coalesce_window_ms", float),
     "LILO_HOST_ADAPTER_MB": ("host_adapter_mb", int),
     "LILO_DISK_ADAPTER_GB": ("disk_adapter_gb", float),
     "LILO_RAY_ADDRESS": ("ray_address", str),

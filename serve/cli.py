@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
                          "trainer on F of its GPU, a whole number N that many per base model")
     up.add_argument("--sampler-max-loras", type=int,
                     help="adapters each vLLM sampler holds loaded at once (default 8)")
+    up.add_argument("--max-batch-tokens", type=int,
+                    help="padded tokens per forward/backward pass, the coalescing budget and the micro-batch size "
+                         "(default: sized by each trainer from its device's free memory and the base model)")
+    up.add_argument("--coalesce-window-ms", type=float,
+                    help="longest a pass waits for the next steps of clients stepping in rhythm with it, never more "
+                         "than a quarter of the pass; 0: none (default 50)")
     up.add_argument("--host-adapter-mb", type=int,
                     help="host memory per trainer for models paged out of their slots (default: 1/16 of the node's)")
     up.add_argument("--disk-adapter-gb", type=float,
@@ -138,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
-              "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "host_adapter_mb", "disk_adapter_gb",
+              "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "max_batch_tokens", "coalesce_window_ms",
+              "host_adapter_mb", "disk_adapter_gb",
               "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",

@@ -129,3 +129,15 @@ def test_paging_tiers_come_from_the_environment_or_a_flag_and_may_be_zero():
         load_settings(env={}, host_adapter_mb=-1)
     with pytest.raises(SettingsError, match="--disk-adapter-gb must be 0"):
         load_settings(env={}, disk_adapter_gb=-1)
+
+
+def test_the_pass_budget_and_the_coalescing_window_come_from_the_environment_or_a_flag():
+    settings = load_settings(env={})
+    assert (settings.max_batch_tokens, settings.coalesce_window_ms) == (None, 50.0)  # None: sized per trainer
+    settings = load_settings(env={"LILO_MAX_BATCH_TOKENS": "4096", "LILO_COALESCE_WINDOW_MS": "0"})
+    assert (settings.max_batch_tokens, settings.coalesce_window_ms) == (4096, 0.0)
+    assert load_settings(env={"LILO_MAX_BATCH_TOKENS": "4096"}, max_batch_tokens=512).max_batch_tokens == 512
+    with pytest.raises(SettingsError, match="--max-batch-tokens must be at least 1, got 0; leave it out"):
+        load_settings(env={}, max_batch_tokens=0)
+    with pytest.raises(SettingsError, match=r"--coalesce-window-ms must be 0 \(no window\) or more, got -5"):
+        load_settings(env={}, coalesce_window_ms=-5)

@@ -1,0 +1,39 @@
+"""The default pass budget: activations per token from the model's shape, the budget from the free memory."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lilo.backend.batch_tokens import (
+    MAX_BATCH_TOKENS, MIN_BATCH_TOKENS, activation_bytes_per_token, budget_tokens, size_batch_tokens,
+)
+from lilo.backend.models import TINY_LLAMA
+
+SMOLLM2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152)
+
+
+def test_activations_per_token_follow_the_models_shape():
+    # Measured on the CPU (fp32): SmolLM2-135M peaks at 2.35-2.42 MB a token; the estimate must not be far below.
+    assert 2.3e6 <= activation_bytes_per_token(SMOLLM2, dtype_bytes=4) <= 2.8e6
+    bf16, fp32 = (activation_bytes_per_token(SMOLLM2, size) for size in (2, 4))
+    assert fp32 / 2 < bf16 < fp32  # the layers' activations halve; the fp32 logits do not
+
+
+@pytest.mark.parametrize(("free_gb", "per_token_mb", "device", "expected"), [
+    (16, 2.5, "cpu", 1024),  # SmolLM2 on this machine: a quarter of 16 GB at 2.5 MB a token
+    (16, 0.125, "cpu", MAX_BATCH_TOKENS["cpu"]),  # a tiny model: the CPU ceiling, not the memory, binds
+    (100, 2.5, "cuda", 16384),  # SmolLM2 on an H200's free memory, in bf16 or not: many times the CPU's
+    (1, 10.0, "cuda", MIN_BATCH_TOKENS),  # nearly full: the floor, so a pass can still run
+    (1000, 0.01, "cuda", MAX_BATCH_TOKENS["cuda"]),
+])
+def test_the_budget_is_the_largest_power_of_two_that_fits_the_devices_share(free_gb, per_token_mb, device,
+                                                                            expected):
+    assert budget_tokens(int(free_gb * 2**30), int(per_token_mb * 2**20), device) == expected
+
+
+def test_a_loaded_model_on_the_cpu_gets_a_budget_within_the_bounds():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    assert MIN_BATCH_TOKENS <= size_batch_tokens(model, torch.device("cpu")) <= MAX_BATCH_TOKENS["cpu"]
