@@ -13,18 +13,26 @@ optim_step, and stops the cluster. Per K:
   same steps;
 - ``fairness``: most steps any client completed over fewest;
 - ``mean_batch``: how many clients' forward_backward shared one execution (median over the clients);
+- ``coalesce_wait_ms``: the mean time a forward_backward spent in its pass's coalescing window (median over the
+  clients; ``lilo.engine.window``);
 - ``cpu_cores``: CPU seconds per second in the window, per part: the trainers, the ingress replica (which serves
   the HTTP port itself), Serve's proxy (idle: no request goes through it), the futures DB actor, the rest of Ray,
   and the clients (this process). On a small machine the clients and the service share the cores the trainer
   computes on; this says how.
-Prints one JSON line:
-{"bench": "service", "model": .., "results": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
- "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "cpu_cores": {"trainer": .., ...}}, ...]}
+Each ``--windows`` value (``--coalesce-window-ms`` of its own cluster; 0: no window) runs every K, the clusters up
+together and taking turns per K, so both see the same machine. ``ceiling``: the engine alone in this process (no
+service, one torch thread as a trainer has), one adapter and K adapters coalesced at the largest K; ``of_ceiling``:
+each window's largest-K ``tok_s`` over that ceiling. Prints one JSON line:
+{"bench": "service", "model": .., "windows": {"50": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
+ "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "coalesce_wait_ms": .., "cpu_cores": {"trainer": .., ...}},
+ ...], "0": [...]}, "ceiling": {"clients": K, "one_tok_s": .., "coalesced_tok_s": ..}, "of_ceiling": {"50": ..},
+ "step_p50_ratio_1_client": .. (the first window's over the last's)}
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import threading
@@ -66,16 +74,18 @@ def client_loop(service, base_model: str, rows: int, seq: int, vocab: int, ready
     out["steps"] = steps
 
 
-def trainer_side(base_url: str, model_id: str) -> tuple[float, float]:
+def trainer_side(base_url: str, model_id: str) -> tuple[float, float, float]:
     """Since this reader's last read: seconds the trainer spent on this model's steps (executing them, or running
-    other models' work while its forward_backward waited), and how many commands shared its forward_backward
-    executions on average."""
+    other models' work while its forward_backward waited), how many commands shared its forward_backward
+    executions on average, and its forward_backwards' mean coalescing wait."""
     from lilo.timing import critical_path_metrics
 
     metrics = critical_path_metrics(model_id, base_url=base_url, api_key=API_KEY, reset=True, reader=READER)
     busy = sum(metrics.get(f"lilo/{phase}.total_s", 0.0) for phase in (
         "forward_backward.execute", "forward_backward.queue_wait_others", "optim_step.execute"))
-    return busy, metrics.get("lilo/forward_backward.execute.mean_batch", 0.0)
+    passes = metrics.get("lilo/forward_backward.execute.count", 0.0)
+    window_s = metrics.get("lilo/forward_backward.coalesce_wait.total_s", 0.0) / max(passes, 1)
+    return busy, metrics.get("lilo/forward_backward.execute.mean_batch", 0.0), window_s
 
 
 def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
@@ -104,7 +114,7 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
     steps = [out["steps"] for out in outs]
     all_steps = np.array([s for client in steps for s in client])
     trainer = [trainer_side(base_url, out["model_id"]) for out in outs]
-    overhead = [(sum(out["steps"]) - busy) / max(len(out["steps"]), 1) / 2 for (busy, _), out in zip(trainer, outs)]
+    overhead = [(sum(out["steps"]) - busy) / max(len(out["steps"]), 1) / 2 for (busy, _, _), out in zip(trainer, outs)]
     for service in services:
         service.close("success").result()
     step_p50 = float(np.percentile(all_steps, 50))
@@ -115,15 +125,37 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
         "step_p99_ms": round(float(np.percentile(all_steps, 99)) * 1e3, 1),
         "overhead_p50_ms": round(float(np.median(overhead)) * 1e3, 1),
         "fairness": round(max(len(s) for s in steps) / max(min(len(s) for s in steps), 1), 2),
-        "mean_batch": round(float(np.median([batch for _, batch in trainer])), 2),
+        "mean_batch": round(float(np.median([batch for _, batch, _ in trainer])), 2),
+        "coalesce_wait_ms": round(float(np.median([wait for _, _, wait in trainer])) * 1e3, 1),
         "cpu_cores": cores,
     }
+
+
+def engine_ceiling(clients: int, rows: int, seq: int) -> dict:
+    """Tokens/s of the engine alone on the tiny model, one torch thread as a trainer has: one adapter, and
+    ``clients`` adapters coalesced (``bench_coalesce``'s measure)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from bench_coalesce import engine_tok_s
+    from lilo.backend.models import build_tiny_llama, load_base_model
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as directory:
+        base = load_base_model(build_tiny_llama(Path(directory) / "tiny"))
+    one = max(engine_tok_s(base, 1, rows, seq, steps=7, coalesce=True) for _ in range(2))
+    coalesced = max(engine_tok_s(base, clients, rows, seq, steps=7, coalesce=True) for _ in range(2))
+    return {"clients": clients, "one_tok_s": round(one, 1), "coalesced_tok_s": round(coalesced, 1)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--windows", default="50,0",
+                        help="--coalesce-window-ms of each cluster compared (0: no window)")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
@@ -131,18 +163,33 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
     base_model = MODELS[args.model]
-    with private_cluster(base_model, args.port) as home:
+    counts = [int(k) for k in args.clients.split(",")]
+    windows = args.windows.split(",")
+    ceiling = engine_ceiling(max(counts), args.rows, args.seq) if args.model == "tiny" else None
+    with contextlib.ExitStack() as clusters:
+        homes = [clusters.enter_context(private_cluster(base_model, args.port + 2 * i, "--coalesce-window-ms", w))
+                 for i, w in enumerate(windows)]
         from lilo.backend.models import model_directory
 
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_directory(base_model)).vocab_size
-        base_url = f"http://127.0.0.1:{args.port}"
-        cpu = CpuSplit(home)
-        results = [run(base_url, base_model, int(k), args.seconds, args.rows, args.seq, vocab, cpu)
-                   for k in args.clients.split(",")]
-    print(json.dumps({"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq,
-                      "seconds": args.seconds, "results": results}))
+        results: dict[str, list] = {w: [] for w in windows}
+        for k in counts:
+            for i, (window, home) in enumerate(zip(windows, homes)):
+                base_url = f"http://127.0.0.1:{args.port + 2 * i}"
+                results[window].append(run(base_url, base_model, k, args.seconds, args.rows, args.seq, vocab,
+                                           CpuSplit(home)))
+    line = {"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq, "seconds": args.seconds,
+            "windows": results}
+    if ceiling is not None:
+        line["ceiling"] = ceiling
+        line["of_ceiling"] = {w: round(runs[-1]["tok_s"] / ceiling["coalesced_tok_s"], 3)
+                              for w, runs in results.items()}
+    if len(windows) > 1 and counts[0] == 1:
+        line["step_p50_ratio_1_client"] = round(results[windows[0]][0]["step_p50_ms"]
+                                                / results[windows[-1]][0]["step_p50_ms"], 3)
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

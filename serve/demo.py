@@ -128,10 +128,12 @@ def time_table(base_url: str, model_ids: dict[str, str]) -> str:
 
 def render_time_table(metrics_by_name: dict[str, dict[str, float]]) -> str:
     """Per model (its flattened ``lilo/...`` timing): the forward_backward execute time, its queue wait split,
-    the time its commands waited for it to be paged back into a slot and for others to be paged out to make room
+    its wait in coalescing windows (``forward_backward.coalesce_wait``: held for other clients' steps), the time its
+    commands waited for it to be paged back into a slot and for others to be paged out to make room
     (``<kind>.page_in`` / ``<kind>.page_out`` summed over its commands' kinds: 0 while every model has a slot), and
     how many commands shared a pass."""
-    lines = [f"{'model':<8} {'execute s':>10} {'wait self':>10} {'others':>10} {'idle':>10} {'page in':>10} "
+    lines = [f"{'model':<8} {'execute s':>10} {'wait self':>10} {'others':>10} {'idle':>10} {'window':>10} "
+             f"{'page in':>10} "
              f"{'page out':>10} {'mean batch':>11}"]
     phase = "lilo/forward_backward"
     for name, metrics in metrics_by_name.items():
@@ -139,6 +141,7 @@ def render_time_table(metrics_by_name: dict[str, dict[str, float]]) -> str:
                      f"{metrics.get(f'{phase}.queue_wait_self.total_s', 0.0):10.2f} "
                      f"{metrics.get(f'{phase}.queue_wait_others.total_s', 0.0):10.2f} "
                      f"{metrics.get(f'{phase}.queue_wait_idle.total_s', 0.0):10.2f} "
+                     f"{metrics.get(f'{phase}.coalesce_wait.total_s', 0.0):10.2f} "
                      f"{paging_seconds(metrics, 'page_in'):10.2f} {paging_seconds(metrics, 'page_out'):10.2f} "
                      f"{metrics.get(f'{phase}.execute.mean_batch', 0.0):11.2f}")
     return "\n".join(lines)
