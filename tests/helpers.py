@@ -1,4 +1,4 @@
-"""Shared test helpers: run the real `lilo` console script, pick free loopback ports, inspect a cluster."""
+"""Shared test helpers: run the real `lilo` console script, inspect a cluster (free ports: cluster.ports)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import contextlib
 import os
 import pkgutil
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,17 +18,13 @@ import httpx
 import numpy as np
 import psutil
 
+from cluster.ports import free_ports
+
 LILO = str(Path(sys.executable).parent / "lilo")
 LOOPBACK_IPS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 # The key the tests' own requests carry (the session cluster's keys file makes it the tenant "local").
 API_KEY = "tml-local-test"
 AUTH = {"X-API-Key": API_KEY}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def short_home() -> Path:
@@ -142,8 +137,12 @@ def ray_test_cluster(head_cpus: int) -> Iterator:
     before = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = str(temp_dir)
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0,
-                                                                "temp_dir": str(temp_dir)})
+        # The head's dashboard and dashboard agent would take Ray's fixed defaults (8265, 52365), which another
+        # cluster on this machine may hold; its other servers bind port 0.
+        dashboard_port, agent_port = free_ports(2)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "num_gpus": 0, "temp_dir": str(temp_dir), "dashboard_port": dashboard_port,
+            "dashboard_agent_listen_port": agent_port})
     finally:
         if before is None:
             os.environ.pop("RAY_TMPDIR")

@@ -30,7 +30,8 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import free_port, lilo, ray_test_cluster, short_home
+from cluster.ports import free_ports
+from helpers import lilo, ray_test_cluster, short_home
 
 TINY = "lilo/tiny-llama"
 # Adapter slots per trainer, and no host or disk tier to page to: two models fill one (with paging tiers, a trainer
@@ -85,9 +86,9 @@ def trainers_on(trainers: list[dict], node) -> list[dict]:
 @pytest.fixture(scope="module")
 def service():
     with ray_test_cluster(head_cpus=4) as cluster:
-        home, port = short_home(), free_port()
+        home, (port, dashboard_port) = short_home(), free_ports(2)
         started = lilo("up", "--detach", "--address", cluster.address, "--home", str(home), "--port", str(port),
-                       "--dashboard-port", str(free_port()), "--follow-gpus", "--device", "cpu", "--base-model",
+                       "--dashboard-port", str(dashboard_port), "--follow-gpus", "--device", "cpu", "--base-model",
                        TINY, "--max-adapters", str(SLOTS), "--sampler-slots", "0", "--host-adapter-mb", "0",
                        "--disk-adapter-gb", "0", "--min-trainers", "1",
                        "--max-trainers", "3", "--trainer-idle-timeout", str(IDLE_TIMEOUT_S), "--trainer-wait",

@@ -15,7 +15,8 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import free_port, lilo, ray_test_cluster, short_home
+from cluster.ports import free_ports
+from helpers import lilo, ray_test_cluster, short_home
 
 TINY = "lilo/tiny-llama"
 
@@ -83,9 +84,9 @@ def two_node_cluster():
 
 def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_after_a_node_leaves(two_node_cluster):
     two_node_cluster, worker = two_node_cluster
-    home, port = short_home(), free_port()
+    home, (port, dashboard_port) = short_home(), free_ports(2)
     started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
-                   str(port), "--dashboard-port", str(free_port()), "--trainers", "2", "--base-model", TINY)
+                   str(port), "--dashboard-port", str(dashboard_port), "--trainers", "2", "--base-model", TINY)
     assert started.returncode == 0, started.stdout + started.stderr
     try:
         with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-local-test") as service:
