@@ -9,8 +9,8 @@ from cluster.scaling import (
 MODELS = ("tiny", "small")
 
 
-def seat(name, model="tiny", node="n1", ready=True, models=0, idle_since=None):
-    return Seat(name, model, node, ready, models, idle_since)
+def seat(name, model="tiny", node="n1", ready=True, models=0, idle_since=None, gpu=True):
+    return Seat(name, model, node, ready, models, idle_since, gpu)
 
 
 def test_a_joined_node_gets_one_trainer_per_gpu_with_base_models_dealt_in_turn():
@@ -60,6 +60,25 @@ def test_releases_never_go_below_the_minimum():
     seats = [seat("t0", idle_since=0), seat("t1", idle_since=0), seat("t2", idle_since=0)]
     assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=2) == ["t0"]
     assert trainers_to_release(seats, now=100, idle_timeout_s=0, min_trainers=0) == []
+
+
+def test_an_idle_cpu_trainer_is_let_go_once_a_gpu_trainer_serves_its_base_model_whatever_the_minimum():
+    seats = [seat("cpu", node="head", idle_since=0, gpu=False), seat("gpu", models=2)]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=2) == ["cpu"]
+
+
+@pytest.mark.parametrize("gpu_trainer", [
+    seat("gpu", "small", models=1),  # of another base model: the CPU trainer still takes this one's new models
+    seat("gpu", ready=False),  # still starting: it serves nothing yet
+], ids=["other-base-model", "starting"])
+def test_an_idle_cpu_trainer_stays_while_no_ready_gpu_trainer_serves_its_base_model(gpu_trainer):
+    seats = [seat("cpu", node="head", idle_since=0, gpu=False), gpu_trainer]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=0) == []
+
+
+def test_cpu_trainers_do_not_count_toward_the_minimum_of_gpu_trainers():
+    seats = [seat("cpu", node="head", models=1, gpu=False), seat("g0", idle_since=0), seat("g1", idle_since=10)]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=1) == ["g0"]
 
 
 def test_a_ray_up_config_with_a_gpu_worker_type_is_a_gpu_cluster():
