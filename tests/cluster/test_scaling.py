@@ -1,10 +1,13 @@
-"""How many trainers, and where, is a pure function of the GPU nodes, the trainers known and the clock."""
+"""How many trainers, and where, is a pure function of the GPU nodes, the trainers known and the clock; whether they
+follow the GPUs, of the settings."""
 
 import pytest
 
 from cluster.scaling import (
     GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, trainers_to_start,
 )
+from cluster.reconciler import follows_gpus
+from lilo.settings import load_settings
 
 MODELS = ("tiny", "small")
 
@@ -87,3 +90,15 @@ def test_a_ray_up_config_with_a_gpu_worker_type_is_a_gpu_cluster():
     assert config_has_gpu_workers(config)
     config["available_node_types"]["gpu_worker"]["resources"] = {}
     assert not config_has_gpu_workers(config)
+
+
+@pytest.mark.parametrize(("given", "follows"), [
+    ({"ray_address": "10.0.0.1:6379"}, True),  # GPU nodes may join it later, by hand or by the autoscaler
+    ({}, False),  # a private head has this machine's GPUs only
+    ({"ray_address": "auto", "trainers": 2}, False),
+    ({"ray_address": "auto", "samplers": 2}, False),  # samplers of a GPU each: a fixed layout
+    ({"ray_address": "auto", "samplers": 0.3}, True),
+    ({"ray_address": "auto", "follow_gpus": False}, False),
+])
+def test_trainers_follow_the_gpus_on_an_existing_cluster_unless_the_layout_is_fixed(given, follows):
+    assert follows_gpus(load_settings(env={}, **given)) is follows
