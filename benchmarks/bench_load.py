@@ -223,7 +223,7 @@ def main() -> None:
         from cluster.local import NAMESPACE, connect_driver
         from lilo.settings import load_settings
 
-        connect_driver(load_settings(home=home, http_port=args.port, dashboard_port=args.port + 1))
+        connect_driver(load_settings(home=home))
         futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
         result = asyncio.run(run(f"http://127.0.0.1:{args.port}", futures, args.clients, args.waiters, args.seconds,
                                  args.drain_s))

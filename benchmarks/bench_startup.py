@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 from cluster.local import cluster_processes, prepare_environment, read_state
+from cluster.ports import free_ports
 from lilo.backend.registry import DEFAULT_BASE_MODEL
 from lilo.settings import load_settings
 from serve.deploy import healthz
@@ -24,15 +24,10 @@ from serve.deploy import healthz
 LILO = str(Path(sys.executable).parent / "lilo")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def measure(num_cpus: int | None, base_model: str) -> dict:
     home = Path(tempfile.mkdtemp(prefix="lilo-b-", dir="/tmp"))
-    settings = load_settings(env={}, home=home, http_port=free_port(), dashboard_port=free_port(), num_cpus=num_cpus)
+    http_port, dashboard_port = free_ports(2)
+    settings = load_settings(env={}, home=home, http_port=http_port, dashboard_port=dashboard_port, num_cpus=num_cpus)
     args = ["--home", str(home), "--port", str(settings.http_port), "--dashboard-port", str(settings.dashboard_port),
             "--base-model", base_model]
     if num_cpus is not None:

@@ -64,8 +64,14 @@ async def models_placed(futures: ActorHandle) -> dict[str, int]:
 
 
 def free_slots(facts: Mapping[str, dict], base_model: str) -> dict[str, Room]:
-    """The room of each trainer serving ``base_model``, per tier (``TrainerActor.ready``'s ``room``)."""
-    return {name: Room(**info["room"]) for name, info in facts.items() if info["base_model"] == base_model}
+    """The room, per tier (``TrainerActor.ready``'s ``room``), of each trainer a model of ``base_model`` may go to:
+    those serving it, and of those only the ones holding a GPU once any does. A CPU trainer (started before any
+    GPU node joined the cluster) keeps training the models it holds, takes no new one, and is let go once idle
+    (``cluster.scaling.trainers_to_release``)."""
+    serving = {name: info for name, info in facts.items() if info["base_model"] == base_model}
+    if any(info["gpu"] for info in serving.values()):
+        serving = {name: info for name, info in serving.items() if info["gpu"]}
+    return {name: Room(**info["room"]) for name, info in serving.items()}
 
 
 def choose_trainer(room: Mapping[str, Room], models_placed: Mapping[str, int]) -> str:

@@ -17,8 +17,14 @@ Following the GPUs (``Settings.follow_gpus``), every ``RECONCILE_EVERY_S`` it al
    the registry, and is stopped ``RELEASE_GRACE_S`` later if still no model was placed on it meanwhile. Its GPU
    is left free (not refilled), so that the autoscaler can take the idle node back.
 
-Without following (CPU machines, or ``--trainers``) the trainers are those ``start_trainers`` started, as before.
-The decisions are the pure functions of ``cluster.scaling``.
+On an existing cluster (``--address``) the trainers follow the GPUs unless ``--trainers`` (or whole-GPU
+``--samplers``) fixes them. Where that cluster has no GPU yet and its `ray up` config brings none (GPU nodes, if
+any, are added by hand), the service also starts CPU trainers at deploy, as ``start_trainers`` does on a CPU
+machine, so that it trains at once: they keep the models they hold, new models go to GPU trainers once one serves
+their base model, and then each CPU trainer is let go once idle (``cluster.scaling.trainers_to_release``).
+
+Without following (a private head, or ``--trainers``) the trainers are those ``start_trainers`` started, as
+before. The decisions are the pure functions of ``cluster.scaling``.
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ class ReconcilerActor:
             where = await handle.describe.remote()
             if name not in self._handles:  # forgotten meanwhile (its node left)
                 return
-            self._place_seat(name, where["base_model"], where["node_id"])
+            self._place_seat(name, where["base_model"], where["node_id"], where["gpu"])
             if base_model is not None and self._config.sampler_share:  # one this reconciler started
                 self._start_sampler_beside(name, base_model, where["node_id"])
             info = await handle.ready.remote()
@@ -148,10 +154,10 @@ class ReconcilerActor:
             self._note("trainer_ready", name, self._seats[name].node_id)
             logger.warning("trainer %s is ready on node %s (%s)", name, info["node_id"], info["base_model"])
 
-    def _place_seat(self, name: str, base_model: str, node_id: str) -> None:
+    def _place_seat(self, name: str, base_model: str, node_id: str, gpu: bool) -> None:
         if name not in self._pinned and self._left_free.get(node_id, 0) > 0:
             self._left_free[node_id] -= 1  # a demanded trainer took a GPU an idle one had left free
-        self._seats[name] = Seat(name, base_model, node_id, ready=False)
+        self._seats[name] = Seat(name, base_model, node_id, ready=False, gpu=gpu)
 
     def _forget(self, name: str) -> None:
         for table in (self._seats, self._handles, self._free_slots):
@@ -251,13 +257,13 @@ class ReconcilerActor:
         if (await models_placed(self._futures)).get(name, 0) or name not in self._seats:
             self._releasing.discard(name)  # a model came meanwhile: it stays
             return
-        node_id = self._seats[name].node_id
+        seat = self._seats[name]
         logger.warning("trainer %s held no model for %.0f s; letting it go", name, self._config.idle_timeout_s)
         self._kill(name)
-        self._note("trainer_released", name, node_id)
+        self._note("trainer_released", name, seat.node_id)
         self._forget(name)
-        if node_id is not None:
-            self._left_free[node_id] = self._left_free.get(node_id, 0) + 1
+        if seat.gpu and seat.node_id is not None:
+            self._left_free[seat.node_id] = self._left_free.get(seat.node_id, 0) + 1
 
     async def _publish_counts(self, now: float) -> None:
         counts = self.counts()
@@ -306,7 +312,8 @@ class ReconcilerActor:
         return True
 
     async def status(self) -> dict[str, Any]:
-        """Per node, its trainers with their base model, state, models and free slots (``lilo status``)."""
+        """Per node, its trainers with their base model, state, whether each holds a GPU, models and free slots
+        (``lilo status``)."""
         await self._adopted.wait()
         nodes = {node["NodeID"]: node for node in await asyncio.to_thread(ray.nodes) if node.get("Alive")}
         sampling = dict(await asyncio.gather(*(self._sampling_of(name) for name in self.ready_names())))
@@ -315,8 +322,8 @@ class ReconcilerActor:
             state = ("leaving" if name in self._releasing else "pending" if seat.node_id is None
                      else "starting" if not seat.ready else "idle" if seat.models == 0 else "ready")
             node = nodes.get(seat.node_id or "", {})
-            trainers.append({"name": name, "base_model": seat.base_model, "state": state, "node_id": seat.node_id,
-                             "node_ip": node.get("NodeManagerAddress"), "models": seat.models,
+            trainers.append({"name": name, "base_model": seat.base_model, "state": state, "gpu": seat.gpu,
+                             "node_id": seat.node_id, "node_ip": node.get("NodeManagerAddress"), "models": seat.models,
                              "free_slots": self._free_slots.get(name), "sampling": sampling.get(name)})
         return {"follow_gpus": self._config.follow_gpus, "gpus": self._gpus, "counts": self.counts(),
                 "trainers": trainers}
@@ -356,18 +363,23 @@ def start_reconciler(config: ScalingConfig) -> ActorHandle:
 
 
 def follows_gpus(settings: Settings) -> bool:
-    """Whether the trainers follow the GPUs: as set, or, on an existing cluster (--address) without --trainers,
-    when it has GPUs now or its `ray up` config has GPU workers (they join after the head)."""
+    """Whether the trainers follow the GPUs: as set, else on an existing cluster (--address), whose GPU nodes may
+    come and go, unless --trainers or whole-GPU --samplers fix the layout."""
     if settings.follow_gpus is not None:
         return settings.follow_gpus
-    if settings.ray_address is None or settings.trainers is not None:
+    return settings.ray_address is not None and settings.trainers is None and settings.samplers < 1
+
+
+def starts_cpu_trainers(settings: Settings) -> bool:
+    """Whether a service that follows the GPUs by default (no --follow-gpus given) also starts CPU trainers at
+    deploy: its cluster has no GPU now and its `ray up` config has no GPU workers (which would join after the
+    head), so nothing would train until someone adds a GPU node by hand. --follow-gpus waits for GPU nodes."""
+    if settings.follow_gpus is not None or ray.cluster_resources().get("GPU", 0) > 0:
         return False
-    if ray.cluster_resources().get("GPU", 0) > 0:
-        return True
     try:
-        return config_has_gpu_workers(yaml.safe_load(RAY_UP_CONFIG.expanduser().read_text()) or {})
+        return not config_has_gpu_workers(yaml.safe_load(RAY_UP_CONFIG.expanduser().read_text()) or {})
     except (OSError, yaml.YAMLError):
-        return False
+        return True
 
 
 class TrainerDirectory:

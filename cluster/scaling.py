@@ -5,7 +5,8 @@ carries out the answers).
 - ``trainers_to_start``: one trainer per GPU on every node that has GPUs and no trainer for them, base models dealt
   out in turn (the fewest trainers first), as ``start_trainers`` deals them at deploy.
 - ``may_request_trainer``: one more trainer for a base model whose trainers are all full, up to the cap.
-- ``trainers_to_release``: trainers with no models for the idle timeout, never below the minimum.
+- ``trainers_to_release``: trainers with no models for the idle timeout, never below the minimum of GPU trainers; a
+  CPU trainer (started before any GPU joined) once a GPU trainer serves its base model.
 - ``config_has_gpu_workers``: whether a `ray up` config can bring GPU nodes (then no CPU trainer starts on the head).
 """
 
@@ -35,6 +36,8 @@ class Seat:
     models: int = 0
     # When it last held no model (None: it holds some, or is not ready yet).
     idle_since: float | None = None
+    # Whether it holds a GPU: False for a CPU trainer, started at deploy on a cluster that had no GPU yet.
+    gpu: bool = True
 
 
 def trainers_to_start(nodes: Sequence[GpuNode], seats: Sequence[Seat], base_models: Sequence[str],
@@ -64,13 +67,19 @@ def may_request_trainer(base_model: str, seats: Sequence[Seat], max_trainers: in
 
 
 def trainers_to_release(seats: Sequence[Seat], now: float, idle_timeout_s: float, min_trainers: int) -> list[str]:
-    """Ready trainers that held no model for ``idle_timeout_s`` (0: never), longest idle first, keeping at least
-    ``min_trainers`` trainers."""
+    """Ready trainers that held no model for ``idle_timeout_s`` (0: never), longest idle first: GPU trainers while
+    at least ``min_trainers`` GPU trainers stay, and CPU trainers (started at deploy on a cluster with no GPU yet)
+    once a GPU trainer of their base model is ready. From then on a CPU trainer takes no new model
+    (``cluster.placement.free_slots``), so it would never be used again; until then it is all that serves its base
+    model, and stays whatever the minimum."""
     if idle_timeout_s <= 0:
         return []
     idle = sorted((seat for seat in seats if seat.ready and seat.models == 0 and seat.idle_since is not None
                    and now - seat.idle_since >= idle_timeout_s), key=lambda seat: (seat.idle_since, seat.name))
-    return [seat.name for seat in idle[:max(0, len(seats) - min_trainers)]]
+    on_gpu = {seat.base_model for seat in seats if seat.gpu and seat.ready}
+    cpu = [seat.name for seat in idle if not seat.gpu and seat.base_model in on_gpu]
+    gpu = [seat.name for seat in idle if seat.gpu]
+    return cpu + gpu[:max(0, sum(seat.gpu for seat in seats) - min_trainers)]
 
 
 def config_has_gpu_workers(config: Mapping[str, Any]) -> bool:

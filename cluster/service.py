@@ -129,12 +129,13 @@ def supervise(settings: Settings, serve_app: Callable[[], ServeApp], progress: P
 def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None:
     """On the connected Ray cluster: the timing and futures DB actors (failing what a previous run left
     unfinished), the trainers, the reconciler (their registry), the recovery actor and the Serve application;
-    returns once the API answers. When the trainers follow the GPUs (``cluster.reconciler``), none is started here:
-    the reconciler starts them as GPU nodes join, and the API answers before the first is ready."""
+    returns once the API answers. When the trainers follow the GPUs (``cluster.reconciler``), the reconciler starts
+    them as GPU nodes join, and the API answers before the first is ready; only CPU trainers, on a cluster with no
+    GPU yet (``starts_cpu_trainers``), are started here."""
     import ray
 
     from cluster.futures_actor import get_futures_actor
-    from cluster.reconciler import follows_gpus, scaling_config, start_reconciler
+    from cluster.reconciler import follows_gpus, scaling_config, start_reconciler, starts_cpu_trainers
     from cluster.recovery import start_recovery
     from cluster.timing import get_timing_actor
     from cluster.trainer_actor import start_trainers
@@ -153,7 +154,10 @@ def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None
         progress(f"Trainers follow the cluster's GPUs ({gpus} so far): one per GPU as GPU nodes join, more on demand "
                  f"up to {settings.max_trainers}, idle ones let go after {settings.trainer_idle_timeout_s:.0f} s "
                  f"(never below {settings.min_trainers})")
-    else:
+    if not follow or starts_cpu_trainers(settings):
+        if follow:
+            progress("No GPU yet: CPU trainers serve meanwhile; once GPU trainers serve, new models go to them and "
+                     "each CPU trainer is let go once idle")
         seats = sampler_seats(settings)
         samplers = start_samplers(settings, seats, progress)
         progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")

@@ -187,10 +187,11 @@ class TrainerActor:
         """``function(checkpoint_dir, *args)``, off the event loop: the checkpoint files' reads and writes."""
         return await asyncio.to_thread(function, (await self._loaded()).backend.checkpoint_dir, *args)
 
-    async def describe(self) -> dict[str, str]:
-        """Its name, base model and node, at once (``ready`` waits for the base model to load): the reconciler
-        learns from this where Ray placed a trainer it started."""
-        return {"name": self.name, "base_model": self.base_model, "node_id": ray.get_runtime_context().get_node_id()}
+    async def describe(self) -> dict[str, Any]:
+        """Its name, base model, node and whether it holds a GPU, at once (``ready`` waits for the base model to
+        load): the reconciler learns from this where Ray placed a trainer it started."""
+        return {"name": self.name, "base_model": self.base_model, "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu": bool(ray.get_gpu_ids())}
 
     async def ready(self) -> dict[str, Any]:
         """Waits for the base model; says what this trainer serves."""
@@ -201,7 +202,7 @@ class TrainerActor:
         room = backend.room_by_tier()
         return {"name": self.name, "base_model": self.base_model, "free_slots": room.total, "room": room._asdict(),
                 "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(),
+                "gpu": bool(ray.get_gpu_ids()), "pid": os.getpid(),
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
 
     async def sampling(self) -> dict[str, Any]:

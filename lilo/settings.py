@@ -89,8 +89,9 @@ class Settings:
     api_keys: str | None = dataclasses.field(default=None, repr=False)
     api_keys_file: Path | None = None
     # Trainers follow the cluster's GPUs (cluster.reconciler): one per GPU on every GPU node, as nodes join; one
-    # more asked of the autoscaler when every trainer of a base model is full; idle ones let go. None: when the
-    # cluster (--address) has GPUs or its `ray up` config has GPU workers, and --trainers is not given.
+    # more asked of the autoscaler when every trainer of a base model is full; idle ones let go. None: on an
+    # existing cluster (--address) unless --trainers or whole-GPU --samplers fix the layout, with CPU trainers
+    # meanwhile while it has no GPU; True waits for GPU nodes instead.
     follow_gpus: bool | None = None
     # Following the GPUs: trainers never let go below this, and never asked for beyond that.
     min_trainers: int = 1

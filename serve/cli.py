@@ -93,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--follow-gpus", action=argparse.BooleanOptionalAction, default=None,
                     help="trainers follow the cluster's GPUs: one per GPU as GPU nodes join, more on demand, idle ones "
-                         "let go (default: on with --address when the cluster has GPUs or its `ray up` config has "
-                         "GPU workers, and --trainers is not given)")
+                         "let go (default: on with --address unless --trainers is given; on a cluster with no GPU "
+                         "yet, CPU trainers serve until GPU trainers do, which --follow-gpus given skips)")
     up.add_argument("--min-trainers", type=int,
                     help="following the GPUs: never let idle trainers go below this many (default 1)")
     up.add_argument("--max-trainers", type=int,
@@ -294,8 +294,8 @@ def _trainer_status(settings: Settings) -> dict | None:
 
 
 def trainer_lines(status: dict) -> list[str]:
-    """``lilo status``'s trainers: counts, then per node each trainer with its base model, state, models and
-    free adapter slots."""
+    """``lilo status``'s trainers: counts, then per node each trainer with its base model (and "on CPU" for one that
+    holds no GPU), state, models and free adapter slots."""
     counts = status["counts"]
     mode = "following the cluster's GPUs" if status["follow_gpus"] else "a fixed set"
     lines = [f"  Trainers:    {counts['ready']} ready ({counts['idle']} idle), {counts['starting']} starting, "
@@ -308,7 +308,8 @@ def trainer_lines(status: dict) -> list[str]:
         lines.append(f"    node {node}" + (f" ({node_id[:12]})" if node_id else ""))
         for trainer in trainers:
             slots = "" if trainer["free_slots"] is None else f", {trainer['free_slots']} free slot(s)"
-            lines.append(f"      {trainer['name']}: {trainer['base_model']}, {trainer['state']}, "
+            device = "" if trainer["gpu"] else " on CPU"
+            lines.append(f"      {trainer['name']}: {trainer['base_model']}{device}, {trainer['state']}, "
                          f"{trainer['models']} model(s){slots}{sampler_note(trainer.get('sampling'))}")
     return lines
 

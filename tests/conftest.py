@@ -16,7 +16,8 @@ prepare_environment()
 
 import pytest  # noqa: E402 (after prepare_environment, on purpose)
 
-from helpers import Clock, free_port, lilo, short_home  # noqa: E402
+from cluster.ports import free_ports  # noqa: E402
+from helpers import Clock, lilo, short_home  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402
 
 # The registered tiny model, and a second one served from a local directory (built in local_cluster): a tiny
@@ -56,7 +57,7 @@ def local_cluster() -> Iterator[RunningCluster]:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_directory())
     build_tiny_llama(TINY_DIRECTORY, seed=1, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(TINY_DIRECTORY)
-    cluster = RunningCluster(short_home(), free_port(), free_port(), BASE_MODELS)
+    cluster = RunningCluster(short_home(), *free_ports(2), BASE_MODELS)
     keys_file = cluster.home / "api-keys"
     keys_file.write_text(API_KEYS_FILE)
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),

@@ -1,12 +1,12 @@
-"""Shared test helpers: run the real `lilo` console script, pick free loopback ports, inspect a cluster."""
+"""Shared test helpers: run the real `lilo` console script, inspect a cluster (free ports: cluster.ports)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pkgutil
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,17 +19,13 @@ import httpx
 import numpy as np
 import psutil
 
+from cluster.ports import free_ports
+
 LILO = str(Path(sys.executable).parent / "lilo")
 LOOPBACK_IPS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 # The key the tests' own requests carry (the session cluster's keys file makes it the tenant "local").
 API_KEY = "tml-local-test"
 AUTH = {"X-API-Key": API_KEY}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def short_home() -> Path:
@@ -142,8 +138,12 @@ def ray_test_cluster(head_cpus: int) -> Iterator:
     before = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = str(temp_dir)
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0,
-                                                                "temp_dir": str(temp_dir)})
+        # The head's dashboard and dashboard agent would take Ray's fixed defaults (8265, 52365), which another
+        # cluster on this machine may hold; its other servers bind port 0.
+        dashboard_port, agent_port = free_ports(2)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "num_gpus": 0, "temp_dir": str(temp_dir), "dashboard_port": dashboard_port,
+            "dashboard_agent_listen_port": agent_port})
     finally:
         if before is None:
             os.environ.pop("RAY_TMPDIR")
@@ -154,6 +154,55 @@ def ray_test_cluster(head_cpus: int) -> Iterator:
     finally:
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class ClusterService:
+    """A lilo service deployed (``lilo up --address``) on a ``ray_test_cluster``: its trainers as `lilo status`
+    lists them, and GPU nodes (fake ones: a ``GPU`` resource; the trainers compute on CPU) added to it."""
+
+    def __init__(self, cluster, home: Path, port: int) -> None:
+        self.cluster, self.home, self.port = cluster, home, port
+        self.api_url = f"http://127.0.0.1:{port}"
+        self.nodes: dict[str, object] = {}
+        self.figures: dict[str, float] = {}
+
+    def trainers(self) -> list[dict]:
+        result = lilo("status", "--json", "--home", str(self.home), timeout_s=60)
+        status = json.loads(result.stdout)["trainers"]
+        return status["trainers"] if status else []
+
+    def wait_for(self, predicate, timeout_s: float = 120.0, what: str = "") -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            trainers = self.trainers()
+            if predicate(trainers):
+                return trainers
+            assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s; trainers: {trainers}"
+            time.sleep(0.5)
+
+    def add_gpu_node(self, label: str):
+        node = self.cluster.add_node(num_cpus=1, num_gpus=1)
+        self.nodes[label] = node
+        return node
+
+    def create_model(self, http: httpx.Client, session_id: str, seq: int, base_model: str) -> httpx.Response:
+        return http.post(f"{self.api_url}/api/v1/create_model",
+                         json={"session_id": session_id, "model_seq_id": seq, "base_model": base_model,
+                               "lora_config": {"rank": 4}})
+
+
+def trainers_on(trainers: list[dict], node) -> list[dict]:
+    """The trainers (as `lilo status --json` lists them) on this Ray node."""
+    return [trainer for trainer in trainers if trainer["node_id"] == node.node_id]
+
+
+def sdk_datum(seed: int, length: int = 17):
+    """A tinker Datum of ``length`` random tokens (repeatable by seed), for cross_entropy."""
+    from tinker import types
+
+    tokens = np.random.default_rng(seed).integers(0, 1000, length).tolist()
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)})
 
 
 def train_input(seed: int):

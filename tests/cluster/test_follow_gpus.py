@@ -28,9 +28,9 @@ import httpx
 import numpy as np
 import pytest
 import tinker
-from tinker import types
 
-from helpers import free_port, lilo, ray_test_cluster, short_home
+from cluster.ports import free_ports
+from helpers import ClusterService, lilo, ray_test_cluster, sdk_datum, short_home, trainers_on
 
 TINY = "lilo/tiny-llama"
 # Adapter slots per trainer, and no host or disk tier to page to: two models fill one (with paging tiers, a trainer
@@ -40,61 +40,19 @@ IDLE_TIMEOUT_S = 8
 TRAINER_WAIT_S = 120  # a joined node's trainer loads in seconds here; the bound only has to cover the test's pace
 
 
-def datum(seed: int, length: int = 17) -> types.Datum:
-    tokens = np.random.default_rng(seed).integers(0, 1000, length).tolist()
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)})
-
-
-class Service:
-    def __init__(self, cluster, home, port) -> None:
-        self.cluster, self.home, self.port = cluster, home, port
-        self.api_url = f"http://127.0.0.1:{port}"
-        self.nodes: dict[str, object] = {}
-        self.figures: dict[str, float] = {}
-
-    def trainers(self) -> list[dict]:
-        result = lilo("status", "--json", "--home", str(self.home), timeout_s=60)
-        status = json.loads(result.stdout)["trainers"]
-        return status["trainers"] if status else []
-
-    def wait_for(self, predicate, timeout_s: float = 120.0, what: str = "") -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            trainers = self.trainers()
-            if predicate(trainers):
-                return trainers
-            assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s; trainers: {trainers}"
-            time.sleep(0.5)
-
-    def add_gpu_node(self, label: str):
-        node = self.cluster.add_node(num_cpus=1, num_gpus=1)
-        self.nodes[label] = node
-        return node
-
-    def create_model(self, http: httpx.Client, session_id: str, seq: int) -> httpx.Response:
-        return http.post(f"{self.api_url}/api/v1/create_model",
-                         json={"session_id": session_id, "model_seq_id": seq, "base_model": TINY,
-                               "lora_config": {"rank": 4}})
-
-
-def trainers_on(trainers: list[dict], node) -> list[dict]:
-    return [trainer for trainer in trainers if trainer["node_id"] == node.node_id]
-
-
 @pytest.fixture(scope="module")
 def service():
     with ray_test_cluster(head_cpus=4) as cluster:
-        home, port = short_home(), free_port()
+        home, (port, dashboard_port) = short_home(), free_ports(2)
         started = lilo("up", "--detach", "--address", cluster.address, "--home", str(home), "--port", str(port),
-                       "--dashboard-port", str(free_port()), "--follow-gpus", "--device", "cpu", "--base-model",
+                       "--dashboard-port", str(dashboard_port), "--follow-gpus", "--device", "cpu", "--base-model",
                        TINY, "--max-adapters", str(SLOTS), "--sampler-slots", "0", "--host-adapter-mb", "0",
                        "--disk-adapter-gb", "0", "--min-trainers", "1",
                        "--max-trainers", "3", "--trainer-idle-timeout", str(IDLE_TIMEOUT_S), "--trainer-wait",
                        str(TRAINER_WAIT_S))
         assert started.returncode == 0, started.stdout + started.stderr
         try:
-            yield Service(cluster, home, port)
+            yield ClusterService(cluster, home, port)
         finally:
             stopped = lilo("down", "--home", str(home))
             assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -110,7 +68,7 @@ def test_with_no_gpu_node_no_trainer_runs_and_create_model_says_trainers_are_sta
     assert not [trainer for trainer in service.trainers() if trainer["state"] in ("ready", "idle", "starting")]
     with httpx.Client(timeout=30, headers={"X-API-Key": "tml-local-test"}) as http:
         session = http.post(f"{service.api_url}/api/v1/create_session", json={}).json()["session_id"]
-        refused = service.create_model(http, session, 0)
+        refused = service.create_model(http, session, 0, TINY)
     assert refused.status_code == 503, refused.text
     assert "trainers are starting" in refused.json()["detail"] and "0 GPU(s) so far" in refused.json()["detail"]
     # ...and it asked for a trainer, which waits for a GPU node (the resource demand the autoscaler reads).
@@ -126,7 +84,7 @@ def test_a_joined_gpu_node_gets_a_trainer_that_takes_models(service, sdk):
     clients = [sdk.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120) for _ in range(SLOTS)]
     service.figures["join_to_model_s"] = time.monotonic() - joined_at
     for n, client in enumerate(clients):
-        assert np.isfinite(client.forward_backward([datum(n)], "cross_entropy").result(timeout=120)
+        assert np.isfinite(client.forward_backward([sdk_datum(n)], "cross_entropy").result(timeout=120)
                            .metrics["loss:sum"])
     (trainer,) = trainers_on(service.trainers(), node)
     assert trainer["models"] == SLOTS and trainer["free_slots"] == 0
@@ -143,7 +101,7 @@ def test_with_every_trainer_full_one_more_is_asked_for_and_the_next_node_satisfi
     def create() -> None:
         with httpx.Client(timeout=TRAINER_WAIT_S + 30, headers={"X-API-Key": "tml-local-test"}) as http:
             session = http.post(f"{service.api_url}/api/v1/create_session", json={}).json()["session_id"]
-            answer["response"] = service.create_model(http, session, 0)
+            answer["response"] = service.create_model(http, session, 0, TINY)
 
     waiting = threading.Thread(target=create)
     waiting.start()
@@ -173,7 +131,7 @@ def test_a_node_that_leaves_takes_its_trainer_and_its_models_fail_over(service, 
     trainers = service.wait_for(lambda ts: [t for t in trainers_on(ts, staying_node) if t["models"] == 2]
                                 and not trainers_on(ts, leaving_node), what="b's model restored on a")
     assert moving["name"] not in {trainer["name"] for trainer in trainers}
-    assert np.isfinite(kept.forward_backward([datum(9)], "cross_entropy").result(timeout=120).metrics["loss:sum"])
+    assert np.isfinite(kept.forward_backward([sdk_datum(9)], "cross_entropy").result(timeout=120).metrics["loss:sum"])
 
 
 def test_a_trainer_with_no_model_is_let_go_after_the_idle_timeout_and_its_gpu_is_left_free(service):

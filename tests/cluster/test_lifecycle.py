@@ -10,14 +10,16 @@ import psutil
 import pytest
 
 from cluster.local import cluster_processes, read_state
-from helpers import LILO, free_port, lilo, short_home
+from cluster.ports import free_ports
+from helpers import LILO, lilo, short_home
 from lilo.settings import load_settings
 
 
 @pytest.fixture
 def settings():
     home = short_home()
-    yield load_settings(env={}, home=home, http_port=free_port(), dashboard_port=free_port(), num_cpus=1)
+    http_port, dashboard_port = free_ports(2)
+    yield load_settings(env={}, home=home, http_port=http_port, dashboard_port=dashboard_port, num_cpus=1)
     stopped = lilo("down", "--home", str(home))
     # Keep the home of a cluster that could not be stopped: its files are how a later `lilo down` finds it.
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr

@@ -37,9 +37,19 @@ def test_placing_a_model_takes_the_room_of_the_tier_it_lands_in(room, after):
 
 
 def test_each_trainers_room_is_read_from_what_it_says():
-    facts = {"t0": {"base_model": "tiny", "room": {"device": 1, "host": 2, "disk": 3}},
-             "t1": {"base_model": "small", "room": {"device": 4, "host": 0, "disk": 0}}}
+    facts = {"t0": {"base_model": "tiny", "gpu": False, "room": {"device": 1, "host": 2, "disk": 3}},
+             "t1": {"base_model": "small", "gpu": False, "room": {"device": 4, "host": 0, "disk": 0}}}
     assert free_slots(facts, "tiny") == {"t0": Room(1, 2, 3)}
+
+
+def test_once_a_gpu_trainer_serves_the_base_model_new_models_go_to_gpu_trainers_only():
+    facts = {"cpu": {"base_model": "tiny", "gpu": False, "room": {"device": 8, "host": 8, "disk": 8}},
+             "gpu": {"base_model": "tiny", "gpu": True, "room": {"device": 1, "host": 0, "disk": 0}},
+             "other": {"base_model": "small", "gpu": True, "room": {"device": 4, "host": 0, "disk": 0}}}
+    assert free_slots(facts, "tiny") == {"gpu": Room(1, 0, 0)}
+    # Another base model's GPU trainer does not count: its CPU trainer still takes models.
+    del facts["gpu"]
+    assert free_slots(facts, "tiny") == {"cpu": Room(8, 8, 8)}
 
 
 SERVED = {"t0": "tiny", "t1": "tiny", "t2": "small"}

@@ -1,16 +1,19 @@
-"""How many trainers, and where, is a pure function of the GPU nodes, the trainers known and the clock."""
+"""How many trainers, and where, is a pure function of the GPU nodes, the trainers known and the clock; whether they
+follow the GPUs, of the settings."""
 
 import pytest
 
 from cluster.scaling import (
     GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, trainers_to_start,
 )
+from cluster.reconciler import follows_gpus
+from lilo.settings import load_settings
 
 MODELS = ("tiny", "small")
 
 
-def seat(name, model="tiny", node="n1", ready=True, models=0, idle_since=None):
-    return Seat(name, model, node, ready, models, idle_since)
+def seat(name, model="tiny", node="n1", ready=True, models=0, idle_since=None, gpu=True):
+    return Seat(name, model, node, ready, models, idle_since, gpu)
 
 
 def test_a_joined_node_gets_one_trainer_per_gpu_with_base_models_dealt_in_turn():
@@ -62,9 +65,40 @@ def test_releases_never_go_below_the_minimum():
     assert trainers_to_release(seats, now=100, idle_timeout_s=0, min_trainers=0) == []
 
 
+def test_an_idle_cpu_trainer_is_let_go_once_a_gpu_trainer_serves_its_base_model_whatever_the_minimum():
+    seats = [seat("cpu", node="head", idle_since=0, gpu=False), seat("gpu", models=2)]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=2) == ["cpu"]
+
+
+@pytest.mark.parametrize("gpu_trainer", [
+    seat("gpu", "small", models=1),  # of another base model: the CPU trainer still takes this one's new models
+    seat("gpu", ready=False),  # still starting: it serves nothing yet
+], ids=["other-base-model", "starting"])
+def test_an_idle_cpu_trainer_stays_while_no_ready_gpu_trainer_serves_its_base_model(gpu_trainer):
+    seats = [seat("cpu", node="head", idle_since=0, gpu=False), gpu_trainer]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=0) == []
+
+
+def test_cpu_trainers_do_not_count_toward_the_minimum_of_gpu_trainers():
+    seats = [seat("cpu", node="head", models=1, gpu=False), seat("g0", idle_since=0), seat("g1", idle_since=10)]
+    assert trainers_to_release(seats, now=100, idle_timeout_s=30, min_trainers=1) == ["g0"]
+
+
 def test_a_ray_up_config_with_a_gpu_worker_type_is_a_gpu_cluster():
     config = {"head_node_type": "head", "available_node_types": {
         "head": {"resources": {"CPU": 8, "GPU": 0}}, "gpu_worker": {"resources": {"GPU": 4}}}}
     assert config_has_gpu_workers(config)
     config["available_node_types"]["gpu_worker"]["resources"] = {}
     assert not config_has_gpu_workers(config)
+
+
+@pytest.mark.parametrize(("given", "follows"), [
+    ({"ray_address": "10.0.0.1:6379"}, True),  # GPU nodes may join it later, by hand or by the autoscaler
+    ({}, False),  # a private head has this machine's GPUs only
+    ({"ray_address": "auto", "trainers": 2}, False),
+    ({"ray_address": "auto", "samplers": 2}, False),  # samplers of a GPU each: a fixed layout
+    ({"ray_address": "auto", "samplers": 0.3}, True),
+    ({"ray_address": "auto", "follow_gpus": False}, False),
+])
+def test_trainers_follow_the_gpus_on_an_existing_cluster_unless_the_layout_is_fixed(given, follows):
+    assert follows_gpus(load_settings(env={}, **given)) is follows

@@ -16,7 +16,8 @@ import tinker
 from tinker import types
 
 from cluster.service import SHUTDOWN_CHECKPOINT
-from helpers import free_port, lilo, retrieve_finished, short_home
+from cluster.ports import free_ports
+from helpers import lilo, retrieve_finished, short_home
 from lilo.backend.models import build_tiny_llama
 from test_tinker_sdk import memorize_datum
 
@@ -34,7 +35,7 @@ def home():
 
 def up(home, http_port: int, base_models: tuple[str, ...] = ("lilo/tiny-llama",), *extra: str) -> None:
     """A detached cluster with one trainer per base model (trainer i serves base model i)."""
-    args = ["up", "--detach", "--home", str(home), "--port", str(http_port), "--dashboard-port", str(free_port()),
+    args = ["up", "--detach", "--home", str(home), "--port", str(http_port), "--dashboard-port", str(free_ports(1)[0]),
             "--num-cpus", str(len(base_models)), "--timeout", "240", *extra]
     for base_model in base_models:
         args += ["--base-model", base_model]
@@ -52,7 +53,7 @@ def forward_loss(training, data) -> float:
 
 
 def test_a_restarted_service_resumes_every_model_where_it_stopped(home):
-    http_port = free_port()
+    (http_port,) = free_ports(1)
     up(home, http_port)
     data = [memorize_datum()]
     with tinker.ServiceClient(base_url=f"http://127.0.0.1:{http_port}", api_key="tml-local") as service:
@@ -86,7 +87,7 @@ def test_a_restarted_service_resumes_every_model_where_it_stopped(home):
 
 def test_a_restart_with_fewer_trainers_moves_their_models_and_unloads_those_no_trainer_serves(home):
     other_base = str(build_tiny_llama(home / "other-base", seed=2))
-    http_port = free_port()
+    (http_port,) = free_ports(1)
     up(home, http_port, (other_base, "lilo/tiny-llama"))
     data = [memorize_datum()]
     with tinker.ServiceClient(base_url=f"http://127.0.0.1:{http_port}", api_key="tml-local") as service:
@@ -133,7 +134,7 @@ def raw_model(http: httpx.Client) -> str:
 
 def test_the_models_of_a_session_that_stops_beating_are_unloaded_and_a_live_clients_stay(home):
     timeout_s = 20  # twice the SDK's heartbeat period
-    http_port = free_port()
+    (http_port,) = free_ports(1)
     up(home, http_port, ("lilo/tiny-llama",), "--session-timeout", str(timeout_s))
     data = [memorize_datum()]
     with tinker.ServiceClient(base_url=f"http://127.0.0.1:{http_port}", api_key="tml-local") as service, \

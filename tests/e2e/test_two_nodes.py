@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-from tinker import types
 
-from helpers import free_port, lilo, ray_test_cluster, short_home
+from cluster.ports import free_ports
+from helpers import lilo, ray_test_cluster, sdk_datum, short_home
 
 TINY = "lilo/tiny-llama"
 
@@ -39,24 +39,18 @@ print(json.dumps(report))
 """
 
 
-def datum(seed: int, length: int = 17) -> types.Datum:
-    tokens = np.random.default_rng(seed).integers(0, 1000, length).tolist()
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)})
-
-
 def remove_a_node_mid_step(cluster, node, leaving: list, staying: list, futures_db: Path) -> None:
     """Take ``node`` out of the cluster while ``leaving``'s models (placed on it) have a step in flight: the
     service fails those within 30 s and their models serve again, restored elsewhere; ``staying``'s models train
     on throughout."""
     assert leaving and staying
-    in_flight = [client.forward_backward([datum(seed, 129) for seed in range(32)], "cross_entropy")
+    in_flight = [client.forward_backward([sdk_datum(seed, 129) for seed in range(32)], "cross_entropy")
                  for client in leaving]
     time.sleep(0.5)
     left_at = time.time()
     cluster.remove_node(node, allow_graceful=False)
     for client in staying:
-        client.forward_backward([datum(7)], "cross_entropy").result(timeout=120)
+        client.forward_backward([sdk_datum(7)], "cross_entropy").result(timeout=120)
     # The client learns of it once it reaches an ingress again: if Serve's only replica was on that node, Serve
     # first has to replace it (seconds, more on a loaded machine), so the client's wait is bounded loosely...
     for future in in_flight:
@@ -70,7 +64,8 @@ def remove_a_node_mid_step(cluster, node, leaving: list, staying: list, futures_
             [client.model_id for client in leaving])]
     assert failed_at and max(failed_at) - left_at < 30
     for client in leaving:  # restored on the node that is left (no checkpoint: a fresh adapter), same client
-        assert np.isfinite(client.forward_backward([datum(8)], "cross_entropy").result(timeout=120).metrics["loss:sum"])
+        loss = client.forward_backward([sdk_datum(8)], "cross_entropy").result(timeout=120).metrics["loss:sum"]
+        assert np.isfinite(loss)
 
 
 @pytest.fixture
@@ -83,16 +78,16 @@ def two_node_cluster():
 
 def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_after_a_node_leaves(two_node_cluster):
     two_node_cluster, worker = two_node_cluster
-    home, port = short_home(), free_port()
+    home, (port, dashboard_port) = short_home(), free_ports(2)
     started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
-                   str(port), "--dashboard-port", str(free_port()), "--trainers", "2", "--base-model", TINY)
+                   str(port), "--dashboard-port", str(dashboard_port), "--trainers", "2", "--base-model", TINY)
     assert started.returncode == 0, started.stdout + started.stderr
     try:
         with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-local-test") as service:
             clients = [service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
                        for _ in range(4)]
             for n, client in enumerate(clients):
-                client.forward_backward([datum(n)], "cross_entropy").result(timeout=120)
+                client.forward_backward([sdk_datum(n)], "cross_entropy").result(timeout=120)
             model_ids = [client.model_id for client in clients]
             inspected = subprocess.run([sys.executable, "-c", INSPECT, two_node_cluster.address,
                                         json.dumps(model_ids)], capture_output=True, text=True, timeout=120)

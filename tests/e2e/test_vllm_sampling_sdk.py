@@ -14,7 +14,8 @@ from tinker import types
 
 from cluster.sampler_actor import vllm_available
 from conftest import TINY_DIRECTORY
-from helpers import free_port, lilo, short_home
+from cluster.ports import free_ports
+from helpers import lilo, short_home
 
 TIMEOUT_S = 180
 KEY = "tml-vllm-test"
@@ -29,7 +30,7 @@ def vllm_service(local_cluster):
     """Its own service (the session cluster has no samplers) on the tiny model with a tokenizer, which the session
     cluster's fixture builds; one vLLM sampler."""
     home = short_home()
-    port, dashboard = free_port(), free_port()
+    port, dashboard = free_ports(2)
     started = lilo("up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
                    "--num-cpus", "4", "--samplers", "1", "--base-model", str(TINY_DIRECTORY), "--timeout", "400",
                    timeout_s=480)

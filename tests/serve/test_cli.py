@@ -5,7 +5,8 @@ import socket
 
 import pytest
 
-from helpers import free_port, lilo, short_home
+from cluster.ports import free_ports
+from helpers import lilo, short_home
 
 
 @pytest.fixture
@@ -16,7 +17,7 @@ def empty_home():
 
 
 def test_up_while_running_prints_its_url_and_fails(local_cluster):
-    result = lilo("up", "--home", str(local_cluster.home), "--port", str(free_port()))
+    result = lilo("up", "--home", str(local_cluster.home), "--port", str(free_ports(1)[0]))
     assert result.returncode == 1
     assert f"already running at {local_cluster.api_url}" in result.stdout
     assert "lilo down" in result.stdout
@@ -30,7 +31,7 @@ def test_port_in_use_names_the_port_and_the_flag(empty_home, flag, mode):
         busy.listen()
         port = busy.getsockname()[1]
         other_flag = "--dashboard-port" if flag == "--port" else "--port"
-        result = lilo("up", *mode, "--home", str(empty_home), flag, str(port), other_flag, str(free_port()))
+        result = lilo("up", *mode, "--home", str(empty_home), flag, str(port), other_flag, str(free_ports(1)[0]))
     assert result.returncode == 1
     assert f"Port {port}" in result.stdout
     assert f"pass {flag} with a free port" in result.stdout
