@@ -109,23 +109,26 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--coalesce-window-ms", help="the service's coalescing window (default: lilo's; 0: none)")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     base_model = MODELS[args.model]
     counts = [int(n) for n in args.clients.split(",")]
     results: dict[str, list] = {}
+    window = ("--coalesce-window-ms", args.coalesce_window_ms) if args.coalesce_window_ms is not None else ()
     for engine in args.engines.split(","):
         # A slot for each client's model and one for its latest sampler checkpoint; rank 8 at most, so the LoRA
         # math of both engines is sized to the adapters.
         with private_cluster(base_model, args.port, *ENGINES[engine], "--max-adapters", str(2 * max(counts)),
-                             "--max-rank", "8", "--timeout", "600"):
+                             "--max-rank", "8", "--timeout", "600", *window):
             results[engine] = [run_clients(f"http://127.0.0.1:{args.port}", base_model, n, args) for n in counts]
     headline: dict = {"clients": max(counts)}
     for engine, rows in results.items():
         headline[f"{engine}_tok_s"] = rows[-1]["sampled_tok_s"]
     if "torch_tok_s" in headline and "vllm_tok_s" in headline:
         headline["vllm_ratio"] = round(headline["vllm_tok_s"] / headline["torch_tok_s"], 3)
-    print(json.dumps({"bench": "rl", "model": args.model, "steps": args.steps, "groups": args.groups,
+    print(json.dumps({"bench": "rl", "model": args.model, "coalesce_window_ms": args.coalesce_window_ms,
+                      "steps": args.steps, "groups": args.groups,
                       "group_size": args.group_size, "max_tokens": args.max_tokens, "results": results,
                       "headline": headline}))
 
