@@ -71,7 +71,7 @@ class SlowBackend(RecordingBackend):
         return super()._batch(name, commands)
 
 
-def lockstep(engine, models, steps, lag_s, first=1):
+def lockstep(engine, models, steps, lag_s, first=1, kind=Kind.FORWARD_BACKWARD):
     """Each model a client thread: submit its step, wait for its result, submit the next, ``steps`` times from seq
     ``first``; each round starts together, the i-th client ``i * lag_s`` behind the first."""
     rounds = threading.Barrier(len(models))
@@ -80,7 +80,7 @@ def lockstep(engine, models, steps, lag_s, first=1):
         for seq in range(first, first + steps):
             rounds.wait(timeout=30)
             time.sleep(i * lag_s)
-            engine.submit(command(model, seq)).result(timeout=30)
+            engine.submit(command(model, seq, kind)).result(timeout=30)
 
     threads = [threading.Thread(target=client, args=(i, m)) for i, m in enumerate(models)]
     for thread in threads:
@@ -89,22 +89,23 @@ def lockstep(engine, models, steps, lag_s, first=1):
         thread.join(timeout=120)
 
 
-def passes(backend):
-    return [ids for name, ids in backend.calls if name == "forward_backward"]
+def passes(backend, kind=Kind.FORWARD_BACKWARD):
+    return [ids for name, ids in backend.calls if name == kind]
 
 
 def windows(recorder):
     return [event for event in recorder.events if event[0] == "span" and event[1].startswith("coalesce_wait:")]
 
 
-def test_lockstep_clients_a_few_ms_apart_share_every_pass_once_in_rhythm():
+@pytest.mark.parametrize("kind", [Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.OPTIM_STEP])
+def test_lockstep_clients_a_few_ms_apart_share_every_pass_once_in_rhythm(kind):
     backend, recorder = SlowBackend(pass_s=0.2), Recorder()
     engine = Engine(backend, recorder)
     for model in "abc":
         engine.create_model(model, spec={"rank": 8}).result(timeout=10)
-    lockstep(engine, "abc", steps=8, lag_s=0.005)
+    lockstep(engine, "abc", steps=8, lag_s=0.005, kind=kind)
     # Step 1 teaches the engine the pass duration, step 2 each model's think time; from then on one pass a round.
-    assert all(len(ids) == 3 for ids in passes(backend)[-4:]), passes(backend)
+    assert all(len(ids) == 3 for ids in passes(backend, kind)[-4:]), passes(backend, kind)
     assert windows(recorder)
     engine.stop()
 
