@@ -191,6 +191,21 @@ class ClusterService:
                                "lora_config": {"rank": 4}})
 
 
+@contextlib.contextmanager
+def service_on_test_cluster(head_cpus: int, *up_args: str) -> Iterator[ClusterService]:
+    """``lilo up --address`` (with ``up_args``) on a fresh ``ray_test_cluster``; ``lilo down`` after."""
+    with ray_test_cluster(head_cpus=head_cpus) as cluster:
+        home, (port, dashboard_port) = short_home(), free_ports(2)
+        started = lilo("up", "--detach", "--address", cluster.address, "--home", str(home), "--port", str(port),
+                       "--dashboard-port", str(dashboard_port), *up_args)
+        assert started.returncode == 0, started.stdout + started.stderr
+        try:
+            yield ClusterService(cluster, home, port)
+        finally:
+            stopped = lilo("down", "--home", str(home))
+            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
 def trainers_on(trainers: list[dict], node) -> list[dict]:
     """The trainers (as `lilo status --json` lists them) on this Ray node."""
     return [trainer for trainer in trainers if trainer["node_id"] == node.node_id]

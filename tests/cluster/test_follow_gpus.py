@@ -29,8 +29,7 @@ import numpy as np
 import pytest
 import tinker
 
-from cluster.ports import free_ports
-from helpers import ClusterService, lilo, ray_test_cluster, sdk_datum, short_home, trainers_on
+from helpers import sdk_datum, service_on_test_cluster, trainers_on
 
 TINY = "lilo/tiny-llama"
 # Adapter slots per trainer, and no host or disk tier to page to: two models fill one (with paging tiers, a trainer
@@ -42,20 +41,11 @@ TRAINER_WAIT_S = 120  # a joined node's trainer loads in seconds here; the bound
 
 @pytest.fixture(scope="module")
 def service():
-    with ray_test_cluster(head_cpus=4) as cluster:
-        home, (port, dashboard_port) = short_home(), free_ports(2)
-        started = lilo("up", "--detach", "--address", cluster.address, "--home", str(home), "--port", str(port),
-                       "--dashboard-port", str(dashboard_port), "--follow-gpus", "--device", "cpu", "--base-model",
-                       TINY, "--max-adapters", str(SLOTS), "--sampler-slots", "0", "--host-adapter-mb", "0",
-                       "--disk-adapter-gb", "0", "--min-trainers", "1",
-                       "--max-trainers", "3", "--trainer-idle-timeout", str(IDLE_TIMEOUT_S), "--trainer-wait",
-                       str(TRAINER_WAIT_S))
-        assert started.returncode == 0, started.stdout + started.stderr
-        try:
-            yield ClusterService(cluster, home, port)
-        finally:
-            stopped = lilo("down", "--home", str(home))
-            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    with service_on_test_cluster(4, "--follow-gpus", "--device", "cpu", "--base-model", TINY, "--max-adapters",
+                                 str(SLOTS), "--sampler-slots", "0", "--host-adapter-mb", "0", "--disk-adapter-gb",
+                                 "0", "--min-trainers", "1", "--max-trainers", "3", "--trainer-idle-timeout",
+                                 str(IDLE_TIMEOUT_S), "--trainer-wait", str(TRAINER_WAIT_S)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

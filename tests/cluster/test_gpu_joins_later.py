@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import tinker
 
-from cluster.ports import free_ports
 from cluster.reconciler import REGISTRY_REFRESH_S
-from helpers import ClusterService, lilo, ray_test_cluster, sdk_datum, short_home, trainers_on
+from helpers import sdk_datum, service_on_test_cluster, trainers_on
 
 TINY = "lilo/tiny-llama"
 IDLE_TIMEOUT_S = 8
@@ -29,17 +28,9 @@ IDLE_TIMEOUT_S = 8
 
 @pytest.fixture(scope="module")
 def service():
-    with ray_test_cluster(head_cpus=4) as cluster:
-        home, (port, dashboard_port) = short_home(), free_ports(2)
-        started = lilo("up", "--detach", "--address", cluster.address, "--home", str(home), "--port", str(port),
-                       "--dashboard-port", str(dashboard_port), "--device", "cpu", "--base-model", TINY,
-                       "--trainer-idle-timeout", str(IDLE_TIMEOUT_S))
-        assert started.returncode == 0, started.stdout + started.stderr
-        try:
-            yield ClusterService(cluster, home, port)
-        finally:
-            stopped = lilo("down", "--home", str(home))
-            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    with service_on_test_cluster(4, "--device", "cpu", "--base-model", TINY,
+                                 "--trainer-idle-timeout", str(IDLE_TIMEOUT_S)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
