@@ -6,9 +6,10 @@ Runs the real `lilo up --detach` / `lilo down` on free loopback ports in a fresh
 
 ``phases`` splits ``up_s`` by the supervisor's timestamped progress lines (what `lilo up` prints): ``launch_s`` the
 command and the supervisor's own start, ``ray_up_s`` the Ray head, ``actors_s`` from Ray up to the trainers' start
-(the timing and futures DB actors), ``trainers_s`` until every trainer has its base model loaded, ``serve_deploy_s``
-from the Serve app's deploy until the supervisor waits on healthz, ``healthz_s`` until it answers. Spans that run at
-the same time overlap, so they may sum to more than ``up_s``.
+(the timing and futures DB actors), ``trainers_s`` until every trainer has its base model loaded (of which
+``trainer_backend_ready_s`` inside the trainer's process, where `lilo up` says), ``serve_deploy_s`` from the Serve
+app's deploy until healthz answers, ``healthz_s`` from when the supervisor starts waiting on healthz. Spans that run
+at the same time overlap, so they may sum to more than ``up_s``.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from serve.deploy import healthz
 LILO = str(Path(sys.executable).parent / "lilo")
 # "[lilo  12.3s] message": a progress line of the supervisor, seconds since it started.
 PROGRESS = re.compile(r"^\[lilo +([0-9.]+)s\] (.*)$")
+BACKEND_READY = re.compile(r"base model loaded ([0-9.]+) s after its process started")
 # Each phase: the progress lines that start and end it (their first words, which `lilo up` has printed alike since
 # before the phases were measured, so an older checkout splits its start the same way).
 PHASES = {
     "ray_up_s": (None, "Ray is up"),
     "actors_s": ("Ray is up", "Starting trainers"),
     "trainers_s": ("Starting trainers", "Trainers ready"),
-    "serve_deploy_s": ("Deploying the Serve application", "Waiting for"),
+    "serve_deploy_s": ("Deploying the Serve application", None),
     "healthz_s": ("Waiting for", None),
 }
 
@@ -102,6 +104,8 @@ def startup_phases(lines: list[str], up_s: float, launch_s: float) -> dict[str, 
         return next((seconds for message, seconds in stamps.items() if message.startswith(first_words)), None)
 
     phases = {"launch_s": launch_s}
+    if loaded := [float(seconds) for line in lines for seconds in BACKEND_READY.findall(line)]:
+        phases["trainer_backend_ready_s"] = max(loaded)
     for name, (start, end) in PHASES.items():
         begin, finish = stamp(start, 0.0), stamp(end, healthy_s)
         if begin is not None and finish is not None:
