@@ -1,4 +1,4 @@
-"""Startup cost of the local cluster: time until healthz answers, time to stop, summed RSS of its processes.
+"""Startup cost of the local cluster: time until it is ready, time to stop, summed RSS of its processes.
 
 Runs the real `lilo up --detach` / `lilo down` on free loopback ports in a fresh home and prints one JSON line:
 {"bench": "startup", "up_s": .., "down_s": .., "rss_mb": .., "uss_mb": .., "processes": .., "leftovers": ..,
@@ -61,15 +61,19 @@ def measure(num_cpus: int | None, base_model: str) -> dict:
     try:
         started, started_at = time.monotonic(), time.time()
         up = subprocess.Popen([LILO, "up", "--detach", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        while not healthz(settings.api_url, timeout_s=1.0):
+        healthy_s = None
+        # Up: healthz answers and the supervisor says it is ready (its trainers loaded), which may come later.
+        while healthy_s is None or (state := read_state(settings)) is None or state.status != "ready":
             if up.poll() not in (None, 0):
                 raise SystemExit(f"lilo up failed:\n{up.stdout.read().decode()}")
+            if healthy_s is None and healthz(settings.api_url, timeout_s=1.0):
+                healthy_s = time.monotonic() - started
             time.sleep(0.05)
         up_s = time.monotonic() - started
         up.wait(timeout=60)
-        state = read_state(settings)
-        phases = startup_phases(up.stdout.read().decode(errors="replace").splitlines(), up_s,
-                                launch_s=state.started_at - started_at)
+        launch_s = state.started_at - started_at
+        phases = startup_phases(up.stdout.read().decode(errors="replace").splitlines(), launch_s,
+                                healthy_s - launch_s)
         processes = cluster_processes(settings, state.pid)
         rss_mb = sum(p.memory_info().rss for p in processes) / 2**20
         # RSS counts pages shared between Ray's many Python processes once per process; USS counts them none.
@@ -86,17 +90,16 @@ def measure(num_cpus: int | None, base_model: str) -> dict:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def startup_phases(lines: list[str], up_s: float, launch_s: float) -> dict[str, float]:
+def startup_phases(lines: list[str], launch_s: float, healthy_s: float) -> dict[str, float]:
     """``PHASES`` from the output of `lilo up --detach`, in seconds. ``launch_s``: how long after this run's start
-    the supervisor's clock started (the command, the detach, the supervisor's imports), so healthz answered at
-    ``up_s - launch_s`` on that clock."""
+    the supervisor's clock started (the command, the detach, the supervisor's imports); ``healthy_s``: when
+    healthz first answered, on that clock."""
     stamps: dict[str, float] = {}
     for line in lines:
         if progress := PROGRESS.match(line):
             # An older checkout announced the deploy at the end of the trainers' line: "...; deploying the ...".
             for message in progress[2].split("; "):
                 stamps.setdefault(message[:1].upper() + message[1:], float(progress[1]))
-    healthy_s = up_s - launch_s
 
     def stamp(first_words: str | None, unnamed_s: float) -> float | None:
         if first_words is None:
@@ -109,7 +112,8 @@ def startup_phases(lines: list[str], up_s: float, launch_s: float) -> dict[str, 
     for name, (start, end) in PHASES.items():
         begin, finish = stamp(start, 0.0), stamp(end, healthy_s)
         if begin is not None and finish is not None:
-            phases[name] = finish - begin
+            # Healthz may answer before the supervisor waits on it (the Serve app deploys while trainers load).
+            phases[name] = max(0.0, finish - begin)
     return phases
 
 
