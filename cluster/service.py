@@ -3,9 +3,10 @@ the actors and the Serve application, serves until SIGINT or SIGTERM, and then t
 saving every model first so that the next start resumes it.
 
 It says what it is doing through a ``progress`` callable and prints nothing itself. The Serve application comes in
-as a ``ServeApp`` from the caller (``serve.cli`` passes ``serve.deploy``): ``cluster`` must not import ``serve``.
-Ray, the actors' modules and the Serve app are imported only once the Ray cluster is up: Ray reads its
-environment when it is imported (``cluster.local.prepare_environment``), and the Serve app takes seconds to import.
+as a callable giving a ``ServeApp`` from the caller (``serve.cli`` gives ``serve.deploy``): ``cluster`` must not
+import ``serve``. Ray, the actors' modules and the Serve app are imported only once the Ray cluster is up: Ray reads
+its environment when it is imported (``cluster.local.prepare_environment``), and the Serve app takes seconds to
+import, which it does while the trainers load.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ Progress = Callable[[str], None]
 class ServeApp(Protocol):
     """The Serve application of the service, on the connected Ray cluster (``serve.deploy`` is one)."""
 
-    def deploy(self, settings: Settings) -> None: ...
+    def deploy(self, settings: Settings) -> None:
+        """Start deploying it; returns before its replicas run."""
 
-    def wait_until_healthy(self, api_url: str, timeout_s: float) -> None: ...
+    def wait_until_healthy(self, api_url: str, timeout_s: float) -> None:
+        """Return once it answers; raise ClusterError if its deploy failed, TimeoutError if it is late."""
 
     def undeploy(self) -> None: ...
 
@@ -105,7 +108,7 @@ def supervise(settings: Settings, serve_app: Callable[[], ServeApp], progress: P
         # this process half-way through its shutdown; take the signals back so the shutdown runs to the end.
         _take_stop_signals()
         progress(f"Ray is up (GCS {gcs_address})")
-        start_service(settings, serve_app(), progress)
+        start_service(settings, serve_app, progress)
         write_state(settings, dataclasses.replace(state, status="ready", gcs_address=gcs_address))
         on_ready()
         while True:
@@ -126,29 +129,31 @@ def supervise(settings: Settings, serve_app: Callable[[], ServeApp], progress: P
         lock.release()
 
 
-def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None:
+def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progress: Progress) -> None:
     """On the connected Ray cluster: the timing and futures DB actors (failing what a previous run left
     unfinished), the trainers, the reconciler (their registry), the recovery actor and the Serve application;
-    returns once the API answers. When the trainers follow the GPUs (``cluster.reconciler``), the reconciler starts
-    them as GPU nodes join, and the API answers before the first is ready; only CPU trainers, on a cluster with no
-    GPU yet (``starts_cpu_trainers``), are started here."""
+    returns once the trainers it started have their base models loaded and the API answers. The Serve application
+    deploys while the trainers load: each takes seconds, mostly starting processes and importing. When the trainers
+    follow the GPUs (``cluster.reconciler``), the reconciler starts them as GPU nodes join, and the API answers
+    before the first is ready; only CPU trainers, on a cluster with no GPU yet (``starts_cpu_trainers``), are
+    started here."""
     import ray
 
     from cluster.futures_actor import get_futures_actor
     from cluster.reconciler import follows_gpus, scaling_config, start_reconciler, starts_cpu_trainers
     from cluster.recovery import start_recovery
     from cluster.timing import get_timing_actor
-    from cluster.trainer_actor import start_trainers
+    from cluster.trainer_actor import start_trainers, wait_for_trainers
 
     # Detached: they outlive this driver and every redeploy of the Serve app.
     get_timing_actor()
-    orphans = ray.get(get_futures_actor(str(settings.futures_db)).fail_orphans.remote())
-    if orphans:
-        progress(f"Failed {orphans} request(s) a previous run left unfinished (their clients get a message)")
+    orphans = get_futures_actor(str(settings.futures_db)).fail_orphans.remote()
     follow = follows_gpus(settings)
     if follow and settings.samplers >= 1:
         raise ClusterError(f"Trainers that follow the GPUs take samplers beside them, on a share of each one's GPU: "
                            f"pass --samplers as a fraction below 1 (say 0.3), not {settings.samplers:g}.")
+    trainers: list = []
+    samplers: list = []
     if follow:
         gpus = int(ray.cluster_resources().get("GPU", 0))
         progress(f"Trainers follow the cluster's GPUs ({gpus} so far): one per GPU as GPU nodes join, more on demand "
@@ -161,12 +166,23 @@ def start_service(settings: Settings, app: ServeApp, progress: Progress) -> None
         seats = sampler_seats(settings)
         samplers = start_samplers(settings, seats, progress)
         progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
-        progress(f"Trainers ready: {', '.join(start_trainers(settings, seats))}")
+        trainers = start_trainers(settings, seats)
+    # No client may reach the API before the previous run's unfinished requests are failed.
+    failed = ray.get(orphans)
+    if failed:
+        progress(f"Failed {failed} request(s) a previous run left unfinished (their clients get a message)")
+    progress("Deploying the Serve application")
+    app = serve_app()
+    app.deploy(settings)
+    if trainers:
+        ready = wait_for_trainers(trainers, settings.startup_timeout_s)
+        progress("Trainers ready: " + ", ".join(f"{info['name']} (base model loaded {info['backend_ready_s']:.1f} s "
+                                                 "after its process started)" for info in ready))
         wait_for_samplers(samplers, settings.startup_timeout_s, progress)
+    # After the trainers are ready: the reconciler's registry holds a trainer once it is, and the recovery actor
+    # takes a placed model on no trainer of the registry for a stray to restore elsewhere.
     start_reconciler(scaling_config(settings, follow))
     start_recovery(settings.base_models, settings.session_timeout_s)
-    progress("Deploying the Serve application")
-    app.deploy(settings)
     progress(f"Waiting for {settings.api_url}/api/v1/healthz")
     app.wait_until_healthy(settings.api_url, settings.startup_timeout_s)
 

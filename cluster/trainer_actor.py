@@ -203,6 +203,7 @@ class TrainerActor:
         return {"name": self.name, "base_model": self.base_model, "free_slots": room.total, "room": room._asdict(),
                 "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu": bool(ray.get_gpu_ids()), "pid": os.getpid(),
+                "backend_ready_s": loaded.engine.timings.gauges()[BACKEND_READY],
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
 
     async def sampling(self) -> dict[str, Any]:
@@ -529,25 +530,28 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
                                                                                           tuple(samplers))
 
 
-def start_trainers(settings: Settings, seats: Sequence[SamplerSeat] = ()) -> list[str]:
-    """The cluster's trainers for ``settings``; returns their names once all are ready. Each serves one base model:
-    with GPUs, one trainer per GPU, the GPUs dealt out over the configured base models in turn; on CPU,
-    ``settings.trainers`` (default 1) per base model. ``seats``: the sampler actors of ``trainer_layout``'s layout,
-    which each trainer relays its samples to."""
-    served = trainer_layout(settings)
+def start_trainers(settings: Settings, seats: Sequence[SamplerSeat] = ()) -> list[ray.actor.ActorHandle]:
+    """The cluster's trainers for ``settings``, started: each loads its base model meanwhile (``wait_for_trainers``).
+    Each serves one base model: with GPUs, one trainer per GPU, the GPUs dealt out over the configured base models
+    in turn; on CPU, ``settings.trainers`` (default 1) per base model. ``seats``: the sampler actors of
+    ``trainer_layout``'s layout, which each trainer relays its samples to."""
     gpus = bool(ray.cluster_resources().get("GPU", 0))
     config = TrainerConfig.from_settings(settings)
-    handles = [start_trainer(index, model, config, num_gpus=trainer_gpu_share(settings.samplers, gpus), num_cpus=1,
-                             samplers=samplers_of(trainer_name(index), seats, sampler_name))
-               for index, model in enumerate(served)]
+    return [start_trainer(index, model, config, num_gpus=trainer_gpu_share(settings.samplers, gpus), num_cpus=1,
+                          samplers=samplers_of(trainer_name(index), seats, sampler_name))
+            for index, model in enumerate(trainer_layout(settings))]
+
+
+def wait_for_trainers(handles: Sequence[ray.actor.ActorHandle], timeout_s: float) -> list[dict[str, Any]]:
+    """What each of ``handles`` serves (``TrainerActor.ready``), once every one has its base model loaded."""
     try:
-        infos = ray.get([handle.ready.remote() for handle in handles], timeout=settings.startup_timeout_s)
+        return ray.get([handle.ready.remote() for handle in handles], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
+        gpus = bool(ray.cluster_resources().get("GPU", 0))
         raise ClusterError(
-            f"{len(handles)} trainer(s) were not ready within {settings.startup_timeout_s:.0f} s. Each needs "
+            f"{len(handles)} trainer(s) were not ready within {timeout_s:.0f} s. Each needs "
             f"{'1 GPU' if gpus else '1 CPU'} of the cluster's resources ({ray.cluster_resources()}); give the "
             "cluster more (--num-cpus), start fewer (--trainers), or allow more time (--timeout).") from None
-    return [info["name"] for info in infos]
 
 
 def trainer_layout(settings: Settings) -> list[str]:

@@ -26,6 +26,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from lilo.backend.slot_memory import slot_zeros
+
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = "lm_head"
@@ -161,8 +163,8 @@ class LoraBank:
         for shape in shapes:
             self.offsets.append(self.offsets[-1] + math.prod(shape))
         self.shapes = shapes
-        self.weights = torch.zeros(slots, self.offsets[-1], dtype=dtype, device=device)
-        self.grads = torch.zeros_like(self.weights)
+        self.weights = slot_zeros((slots, self.offsets[-1]), dtype, device)
+        self.grads = slot_zeros((slots, self.offsets[-1]), dtype, device)
         self.layers: dict[str, MultiLoRALinear] = {}
         for n, (path, parent, linear) in enumerate(targets):
             a, b = 2 * n, 2 * n + 1

@@ -17,14 +17,15 @@ from typing import Sequence
 
 import torch
 
+from lilo.backend.slot_memory import slot_zeros
 from lilo.backend.types import AdamParams
 
 
 class SlotAdamW:
     def __init__(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
         self.weights, self.grads = weights, grads
-        self.exp_avg = torch.zeros_like(weights)
-        self.exp_avg_sq = torch.zeros_like(weights)
+        self.exp_avg = slot_zeros(weights.shape, weights.dtype, weights.device)
+        self.exp_avg_sq = slot_zeros(weights.shape, weights.dtype, weights.device)
         # One step counter per slot, as a tensor: the fused kernel reads each row's own count.
         self.step_counts = torch.zeros(weights.shape[0], dtype=torch.float32, device=weights.device)
 
