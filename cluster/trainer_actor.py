@@ -147,7 +147,8 @@ class TrainerActor:
                                    disk_adapter_bytes=int(config.disk_adapter_gb * 2**30),
                                    page_dir=config.page_dir / self.name if config.page_dir else None)
             # Sized once the model and its slots are in: what is free then is what a pass's activations may use.
-            backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(backend.model, backend.device)
+            backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(
+                backend.model, backend.device, backend.slot_state_bytes())
             logger.info("%s: passes of at most %d padded tokens%s", self.name, backend.max_batch_tokens,
                         "" if config.max_batch_tokens else " (sized from the device's free memory)")
             engine = Engine(backend, token_budget=backend.max_batch_tokens,

@@ -19,7 +19,6 @@ import httpx
 import numpy as np
 import psutil
 
-from cluster.ports import free_ports
 
 LILO = str(Path(sys.executable).parent / "lilo")
 LOOPBACK_IPS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
@@ -131,6 +130,8 @@ def ray_test_cluster(head_cpus: int) -> Iterator:
     ``head_cpus`` CPUs and no GPUs, in a temp dir of its own; shut down, by its own processes, on exit."""
     from ray.cluster_utils import Cluster
 
+    from cluster.ports import free_ports
+
     temp_dir = short_home()
     # Ray's test cluster notes its address in <RAY_TMPDIR>/ray/ray_current_cluster, which must exist (/tmp/ray on a
     # machine that never ran Ray does not): ours, not the machine's.
@@ -194,6 +195,8 @@ class ClusterService:
 @contextlib.contextmanager
 def service_on_test_cluster(head_cpus: int, *up_args: str) -> Iterator[ClusterService]:
     """``lilo up --address`` (with ``up_args``) on a fresh ``ray_test_cluster``; ``lilo down`` after."""
+    from cluster.ports import free_ports  # here, not at the top: the library's tests import this module too
+
     with ray_test_cluster(head_cpus=head_cpus) as cluster:
         home, (port, dashboard_port) = short_home(), free_ports(2)
         started = lilo("up", "--detach", "--address", cluster.address, "--home", str(home), "--port", str(port),

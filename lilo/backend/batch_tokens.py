@@ -45,15 +45,16 @@ def budget_tokens(free_bytes: int, bytes_per_token: int, device_type: str) -> in
     return tokens
 
 
-def size_batch_tokens(model: Any, device: Any) -> int:
-    """The default budget for ``model`` (loaded, with its slots allocated) on ``device``: from the GPU's free
-    memory under CUDA, the node's available memory on a CPU."""
+def size_batch_tokens(model: Any, device: Any, slot_bytes: int = 0) -> int:
+    """The default budget for ``model`` (loaded, with its adapter slots allocated) on ``device``: from the GPU's
+    free memory under CUDA; on a CPU from the node's available memory less ``slot_bytes``, the slots' whole state,
+    which there becomes resident only as slots fill (``lilo.backend.slot_memory``)."""
     import psutil
     import torch
 
     if device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
     else:
-        free_bytes = psutil.virtual_memory().available
+        free_bytes = max(0, psutil.virtual_memory().available - slot_bytes)
     dtype_bytes = next(model.parameters()).element_size()
     return budget_tokens(free_bytes, activation_bytes_per_token(model.config, dtype_bytes), device.type)

@@ -148,6 +148,10 @@ class TorchBackend:
     def training_slots(self) -> int:
         return self.max_adapters
 
+    def slot_state_bytes(self) -> int:
+        """Bytes of every slot's state together: LoRA weights, their gradients and both AdamW moments."""
+        return 4 * self.bank.weights.nbytes
+
     def make_room(self, model_ids: Sequence[str], running: Collection[str],
                   queued: Collection[str]) -> list[PageMove]:
         """Every one of ``model_ids`` that is paged out comes back into a slot, and for each not held at all (about

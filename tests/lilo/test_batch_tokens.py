@@ -37,3 +37,5 @@ def test_a_loaded_model_on_the_cpu_gets_a_budget_within_the_bounds():
 
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
     assert MIN_BATCH_TOKENS <= size_batch_tokens(model, torch.device("cpu")) <= MAX_BATCH_TOKENS["cpu"]
+    # Slots that will take all the memory there is leave a pass the floor.
+    assert size_batch_tokens(model, torch.device("cpu"), slot_bytes=2**50) == MIN_BATCH_TOKENS
