@@ -23,9 +23,9 @@ Each ``--windows`` value (``--coalesce-window-ms`` of its own cluster; 0: no win
 together and taking turns per K, so both see the same machine. ``ceiling``: the engine alone in this process (no
 service, one torch thread as a trainer has), one adapter and K adapters coalesced at the largest K; ``of_ceiling``:
 each window's largest-K ``tok_s`` over that ceiling. Prints one JSON line:
-{"bench": "service", "model": .., "windows": {"50": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
+{"bench": "service", "model": .., "windows": {"100": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
  "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "coalesce_wait_ms": .., "cpu_cores": {"trainer": .., ...}},
- ...], "0": [...]}, "ceiling": {"clients": K, "one_tok_s": .., "coalesced_tok_s": ..}, "of_ceiling": {"50": ..},
+ ...], "0": [...]}, "ceiling": {"clients": K, "one_tok_s": .., "coalesced_tok_s": ..}, "of_ceiling": {"100": ..},
  "step_p50_ratio_1_client": .. (the first window's over the last's)}
 """
 
@@ -154,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--clients", default="1,2,4,8")
-    parser.add_argument("--windows", default="50,0",
+    parser.add_argument("--windows", default="100,0",
                         help="--coalesce-window-ms of each cluster compared (0: no window)")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rows", type=int, default=1)

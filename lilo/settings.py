@@ -60,7 +60,7 @@ class Settings:
     max_batch_tokens: int | None = None
     # The longest a pass that could start waits for the next commands of models stepping in rhythm with it
     # (lilo.engine.window; also never more than a quarter of the pass). 0: no window, every pass starts at once.
-    coalesce_window_ms: float = 50.0
+    coalesce_window_ms: float = 100.0
     # Where a trainer's models beyond its slots wait, whole (weights, optimizer state, step): host memory, MB per
     # trainer (None: a sixteenth of its node's memory; pinned under CUDA), then disk under the home, GB per trainer.
     # A model comes back into a slot before its next command; create_model is refused only when all are full.

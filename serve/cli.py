@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(default: sized by each trainer from its device's free memory and the base model)")
     up.add_argument("--coalesce-window-ms", type=float,
                     help="longest a pass waits for the next steps of clients stepping in rhythm with it, never more "
-                         "than a quarter of the pass; 0: none (default 50)")
+                         "than a quarter of the pass; 0: none (default 100)")
     up.add_argument("--host-adapter-mb", type=int,
                     help="host memory per trainer for models paged out of their slots (default: 1/16 of the node's)")
     up.add_argument("--disk-adapter-gb", type=float,

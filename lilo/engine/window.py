@@ -27,7 +27,7 @@ WINDOW_KINDS = frozenset({Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.OPTIM_STEP})
 # The longest a pass waits, as a share of the duration of its kind's recent passes: on a GPU a pass of 8 adapters
 # costs little more than one, so a wait this short for the rest of a lockstep round pays for itself many times.
 WINDOW_SHARE_OF_PASS = 0.25
-DEFAULT_WINDOW_CAP_MS = 50.0
+DEFAULT_WINDOW_CAP_MS = 100.0
 # Think times remembered per model and kind; their median is the model's rhythm, so one pause (an evaluation
 # between steps) does not throw it off.
 THINKS_KEPT = 5

@@ -133,7 +133,7 @@ def test_paging_tiers_come_from_the_environment_or_a_flag_and_may_be_zero():
 
 def test_the_pass_budget_and_the_coalescing_window_come_from_the_environment_or_a_flag():
     settings = load_settings(env={})
-    assert (settings.max_batch_tokens, settings.coalesce_window_ms) == (None, 50.0)  # None: sized per trainer
+    assert (settings.max_batch_tokens, settings.coalesce_window_ms) == (None, 100.0)  # None: sized per trainer
     settings = load_settings(env={"LILO_MAX_BATCH_TOKENS": "4096", "LILO_COALESCE_WINDOW_MS": "0"})
     assert (settings.max_batch_tokens, settings.coalesce_window_ms) == (4096, 0.0)
     assert load_settings(env={"LILO_MAX_BATCH_TOKENS": "4096"}, max_batch_tokens=512).max_batch_tokens == 512
