@@ -11,6 +11,7 @@ import, which it does while the trainers load.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -41,6 +42,9 @@ Progress = Callable[[str], None]
 
 class ServeApp(Protocol):
     """The Serve application of the service, on the connected Ray cluster (``serve.deploy`` is one)."""
+
+    def start(self, settings: Settings) -> None:
+        """Start Serve itself (its controller and proxy), with no application yet."""
 
     def deploy(self, settings: Settings) -> None:
         """Start deploying it; returns before its replicas run."""
@@ -145,6 +149,11 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     from cluster.timing import get_timing_actor
     from cluster.trainer_actor import start_trainers, wait_for_trainers
 
+    # Serve's controller and proxy start (seconds, with the import of the app) while the rest starts; the app itself
+    # is deployed only once the previous run's unfinished requests are failed (below).
+    serve_starting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lilo-serve-start")
+    started_serve = serve_starting.submit(lambda: _started(serve_app(), settings))
+    serve_starting.shutdown(wait=False)
     # Detached: they outlive this driver and every redeploy of the Serve app.
     get_timing_actor()
     orphans = get_futures_actor(str(settings.futures_db)).fail_orphans.remote()
@@ -172,7 +181,7 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     if failed:
         progress(f"Failed {failed} request(s) a previous run left unfinished (their clients get a message)")
     progress("Deploying the Serve application")
-    app = serve_app()
+    app = started_serve.result()
     app.deploy(settings)
     if trainers:
         ready = wait_for_trainers(trainers, settings.startup_timeout_s)
@@ -185,6 +194,11 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     start_recovery(settings.base_models, settings.session_timeout_s)
     progress(f"Waiting for {settings.api_url}/api/v1/healthz")
     app.wait_until_healthy(settings.api_url, settings.startup_timeout_s)
+
+
+def _started(app: ServeApp, settings: Settings) -> ServeApp:
+    app.start(settings)
+    return app
 
 
 def stop_service(settings: Settings, serve_app: Callable[[], ServeApp], progress: Progress) -> None:
