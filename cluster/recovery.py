@@ -102,6 +102,8 @@ class RecoveryActor:
         self._registry_read = asyncio.Event()
         # The watches wait until the strays are taken: a model a watch displaces must not look like a stray too.
         self._strays_taken = asyncio.Event()
+        # Per trainer watched: set once its catch-up (``_catch_up``) has taken off the models it lost unwatched.
+        self._caught_up: dict[str, asyncio.Event] = {}
         loop = asyncio.get_event_loop()
         self._tasks = [loop.create_task(self._follow_registry()), loop.create_task(self._start()),
                        loop.create_task(self._sweep_forever())]
@@ -185,9 +187,19 @@ class RecoveryActor:
             logger.warning("%d model(s) are on none of this service's trainers; restoring them", len(displaced))
             await self._restore("(strays)", displaced)
 
+    async def caught_up(self) -> None:
+        """Returns once this actor has taken off their trainers the models a previous run left on none of the
+        service's trainers or on a trainer that came back without them (their requests answer 503, which the SDK
+        retries, until each is restored): ``lilo up`` returns only then, or its clients' first requests would reach
+        trainers that do not hold their models."""
+        await self._registry_read.wait()
+        await self._strays_taken.wait()
+        await asyncio.gather(*(self._caught_up.setdefault(name, asyncio.Event()).wait() for name in self._trainers))
+
     async def _watch(self, trainer: str) -> None:
         await self._strays_taken.wait()
         await self._catch_up(trainer)
+        self._caught_up.setdefault(trainer, asyncio.Event()).set()
         watched: str | None = None  # the incarnation (process) of the trainer being watched; None: learn it
         while True:
             try:

@@ -191,7 +191,8 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     # After the trainers are ready: the reconciler's registry holds a trainer once it is, and the recovery actor
     # takes a placed model on no trainer of the registry for a stray to restore elsewhere.
     start_reconciler(scaling_config(settings, follow))
-    start_recovery(settings.base_models, settings.session_timeout_s)
+    recovery = start_recovery(settings.base_models, settings.session_timeout_s)
+    ray.get(recovery.caught_up.remote(), timeout=settings.startup_timeout_s)
     progress(f"Waiting for {settings.api_url}/api/v1/healthz")
     app.wait_until_healthy(settings.api_url, settings.startup_timeout_s)
 
