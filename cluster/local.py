@@ -19,6 +19,8 @@ import signal
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import IO
 
@@ -135,6 +137,26 @@ def port_in_use(host: str, port: int) -> bool:
                 return True
             raise
     return False
+
+
+def answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at ``address`` ("host:port", the host maybe in brackets) within
+    ``timeout_s``: a GCS that is gone refuses at once, where a Ray driver would retry it for minutes."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def healthz(api_url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the service's API at ``api_url`` answers its health check (plain HTTP: no Ray, no Serve app)."""
+    try:
+        with urllib.request.urlopen(f"{api_url}/api/v1/healthz", timeout=timeout_s) as response:
+            return response.status == 200 and json.loads(response.read()) == {"status": "ok"}
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def check_ports_free(settings: Settings) -> None:

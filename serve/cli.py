@@ -2,7 +2,7 @@
 
 `lilo up` runs a supervisor in the foreground (Ctrl-C stops everything it started); `lilo up --detach` runs the
 same supervisor in the background, shows its progress until the service answers, and returns. Exit codes: 0 ok,
-1 failed or refused, 2 bad usage or settings, 3 (`lilo status` only) not running.
+1 failed or refused, 2 bad usage or settings, 3 (`lilo status` only) not running, or its cluster does not answer.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from typing import Iterator, Sequence
 from cluster.local import (
     ClusterError,
     ClusterState,
+    answers,
     check_ports_free,
+    connect_driver,
+    healthz,
     prepare_environment,
     read_state,
     running_state,
@@ -32,6 +35,10 @@ from lilo.settings import Settings, SettingsError, load_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 DETACHED_CHILD_FLAG = "--detached-child"
+# `lilo status` asks the trainers from a child process, a Ray driver, which it kills after this long: a driver
+# retries a cluster that does not answer for minutes, deaf to SIGTERM.
+TRAINERS_CHILD_FLAG = "--trainers-child"
+TRAINER_QUERY_TIMEOUT_S = 20.0
 
 
 class Progress:
@@ -125,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="report the running cluster")
     add_home(status)
     status.add_argument("--json", action="store_true", help="print the state as JSON")
+    status.add_argument(TRAINERS_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
 
     down = commands.add_parser("down", help="stop the running cluster and every process it started")
     add_home(down)
@@ -269,28 +277,66 @@ def cmd_up(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"error: {error}")
             return EXIT_FAILED
         return up_detached(settings, argv)
-    prepare_environment()
     return _supervise(settings, detached=args.detached_child)
 
 
-def _trainer_status(settings: Settings) -> dict | None:
-    """The reconciler's view of the trainers (``ReconcilerActor.status``), or None when it cannot be asked."""
-    prepare_environment()
+def _print_trainer_status(settings: Settings) -> int:
+    """`lilo status`'s child: connect as a Ray driver and print, as one JSON line, the reconciler's view of the
+    trainers (``ReconcilerActor.status``; null when it cannot be asked), or the error that kept it from connecting
+    (exit 3)."""
     import ray
 
-    from cluster.local import connect_driver, NAMESPACE
+    from cluster.local import NAMESPACE
     from cluster.reconciler import RECONCILER_ACTOR_NAME
 
     # Ray's driver prints the cluster's error messages (a node that died, say) to stdout even without its workers'
-    # logs: they go to stderr here, so that `lilo status --json` prints nothing but its JSON.
+    # logs: they go to stderr here, so that stdout carries nothing but the JSON.
     with contextlib.redirect_stdout(sys.stderr):
         try:
             connect_driver(settings)
-            return ray.get(ray.get_actor(RECONCILER_ACTOR_NAME, namespace=NAMESPACE).status.remote(), timeout=15)
-        except Exception:  # the cluster is starting or stopping: status says what it can without the trainers
-            return None
+        except Exception as error:
+            answer, code = {"error": f"{type(error).__name__}: {error}"}, EXIT_NOT_RUNNING
+        else:
+            try:
+                reconciler = ray.get_actor(RECONCILER_ACTOR_NAME, namespace=NAMESPACE)
+                answer = {"trainers": ray.get(reconciler.status.remote(), timeout=10)}
+            except Exception:  # the cluster is starting or stopping: status says what it can without the trainers
+                answer = {"trainers": None}
+            code = EXIT_OK
         finally:
             ray.shutdown()
+    print(json.dumps(answer), flush=True)
+    return code
+
+
+def _trainer_status(settings: Settings, state: ClusterState) -> dict | None:
+    """The reconciler's view of the trainers, or None when it cannot be asked, from a child process that this one
+    kills if it takes too long (this process never imports Ray); raises ClusterError, saying so, when the cluster
+    does not answer."""
+    command = [sys.executable, "-m", "serve.cli", "status", "--home", str(settings.home), TRAINERS_CHILD_FLAG]
+    try:
+        child = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=TRAINER_QUERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"its Ray cluster (GCS {state.gcs_address}) did not answer a driver within "
+                           f"{TRAINER_QUERY_TIMEOUT_S:.0f} s") from None
+    try:
+        answer = json.loads(child.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return None  # a child that died: status says what it can without the trainers
+    if "error" in answer:
+        raise ClusterError(f"its Ray cluster (GCS {state.gcs_address}) refused a driver ({answer['error']})")
+    return answer["trainers"]
+
+
+def _cluster_view(settings: Settings, state: ClusterState) -> tuple[bool, dict | None]:
+    """Whether a running cluster's API answers healthz, and its trainers (None when they cannot be asked or the API
+    does not answer); raises ClusterError, saying so, when its Ray cluster does not answer, within seconds."""
+    if state.gcs_address is not None and not answers(state.gcs_address):
+        raise ClusterError(f"its Ray cluster (GCS {state.gcs_address}) does not answer: its head is gone or hangs")
+    if not healthz(state.api_url):
+        return False, None
+    return True, _trainer_status(settings, state)
 
 
 def trainer_lines(status: dict) -> list[str]:
@@ -326,17 +372,26 @@ def sampler_note(sampling: dict | None) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from serve.deploy import healthz
-
     settings = _settings(args)
+    if args.trainers_child:
+        return _print_trainer_status(settings)
     state = running_state(settings)
-    healthy = state is not None and healthz(state.api_url)
-    trainers = _trainer_status(settings) if healthy else None
+    healthy, trainers, silence = False, None, None
+    if state is not None:
+        try:
+            healthy, trainers = _cluster_view(settings, state)
+        except ClusterError as error:
+            silence = str(error)
+    answering = state is not None and silence is None
     if args.json:
         details = dataclasses.asdict(state) if state else {}
-        print(json.dumps({"running": state is not None, "healthy": healthy, **details, "trainers": trainers}))
+        print(json.dumps({"running": state is not None, "answering": answering, "healthy": healthy, **details,
+                          "trainers": trainers, "error": silence}))
     elif state is None:
         print(f"lilo is not running (home {settings.home}). Start it with `lilo up`.")
+    elif silence is not None:
+        print(f"lilo does not answer: its supervisor runs (pid {state.pid}, home {state.home}), but {silence}.")
+        print("Stop what is left of it with `lilo down`, then start it again with `lilo up`.")
     else:
         uptime_s = time.time() - state.started_at
         print(f"lilo is {state.status} (pid {state.pid}, up {uptime_s:.0f} s)")
@@ -345,7 +400,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  Home:        {state.home}")
         for line in trainer_lines(trainers) if trainers else []:
             print(line)
-    return EXIT_OK if state is not None else EXIT_NOT_RUNNING
+    return EXIT_OK if answering else EXIT_NOT_RUNNING
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -402,6 +457,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First of all, before any command imports Ray: Ray reads its environment when it is imported, and without
+    # this one takes the machine's first non-loopback address for its own and looks for the loopback-only cluster
+    # there, for minutes. Every command gets it, and every process one starts.
+    prepare_environment()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 
-from cluster.local import ClusterError
+from cluster.local import ClusterError, healthz
 from lilo.settings import Settings
 from serve.app import APP_NAME, build_application
 
@@ -30,14 +27,6 @@ def deploy(settings: Settings) -> None:
 
     serve.run_many([serve.RunTarget(build_application(settings), name=APP_NAME, route_prefix="/")],
                    wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
-
-
-def healthz(api_url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api_url}/api/v1/healthz", timeout=timeout_s) as response:
-            return response.status == 200 and json.loads(response.read()) == {"status": "ok"}
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def wait_until_healthy(api_url: str, timeout_s: float) -> None:

@@ -32,8 +32,17 @@ def short_home() -> Path:
     return Path(tempfile.mkdtemp(prefix="lilo-t-", dir="/tmp"))
 
 
+def plain_shell_env() -> dict[str, str]:
+    """This process's environment without what ``prepare_environment`` (conftest) added for Ray: the environment
+    the `lilo` command gets from a user's shell."""
+    from cluster.local import LOCAL_RAY_ENV
+
+    return {key: value for key, value in os.environ.items() if key not in LOCAL_RAY_ENV}
+
+
 def lilo(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([LILO, *args], capture_output=True, text=True, timeout=timeout_s)
+    """The real `lilo` command, run as from a user's shell."""
+    return subprocess.run([LILO, *args], capture_output=True, text=True, timeout=timeout_s, env=plain_shell_env())
 
 
 def modules_of(package) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.local import cluster_processes, read_state
 from cluster.ports import free_ports
-from helpers import LILO, lilo, short_home
+from helpers import LILO, lilo, plain_shell_env, short_home
 from lilo.settings import load_settings
 
 
@@ -52,6 +52,19 @@ def processes_of_running_cluster(settings) -> list[psutil.Process]:
     return processes
 
 
+def wait_dead(process: psutil.Process, timeout_s: float = 30) -> None:
+    """Until a process just killed is gone, or a zombie (its parent may not reap it soon)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{process} still runs {timeout_s} s after it was killed")
+
+
 def assert_nothing_remains(settings, processes):
     gone, alive = psutil.wait_procs(processes, timeout=15)
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
@@ -62,7 +75,8 @@ def assert_nothing_remains(settings, processes):
 def test_ctrl_c_on_foreground_up_stops_every_process(settings):
     log_path = settings.home / "foreground.log"
     with open(log_path, "w") as log:
-        supervisor = subprocess.Popen([LILO, *up_args(settings)], stdout=log, stderr=subprocess.STDOUT)
+        supervisor = subprocess.Popen([LILO, *up_args(settings)], stdout=log, stderr=subprocess.STDOUT,
+                                      env=plain_shell_env())
     try:
         wait_until_ready(settings, supervisor, log_path)
         processes = processes_of_running_cluster(settings)
@@ -112,10 +126,27 @@ def test_down_cleans_up_after_a_supervisor_killed_hard(settings):
     processes = processes_of_running_cluster(settings)
     supervisor = psutil.Process(read_state(settings).pid)
     supervisor.kill()
-    deadline = time.monotonic() + 30
-    while supervisor.is_running() and supervisor.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_dead(supervisor)
     stopped = lilo("down", "--home", str(settings.home))
     assert stopped.returncode == 0
     assert "nothing to stop" in stopped.stdout
+    assert_nothing_remains(settings, processes)
+
+
+def test_status_of_a_cluster_whose_head_was_killed_exits_3_and_down_cleans_up(settings):
+    started = lilo(*up_args(settings), "--detach")
+    assert started.returncode == 0, started.stdout
+    processes = processes_of_running_cluster(settings)
+    running = lilo("status", "--home", str(settings.home), timeout_s=60)
+    assert running.returncode == 0, running.stdout + running.stderr
+    assert f"Tinker API:  {settings.api_url}   healthz: ok" in running.stdout
+    gcs = next(process for process in processes if process.name() == "gcs_server")
+    gcs.kill()
+    wait_dead(gcs)
+    silent = lilo("status", "--home", str(settings.home), timeout_s=10)
+    assert silent.returncode == 3, silent.stdout + silent.stderr
+    assert "does not answer" in silent.stdout or "not running" in silent.stdout, silent.stdout
+    # Its supervisor cannot save the models or remove the app through a dead GCS: do not wait the full minute.
+    stopped = lilo("down", "--home", str(settings.home), "--timeout", "10")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert_nothing_remains(settings, processes)

@@ -1,12 +1,17 @@
-"""Errors a user can act on, from the real `lilo` command."""
+"""Errors a user can act on, from the real `lilo` command (run as from a user's shell: helpers.lilo)."""
 
+import json
+import os
 import shutil
 import socket
+import time
 
 import pytest
 
+from cluster.local import ClusterState, SupervisorLock, write_state
 from cluster.ports import free_ports
-from helpers import lilo, short_home
+from helpers import imported_top_levels, lilo, short_home
+from lilo.settings import load_settings
 
 
 @pytest.fixture
@@ -45,10 +50,40 @@ def test_down_with_nothing_running_says_so_and_succeeds(empty_home):
 
 
 def test_status_reports_a_running_cluster(local_cluster):
-    result = lilo("status", "--home", str(local_cluster.home))
-    assert result.returncode == 0
+    result = lilo("status", "--home", str(local_cluster.home), timeout_s=60)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert local_cluster.api_url in result.stdout
     assert "healthz: ok" in result.stdout
+    assert "  Trainers:    " in result.stdout and "lilo-trainer-0: lilo/tiny-llama" in result.stdout
+
+
+def test_the_lilo_command_imports_no_ray_before_it_prepares_rays_environment():
+    """Its ``main`` prepares the environment first of all, before any command runs: Ray reads it when imported, and
+    without it looks for the loopback-only cluster at this machine's first other address, for minutes."""
+    assert "ray" not in imported_top_levels(["serve.cli"])
+
+
+def test_status_of_a_cluster_that_does_not_answer_exits_3_within_seconds(empty_home):
+    """A supervisor that runs while its Ray head is gone: here this process holds the home's lock, and the state
+    it records names a GCS port and an API port that nobody listens on."""
+    settings = load_settings(env={}, home=empty_home)
+    lock = SupervisorLock(settings)
+    assert lock.acquire()
+    gcs_port, http_port = free_ports(2)
+    write_state(settings, ClusterState(pid=os.getpid(), status="ready", home=str(empty_home),
+                                       api_url=f"http://127.0.0.1:{http_port}", dashboard_url=settings.dashboard_url,
+                                       gcs_address=f"127.0.0.1:{gcs_port}", started_at=time.time()))
+    try:
+        result = lilo("status", "--home", str(empty_home), timeout_s=10)
+        as_json = lilo("status", "--json", "--home", str(empty_home), timeout_s=10)
+    finally:
+        lock.release()
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"its Ray cluster (GCS 127.0.0.1:{gcs_port}) does not answer" in result.stdout
+    assert "lilo down" in result.stdout
+    assert as_json.returncode == 3
+    report = json.loads(as_json.stdout)
+    assert (report["running"], report["answering"], report["healthy"]) == (True, False, False)
 
 
 def test_status_without_a_cluster_exits_3(empty_home):
