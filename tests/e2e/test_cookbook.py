@@ -1,7 +1,8 @@
 """The public tinker-cookbook (0.6.1), unchanged, runs its own recipes against the service: supervised chat
 fine-tuning that saves a checkpoint, then RL on the arithmetic environment from that checkpoint with each loss a
 user would pick. Each recipe runs as a user runs it, `python -m tinker_cookbook.recipes.<recipe>.train key=value ...`,
-offline, and the tests read what it leaves in its log_path."""
+offline, and the tests read what it leaves in its log_path. test_cookbook_recipes.py runs more of its recipes
+(DPO, on-policy distillation, guess_number, SDFT) with these helpers."""
 
 from __future__ import annotations
 
@@ -49,11 +50,11 @@ def recipe_environment(api_url: str) -> dict[str, str]:
     return environment
 
 
-def run_recipe(module: str, api_url: str, **arguments: object) -> subprocess.CompletedProcess:
-    """``python -m <module> key=value ...`` (the recipe's chz command line)."""
+def run_recipe(module: str, api_url: str, cwd: Path | None = None, **arguments: object) -> subprocess.CompletedProcess:
+    """``python -m <module> key=value ...`` (the recipe's chz command line), in ``cwd`` where given."""
     command = [sys.executable, "-m", module, *(f"{key}={value}" for key, value in arguments.items())]
-    return subprocess.run(command, env=recipe_environment(api_url), stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=RECIPE_TIMEOUT_S)
+    return subprocess.run(command, env=recipe_environment(api_url), cwd=cwd, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S)
 
 
 def failure_report(run: subprocess.CompletedProcess) -> str:
@@ -78,18 +79,31 @@ def write_addition_conversations(path: Path, count: int, seed: int = 0) -> Path:
     return path
 
 
-class SupervisedRun:
+def final_checkpoint(log_path: Path) -> dict:
+    """The checkpoint the cookbook saves at the end of a run, as its log_path's checkpoints.jsonl records it."""
+    rows = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
+    return next(row for row in rows if row["name"] == "final")
+
+
+def assert_final_checkpoint_saved(log_path: Path) -> None:
+    final = final_checkpoint(log_path)
+    assert final["state_path"].startswith("tinker://") and final["state_path"].endswith("/weights/final")
+    assert final["sampler_path"].endswith("/sampler_weights/final")
+
+
+class RecipeRun:
+    """A recipe's finished run and its log_path."""
+
     def __init__(self, run: subprocess.CompletedProcess, log_path: Path) -> None:
         self.run = run
         self.log_path = log_path
 
     def final_checkpoint(self) -> dict:
-        rows = [json.loads(line) for line in (self.log_path / "checkpoints.jsonl").read_text().splitlines()]
-        return next(row for row in rows if row["name"] == "final")
+        return final_checkpoint(self.log_path)
 
 
 @pytest.fixture(scope="module")
-def supervised_run(local_cluster, tmp_path_factory) -> SupervisedRun:
+def supervised_run(local_cluster, tmp_path_factory) -> RecipeRun:
     """chat_sl on 64 addition conversations: 16 steps of 8 (two epochs) at a learning rate a random-init model
     moves at. The model comes out writing short numbers and stopping, mostly: RL's rewards then differ within
     groups."""
@@ -99,7 +113,7 @@ def supervised_run(local_cluster, tmp_path_factory) -> SupervisedRun:
     run = run_recipe("tinker_cookbook.recipes.chat_sl.train", local_cluster.api_url,
                      model_name=TINY_DIRECTORY, renderer_name=RENDERER, dataset=dataset, batch_size=8,
                      num_epochs=2, learning_rate=1e-2, lora_rank=8, max_length=128, log_path=log_path)
-    return SupervisedRun(run, log_path)
+    return RecipeRun(run, log_path)
 
 
 def test_the_chat_sl_recipe_trains_and_saves_a_checkpoint(supervised_run):
@@ -107,9 +121,7 @@ def test_the_chat_sl_recipe_trains_and_saves_a_checkpoint(supervised_run):
     nll = [row["train_mean_nll"] for row in metrics_rows(supervised_run.log_path) if "train_mean_nll" in row]
     assert len(nll) == 16
     assert nll[-1] < 0.5 * nll[0]
-    final = supervised_run.final_checkpoint()
-    assert final["state_path"].startswith("tinker://") and final["state_path"].endswith("/weights/final")
-    assert final["sampler_path"].endswith("/sampler_weights/final")
+    assert_final_checkpoint_saved(supervised_run.log_path)
 
 
 # The recipe's default loss is named by passing no loss_fn at all, as a user who changes nothing runs it.
