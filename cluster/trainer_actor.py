@@ -41,7 +41,7 @@ from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
 from lilo.engine.window import DEFAULT_WINDOW_CAP_MS
-from lilo.errors import NotFoundError, UnavailableError, failure_category
+from lilo.errors import NotFoundError, TooLargeError, UnavailableError, failure_category
 from lilo.futures.sequences import RecordedSample
 from lilo.futures.store import Completion
 from lilo.protocol.proto import encode_forward_backward_output, encode_sample_response
@@ -83,6 +83,8 @@ class TrainerConfig:
     # Padded tokens per pass (None: sized from the device's free memory) and the coalescing window's cap.
     max_batch_tokens: int | None = None
     coalesce_window_ms: float = DEFAULT_WINDOW_CAP_MS
+    # The trainer process's memory cap in GB (lilo.backend.memory_cap; None: the default, 0: none).
+    memory_gb: float | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TrainerConfig:
@@ -90,7 +92,8 @@ class TrainerConfig:
                    sampler_slots=settings.sampler_slots, device=settings.device, compute_nice=settings.compute_nice,
                    checkpoint_dir=settings.home / "checkpoints", host_adapter_mb=settings.host_adapter_mb,
                    disk_adapter_gb=settings.disk_adapter_gb, page_dir=settings.home / "pages",
-                   max_batch_tokens=settings.max_batch_tokens, coalesce_window_ms=settings.coalesce_window_ms)
+                   max_batch_tokens=settings.max_batch_tokens, coalesce_window_ms=settings.coalesce_window_ms,
+                   memory_gb=settings.trainer_memory_gb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,7 @@ class TrainerActor:
         try:
             # Torch is imported here, not with this module: Ray imports this module in every process that holds a
             # trainer's handle (the API replicas, the recovery actor), and those need no torch.
+            from lilo.backend.memory_cap import cap_bytes, cap_memory
             from lilo.backend.batch_tokens import size_batch_tokens
             from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
             from lilo.backend.paging import host_adapter_bytes
@@ -146,9 +150,10 @@ class TrainerActor:
                                    host_adapter_bytes=host_adapter_bytes(config.host_adapter_mb),
                                    disk_adapter_bytes=int(config.disk_adapter_gb * 2**30),
                                    page_dir=config.page_dir / self.name if config.page_dir else None)
-            # Sized once the model and its slots are in: what is free then is what a pass's activations may use.
+            # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
+            free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
             backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(
-                backend.model, backend.device, backend.slot_state_bytes())
+                backend.model, backend.device, backend.slot_state_bytes(), free_under_cap)
             logger.info("%s: passes of at most %d padded tokens%s", self.name, backend.max_batch_tokens,
                         "" if config.max_batch_tokens else " (sized from the device's free memory)")
             engine = Engine(backend, token_budget=backend.max_batch_tokens,
@@ -227,7 +232,17 @@ class TrainerActor:
     async def submit(self, command: Command) -> None:
         """``run`` for a client's command: its result (or error) goes to the futures DB under its request id.
         Ordering and seq conflicts raise here, at once."""
-        engine = (await self._loaded()).engine
+        loaded = await self._loaded()
+        engine = loaded.engine
+        if command.kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
+            try:
+                loaded.backend.check_fits(command.payload)
+            except TooLargeError as refusal:
+                # Refused before it runs (413); its seq is spent all the same, so the engine fails it in its turn
+                # and the model's next request does not wait for it.
+                refused = dataclasses.replace(command, kind=Kind.REFUSED, payload=str(refusal), batch_key=(), tokens=0)
+                self._report(command.kind, command.request_id, engine.submit(refused))
+                raise
         try:
             future = self._dispatch(engine, command)
         except NotFoundError:

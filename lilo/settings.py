@@ -61,6 +61,11 @@ class Settings:
     # The longest a pass that could start waits for the next commands of models stepping in rhythm with it
     # (lilo.engine.window; also never more than a quarter of the pass). 0: no window, every pass starts at once.
     coalesce_window_ms: float = 100.0
+    # The most memory (GB) a trainer process may take (its data: model, adapter slots, passes); past it an
+    # allocation fails and the pass that asked fails with a message, instead of the node running out and Ray
+    # killing processes. None: CPU trainers a share of their node's memory (lilo.backend.memory_cap), GPU trainers
+    # none; 0: no cap.
+    trainer_memory_gb: float | None = None
     # Where a trainer's models beyond its slots wait, whole (weights, optimizer state, step): host memory, MB per
     # trainer (None: a sixteenth of its node's memory; pinned under CUDA), then disk under the home, GB per trainer.
     # A model comes back into a slot before its next command; create_model is refused only when all are full.
@@ -172,6 +177,9 @@ class Settings:
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise SettingsError(f"--max-batch-tokens must be at least 1, got {self.max_batch_tokens}; leave it out to "
                                 "size it from each trainer's memory.")
+        if self.trainer_memory_gb is not None and self.trainer_memory_gb < 0:
+            raise SettingsError(f"--trainer-memory-gb must be 0 (no cap) or more, got {self.trainer_memory_gb:g}; "
+                                "leave it out for the default.")
         if self.coalesce_window_ms < 0:
             raise SettingsError(f"--coalesce-window-ms must be 0 (no window) or more, got {self.coalesce_window_ms:g}.")
         if self.host_adapter_mb is not None and self.host_adapter_mb < 0:
@@ -245,6 +253,7 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_SAMPLER_MAX_LORAS": ("sampler_max_loras", int),
     "LILO_MAX_BATCH_TOKENS": ("max_batch_tokens", int),
     "LILO_COALESCE_WINDOW_MS": ("coalesce_window_ms", float),
+    "LILO_TRAINER_MEMORY_GB": ("trainer_memory_gb", float),
     "LILO_HOST_ADAPTER_MB": ("host_adapter_mb", int),
     "LILO_DISK_ADAPTER_GB": ("disk_adapter_gb", float),
     "LILO_RAY_ADDRESS": ("ray_address", str),

@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--coalesce-window-ms", type=float,
                     help="longest a pass waits for the next steps of clients stepping in rhythm with it, never more "
                          "than a quarter of the pass; 0: none (default 100)")
+    up.add_argument("--trainer-memory-gb", type=float,
+                    help="the most memory a trainer process may take; past it the pass that asked fails with a "
+                         "message (default: CPU trainers 0.8 of their node's memory, GPU trainers no cap; 0: none)")
     up.add_argument("--host-adapter-mb", type=int,
                     help="host memory per trainer for models paged out of their slots (default: 1/16 of the node's)")
     up.add_argument("--disk-adapter-gb", type=float,
@@ -153,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> Settings:
     fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
               "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "max_batch_tokens", "coalesce_window_ms",
-              "host_adapter_mb", "disk_adapter_gb",
+              "trainer_memory_gb", "host_adapter_mb", "disk_adapter_gb",
               "base_models",
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",

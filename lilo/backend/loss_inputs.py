@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
@@ -23,6 +23,9 @@ REQUIRED_INPUTS = {
     # The sampler's logprobs come from its records (the datum's provenance), not from the client.
     "stable_reinforce": ("target_tokens", "advantages"),
 }
+# The inputs that may carry K values per token, shape (tokens, K), by loss: cross_entropy's top-K form (Tinker's
+# "Top-K distillation": the loss is -sum_t sum_k w[t,k] log p(x[t,k]), and its logprobs come back (tokens, K)).
+TOP_K_INPUTS = {"cross_entropy": ("target_tokens", "weights")}
 # Losses computed against what the sampler recorded: their data must carry provenance, resolved before they run.
 NEEDS_PROVENANCE = frozenset({"stable_reinforce"})
 CONFIG_KEYS = {
@@ -61,7 +64,7 @@ def check_train_input(train: TrainInput, vocab_size: int | None = None) -> dict[
         raise InvalidRequestError("The request has no data; send at least one datum.")
     config = loss_config(train.loss_fn, train.loss_config)
     for index, datum in enumerate(train.data):
-        _check_datum(index, datum, REQUIRED_INPUTS[train.loss_fn], vocab_size)
+        _check_datum(index, datum, train.loss_fn, vocab_size)
         if train.loss_fn in NEEDS_PROVENANCE and datum.provenance is None:
             raise InvalidRequestError(
                 f"Datum {index} has no provenance, which {train.loss_fn} needs: sample with "
@@ -79,11 +82,11 @@ def with_recorded_inputs(train: TrainInput, records: Mapping[str, RecordedSequen
     return dataclasses.replace(train, data=data)
 
 
-def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: int | None) -> None:
+def _check_datum(index: int, datum: Datum, loss_fn: str, vocab_size: int | None) -> None:
     length = len(datum.tokens)
     if length == 0:
         raise InvalidRequestError(f"Datum {index} has no tokens; send at least one input token.")
-    missing = [key for key in required if key not in datum.loss_inputs]
+    missing = [key for key in REQUIRED_INPUTS[loss_fn] if key not in datum.loss_inputs]
     if missing:
         raise InvalidRequestError(f"Datum {index} lacks loss input(s) {', '.join(missing)}.")
     for key, values in datum.loss_inputs.items():
@@ -92,9 +95,29 @@ def _check_datum(index: int, datum: Datum, required: Sequence[str], vocab_size: 
                 f"Datum {index}: {key} has {len(values)} entries but the input has {length} tokens; make them equal.")
         if key != "target_tokens" and not np.isfinite(np.asarray(values, dtype=np.float64)).all():
             raise InvalidRequestError(f"Datum {index}: {key} holds NaN or infinite values; send finite numbers.")
+    _check_top_k(index, datum, loss_fn)
     for key, values in (("tokens", datum.tokens), ("target_tokens", datum.loss_inputs["target_tokens"])):
         array = np.asarray(values)
         if array.min() < 0 or (vocab_size is not None and array.max() >= vocab_size):
             bound = f"[0, {vocab_size})" if vocab_size is not None else "(negative ids)"
             raise InvalidRequestError(
                 f"Datum {index}: {key} holds ids outside the vocabulary {bound}; check the tokenizer.")
+
+
+def _check_top_k(index: int, datum: Datum, loss_fn: str) -> None:
+    """Inputs of K values per token only where the loss defines them, and then all of its top-K inputs alike."""
+    shapes = {key: np.shape(values) for key, values in datum.loss_inputs.items()}
+    top_k = TOP_K_INPUTS.get(loss_fn, ())
+    for key, shape in shapes.items():
+        if len(shape) == 1:
+            continue
+        if len(shape) != 2 or key not in top_k:
+            takes = (f"only its {' and '.join(top_k)} take K values per token" if top_k
+                     else "it takes one value per token")
+            raise InvalidRequestError(f"Datum {index}: {key} has shape {list(shape)}, but {loss_fn} defines no such "
+                                      f"input ({takes}); send one value per token.")
+    paired = {shapes[key] for key in top_k}
+    if len(paired) > 1:
+        described = " and ".join(f"{key} {list(shapes[key])}" for key in top_k)
+        raise InvalidRequestError(f"Datum {index}: {described} differ in shape; for top-K {loss_fn} send both as "
+                                  "(tokens, K), else both with one value per token.")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lilo.backend import losses, sampling
+from lilo.backend import batch_tokens, losses, sampling, token_logprobs
 from lilo.backend.checkpoint_paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
 from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_peft, write_state
 from lilo.backend.loss_inputs import check_train_input
@@ -27,10 +27,11 @@ from lilo.backend.lora import BASE_SLOT, BATCHED, GROUPED, RUNS, LoraBank, proje
 from lilo.backend.optimizer import SlotAdamW
 from lilo.backend.page_store import PagedState, PageRestore, PageStore
 from lilo.backend.paging import PageMove, Room, Tier, choose_victims
+from lilo.backend.recompute import recomputed_layers
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import ForwardBackwardResult, LoadResult, OptimStepResult, SampleResult, SaveResult
-from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
+from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError, TooLargeError
 
 DEFAULT_MAX_ADAPTERS = 16
 DEFAULT_MAX_RANK = 32
@@ -66,6 +67,7 @@ class TorchBackend:
         self.max_adapters = max_adapters
         self.bank = LoraBank(self.model, max_adapters + sampler_slots, max_rank)
         self.layers = self.bank.layers
+        self.decoder_layers = list(self.model.get_decoder().layers)
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
         # CUDA runs the LoRA deltas as torch's grouped GEMM; on CPU batched GEMMs over gathered rows are faster.
         self._grouped = self.device.type == "cuda"
@@ -306,57 +308,95 @@ class TorchBackend:
         if not valid:
             return results
         # One row per datum, tagged with its request; rows go through the model in micro-batches of at most
-        # max_batch_tokens (a lone longer row still runs), gradients accumulating across them.
+        # max_batch_tokens (a lone longer row runs with its layers recomputed), gradients accumulating across them.
         rows = [(n, datum) for n, (_, command, _, _) in enumerate(valid) for datum in command.payload.data]
         # Rows of one adapter side by side: one run each for the grouped GEMM; a request keeps its datum order.
         rows.sort(key=lambda row: self.adapters[valid[row[0]][1].model_id].slot)
+        slots = {self.adapters[command.model_id].slot for _, command, _, _ in valid}
+        pending = {} if forward_only else {slot: self.bank.grads[slot].clone() for slot in slots & self._grad_slots}
         outputs: list[list[dict]] = [[] for _ in valid]
         sums = [0.0] * len(valid)
-        for chunk in _micro_batches(rows, self.max_batch_tokens):
-            with torch.set_grad_enabled(not forward_only):
-                per_row = self._rows_forward(chunk, valid)
-                if not forward_only:
-                    torch.stack([loss for _, _, loss in per_row]).sum().backward()
-            for (n, _), (logprobs, elementwise, loss) in zip(chunk, per_row):
-                outputs[n].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
-                sums[n] += float(loss.detach())
+        chunk: Sequence[tuple[int, Datum]] = ()
+        try:
+            for chunk in _micro_batches(rows, self.max_batch_tokens):
+                for (n, _), (logprobs, elementwise, loss) in zip(chunk, self._rows_pass(chunk, valid, forward_only)):
+                    outputs[n].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
+                    sums[n] += loss
+        except Exception as error:
+            if not _out_of_memory(error):
+                raise
+            # Whatever the pass added to its models' gradients goes: each is as before the request.
+            for slot in slots:
+                if slot in pending:
+                    self.bank.grads[slot].copy_(pending[slot])
+                elif slot not in self._grad_slots:
+                    self.bank.grads[slot].zero_()
+            padded = len(chunk) * max(len(datum.tokens) for _, datum in chunk)
+            for i, command, _, _ in valid:
+                results[i] = TooLargeError(
+                    f"{command.kind} request {command.request_id} of model {command.model_id} ran out of this "
+                    f"trainer's memory in a pass of {len(chunk)} sequence(s), {padded} padded tokens, and did not take "
+                    f"effect ({str(error).splitlines()[0][:200]}). Send fewer or shorter datums per request, or start "
+                    "lilo with a smaller --max-batch-tokens (or a larger --trainer-memory-gb).")
+            return results
         if not forward_only:
-            self._grad_slots.update(self.adapters[command.model_id].slot for _, command, _, _ in valid)
+            self._grad_slots.update(slots)
         for n, (i, _, _, _) in enumerate(valid):
             results[i] = {"loss_fn_outputs": outputs[n], "metrics": {"loss:sum": sums[n]}}
         return results
 
-    def _rows_forward(self, chunk: Sequence[tuple[int, Datum]], valid: Sequence[tuple]) -> list[tuple]:
-        """(target logprobs, per-token loss, loss sum) of each row, the loss sums still attached to the graph."""
+    def _rows_pass(self, chunk: Sequence[tuple[int, Datum]], valid: Sequence[tuple],
+                   forward_only: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """(target logprobs, per-token loss, loss sum) of each row of ``chunk``, its gradients accumulated into the
+        rows' slots unless ``forward_only``. The rows stay routed through the backward pass, which recomputes the
+        log-probabilities' slices (and, for a row longer than the budget, every decoder layer)."""
         slots = [self.adapters[valid[n][1].model_id].slot for n, _ in chunk]
         input_ids, mask = (t.to(self.device) for t in _padded([datum.tokens for _, datum in chunk]))
+        recompute = not forward_only and input_ids.numel() > self.max_batch_tokens
         self._route(slots)
         try:
-            # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal path.
-            # No KV cache: a training pass never decodes further, and the model's default builds one (a copy of
-            # every layer's keys and values).
-            logits = self.model(input_ids=input_ids, attention_mask=None if bool(mask.all()) else mask,
-                                use_cache=False).logits
+            with torch.set_grad_enabled(not forward_only), recomputed_layers(self.decoder_layers, recompute):
+                # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal
+                # path. No KV cache: a training pass never decodes further, and the model's default builds one.
+                hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False,
+                                                  attention_mask=None if bool(mask.all()) else mask).last_hidden_state
+                targets = _padded_targets([datum.loss_inputs["target_tokens"] for _, datum in chunk]).to(self.device)
+                target_logprobs = token_logprobs.target_logprobs(hidden, self.model.get_output_embeddings(), targets)
+                per_row = []
+                for row, (n, datum) in enumerate(chunk):
+                    _, _, loss_fn, config = valid[n]
+                    logprobs = _datum_logprobs(target_logprobs[row], datum)
+                    inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32, device=self.device)
+                              for key, value in datum.loss_inputs.items() if key != "target_tokens"}
+                    elementwise = loss_fn(logprobs, inputs, config)
+                    per_row.append((logprobs.detach(), elementwise.detach(), elementwise.sum()))
+                if not forward_only:
+                    torch.stack([loss for _, _, loss in per_row]).sum().backward()
         finally:
             self._route(None)
-        targets = _padded([datum.loss_inputs["target_tokens"] for _, datum in chunk])[0].to(self.device)
-        # Fused log-softmax + gather (and its backward): the full (rows, tokens, vocab) log-probabilities of a
-        # 49k-token vocabulary never materialize.
-        target_logprobs = -torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-        per_row = []
-        for row, (n, datum) in enumerate(chunk):
-            _, _, loss_fn, config = valid[n]
-            logprobs = target_logprobs[row, :len(datum.tokens)]
-            inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32, device=self.device)
-                      for key, value in datum.loss_inputs.items() if key != "target_tokens"}
-            elementwise = loss_fn(logprobs, inputs, config)
-            per_row.append((logprobs.detach(), elementwise.detach(), elementwise.sum()))
-        return per_row
+        return [(logprobs, elementwise, float(loss.detach())) for logprobs, elementwise, loss in per_row]
+
+    def longest_datum(self) -> int:
+        """The most tokens one datum may have here: a row longer than the budget runs alone, its layers recomputed
+        (``batch_tokens.longest_sequence``)."""
+        dtype_bytes = next(self.model.parameters()).element_size()
+        return batch_tokens.longest_sequence(self.model.config, dtype_bytes, self.max_batch_tokens)
+
+    def check_fits(self, train: TrainInput) -> None:
+        """Refuse (413) a request with a datum no pass of this trainer can hold, before anything of it runs."""
+        longest = self.longest_datum()
+        for index, datum in enumerate(train.data):
+            if len(datum.tokens) > longest:
+                raise TooLargeError(
+                    f"Datum {index} has {len(datum.tokens)} tokens, and a pass on this trainer holds at most {longest} "
+                    f"tokens of one sequence ({self.max_batch_tokens} per pass, more for a lone sequence whose layers "
+                    "are recomputed); split it into shorter datums, or serve the model on a device with more memory "
+                    "(--max-batch-tokens sizes the passes).")
 
     def _validate(self, command: Command) -> tuple[losses.LossFn, dict]:
         self._adapter(command.model_id)
         config = check_train_input(command.payload, self.vocab_size)
+        self.check_fits(command.payload)
         return losses.LOSSES[command.payload.loss_fn], config
 
     def _route(self, slots: Sequence[int] | None) -> None:
@@ -585,3 +625,25 @@ def _padded(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tens
         ids[row, :len(sequence)] = torch.as_tensor(np.asarray(sequence, dtype=np.int64))
         mask[row, :len(sequence)] = 1
     return ids, mask
+
+
+def _padded_targets(targets: Sequence[Sequence[int] | np.ndarray]) -> torch.Tensor:
+    """(rows, longest, K) target ids, K the most any row has per position (1 for one target a token), zero-padded."""
+    arrays = [np.asarray(t, dtype=np.int64).reshape(len(t), -1) for t in targets]
+    out = torch.zeros(len(arrays), max(len(a) for a in arrays), max(a.shape[1] for a in arrays), dtype=torch.long)
+    for row, array in enumerate(arrays):
+        out[row, :array.shape[0], :array.shape[1]] = torch.from_numpy(array)
+    return out
+
+
+def _datum_logprobs(row_logprobs: torch.Tensor, datum: Datum) -> torch.Tensor:
+    """The datum's own part of its row's (longest, K) log-probabilities: (tokens,) or, for top-K targets,
+    (tokens, K)."""
+    targets = np.shape(datum.loss_inputs["target_tokens"])
+    logprobs = row_logprobs[:targets[0], :(targets[1] if len(targets) == 2 else 1)]
+    return logprobs if len(targets) == 2 else logprobs[:, 0]
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """An allocation that failed: the GPU's, or the CPU's under the trainer's memory cap."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(error)

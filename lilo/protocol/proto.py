@@ -141,27 +141,53 @@ def _tensor(index: int, name: str, tensor: pb.Tensor) -> np.ndarray:
     if len(tensor.dense) % dtype.itemsize:
         raise InvalidRequestError(f"Datum {index}: {name} has a byte length that is not a whole number of values.")
     values = np.frombuffer(tensor.dense, dtype=dtype)
-    if len(tensor.shape) > 1:
-        raise InvalidRequestError(f"Datum {index}: {name} has shape {list(tensor.shape)}; send one value per token.")
+    shape = list(tensor.shape)
+    if len(shape) > 2:
+        raise InvalidRequestError(f"Datum {index}: {name} has shape {shape}; send one value per token, or for "
+                                  "cross_entropy's top-K form K values per token (shape (tokens, K)).")
+    if len(shape) == 2:
+        if shape[0] * shape[1] != len(values) or shape[1] < 1:
+            raise InvalidRequestError(f"Datum {index}: {name} has shape {shape} but holds {len(values)} values; "
+                                      "send a shape whose size matches the data.")
+        return values.reshape(shape)
     return values
 
 
 def encode_forward_backward_output(outputs: Sequence[Mapping[str, Sequence[float]]],
                                    metrics: Mapping[str, float]) -> bytes:
-    """One ArrayRecord with a float32 field per output name (``logprobs``, ``elementwise_loss``), one row per
-    datum, as ``tinker.proto.response_conv`` reads it."""
+    """ArrayRecords with a float32 field per output name (``logprobs``, ``elementwise_loss``), one row per datum, as
+    ``tinker.proto.response_conv`` reads them: one record per run of consecutive datums whose fields have the same
+    trailing shape (``[]`` for a value per token, ``[K]`` for top-K cross-entropy's K per token)."""
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for name, value in metrics.items():
         message.metrics[name] = float(value)
-    record = message.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
-    for name in (outputs[0].keys() if outputs else ()):
-        arrays = [np.asarray(output[name], dtype="<f4") for output in outputs]
-        offsets = np.cumsum([0] + [array.nbytes for array in arrays], dtype=np.int64)
-        field = record.fields[name]
-        field.data = b"".join(array.tobytes() for array in arrays)
-        field.offsets = offsets.astype("<i8").tobytes()
-        field.dtype = pb.DTYPE_FLOAT32
+    datums = [{name: np.asarray(value, dtype="<f4") for name, value in output.items()} for output in outputs]
+    for run in _runs_of_trailing_shape(datums):
+        record = message.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(run))
+        for name in run[0]:
+            arrays = [datum[name] for datum in run]
+            offsets = np.cumsum([0] + [array.nbytes for array in arrays], dtype=np.int64)
+            field = record.fields[name]
+            field.data = b"".join(array.tobytes() for array in arrays)
+            field.offsets = offsets.astype("<i8").tobytes()
+            field.dtype = pb.DTYPE_FLOAT32
+            field.trailing_shape.extend(arrays[0].shape[1:])
+    if not datums:
+        message.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=0)
     return message.SerializeToString()
+
+
+def _runs_of_trailing_shape(datums: Sequence[Mapping[str, np.ndarray]]) -> list[list[Mapping[str, np.ndarray]]]:
+    runs: list[list[Mapping[str, np.ndarray]]] = []
+    last: dict | None = None
+    for datum in datums:
+        shapes = {name: array.shape[1:] for name, array in datum.items()}
+        if runs and shapes == last:
+            runs[-1].append(datum)
+        else:
+            runs.append([datum])
+        last = shapes
+    return runs
 
 
 def encode_sample_response(result: Mapping[str, Any]) -> bytes:

@@ -9,7 +9,6 @@ import torch
 
 from lilo.backend.checkpoint_paths import local_directory
 from lilo.backend.checkpoints import read_state
-from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.page_files import delete_page_files, find_page_files
 from lilo.backend.paging import Room, choose_victims, host_adapter_bytes, host_demotions, page_file_wins
 from lilo.backend.torch_backend import TorchBackend
@@ -57,11 +56,6 @@ def test_a_batch_of_more_models_than_slots_runs_in_parts():
     parts = _parts(taken, dict.fromkeys("abcde"), 2)
     assert [[command.model_id for command, _ in part] for part in parts] == [["a", "b"], ["c", "d"], ["e"]]
     assert _parts(taken, dict.fromkeys("abcde"), 8) == [taken]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return load_base_model(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def datum(seed: int, length: int = 16) -> Datum:

@@ -110,3 +110,37 @@ def test_malformed_datums_are_refused_with_a_message(build, message):
 
 def test_the_sdk_version_is_the_one_the_schema_comes_from():
     assert tinker.__version__ == "0.38.0"
+
+
+def test_top_k_inputs_the_sdk_encodes_decode_in_their_shape():
+    targets, weights = np.arange(12).reshape(4, 3), np.full((4, 3), 1 / 3, dtype=np.float32)
+    datum = types.Datum(model_input=types.ModelInput.from_ints([10, 11, 12, 13]),
+                        loss_fn_inputs={"target_tokens": targets, "weights": weights})
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id="s1:train:0", seq_id=1)
+    (decoded,) = decode_forward_backward(forward_backward_request_to_proto(request).SerializeToString()).train.data
+    assert decoded.loss_inputs["target_tokens"].tolist() == targets.tolist()
+    assert decoded.loss_inputs["weights"].shape == (4, 3)
+
+
+def test_a_shape_that_does_not_match_its_data_is_refused():
+    request = pb.ForwardBackwardRequest(model_id="s1:train:0", seq_id=1)
+    datum = request.data.add()
+    datum.model_input.add().encoded_text.tokens = np.arange(4, dtype="<i4").tobytes()
+    datum.loss_fn_inputs["weights"].CopyFrom(pb.Tensor(dense=np.ones(4, dtype="<f4").tobytes(),
+                                                       dtype=pb.DTYPE_FLOAT32, shape=[4, 3]))
+    with pytest.raises(InvalidRequestError, match=r"has shape \[4, 3\] but holds 4 values"):
+        decode_forward_backward(request.SerializeToString())
+
+
+def test_top_k_outputs_reach_the_sdk_in_their_shape_beside_one_value_per_token():
+    outputs = [{"logprobs": [[-0.5, -1.0], [-2.0, -3.0]], "elementwise_loss": [[0.1, 0.2], [0.3, 0.4]]},
+               {"logprobs": [[-1.5, -0.5]], "elementwise_loss": [[0.5, 0.0]]},
+               {"logprobs": [-3.0, -4.0, -5.0], "elementwise_loss": [1.5, 0.0, 2.0]},
+               {"logprobs": [[-1.0, -2.0, -3.0]], "elementwise_loss": [[1.0, 2.0, 3.0]]}]
+    decoded = deserialize_forward_backward_output(encode_forward_backward_output(outputs, {"loss:sum": 1.0}))
+    for sent, got in zip(outputs, decoded.loss_fn_outputs):
+        for name in sent:
+            np.testing.assert_allclose(got[name].to_numpy(), np.asarray(sent[name]), rtol=1e-6)
+            assert got[name].shape == list(np.shape(sent[name]))

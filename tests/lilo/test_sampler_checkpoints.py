@@ -8,18 +8,12 @@ import torch
 
 from lilo.backend.checkpoint_paths import parse_tinker_path, sampler_run
 from lilo.backend.checkpoints import AdapterState, read_peft, write_peft
-from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError
 
 PROMPT = [5, 17, 99, 3, 250]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return load_base_model(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import torch
 
 from lilo.backend import sampling
 from lilo.backend.lora import BASE_SLOT, BATCHED, RUNS
-from lilo.backend.models import build_tiny_llama, load_base_model
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoraSpec, SamplingRequest
 from lilo.engine.commands import Command, Kind
@@ -18,11 +17,6 @@ from lilo.engine.commands import Command, Kind
 SPECS = {"r2": LoraSpec(rank=2, seed=1), "r4": LoraSpec(rank=4, seed=2, train_unembed=True),
          "r8": LoraSpec(rank=8, seed=3, train_mlp=False), "r16": LoraSpec(rank=16, alpha=32, seed=4,
                                                                          train_unembed=True)}
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return load_base_model(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")

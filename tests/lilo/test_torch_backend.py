@@ -8,22 +8,12 @@ import pytest
 import torch
 
 from lilo.backend.checkpoint_paths import local_directory
-from lilo.backend.models import build_tiny_llama, load_base_model
+from lilo.backend.models import load_base_model
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import Backend, contract_mismatches
 from lilo.errors import InvalidRequestError
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def base(tiny_dir):
-    return load_base_model(tiny_dir)
 
 
 def fresh_backend(base, specs: dict[str, LoraSpec]) -> TorchBackend:
