@@ -112,6 +112,21 @@ def ray_driver(local_cluster: RunningCluster) -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A real tiny Llama, written with from_pretrained's files (the library tests load it back as ``base``)."""
+    from lilo.backend.models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def base(tiny_dir: Path):
+    from lilo.backend.models import load_base_model
+
+    return load_base_model(tiny_dir)
+
+
 @pytest.fixture
 def clock() -> Clock:
     """A hand-driven clock (starts at t=100 s)."""
