@@ -51,4 +51,6 @@ def test_two_lockstep_sdk_clients_share_their_passes_and_see_the_window_in_their
         # with it nearly every pass holds both.
         assert timing["lilo/forward_backward.execute.mean_batch"] >= 1.5, timing
         assert timing["lilo/forward_backward.execute.count"] >= 1
-        assert "lilo/forward_backward.coalesce_wait.total_s" in timing
+    # The wait is the phase of the model whose step came first and was held for the other's: which client that is
+    # may be the same every step, so only one of the two need show it.
+    assert any("lilo/forward_backward.coalesce_wait.total_s" in timing for timing in metrics), metrics
