@@ -37,4 +37,7 @@ def target_logprobs(hidden: torch.Tensor, unembed: nn.Module, targets: torch.Ten
 
 def _slice_logprobs(unembed: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = unembed(hidden).float()
+    if targets.shape[-1] == 1:  # one target a position: torch's fused log-softmax and gather, and its backward
+        return -torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                  reduction="none").view(targets.shape)
     return logits.gather(-1, targets) - logits.logsumexp(-1, keepdim=True)
