@@ -9,9 +9,10 @@ mates: a row's LoRA delta and gradient touch only its own slot, and losses are p
 from __future__ import annotations
 
 import dataclasses
+import random
 import tempfile
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Collection, Container, Sequence
 
@@ -28,10 +29,13 @@ from lilo.backend.optimizer import SlotAdamW
 from lilo.backend.page_store import PagedState, PageRestore, PageStore
 from lilo.backend.paging import PageMove, Room, Tier, choose_victims
 from lilo.backend.recompute import recomputed_layers
+from lilo.backend.sharding.exchange import broadcast_slots, sum_gradients
+from lilo.backend.sharding.group import ShardedBase
+from lilo.backend.sharding.plans import Peers, Plan, SamplePlan, SlotUpdate, TrainPlan, TrainRow
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import ForwardBackwardResult, LoadResult, OptimStepResult, SampleResult, SaveResult
-from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError, TooLargeError
+from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError, TooLargeError, UnavailableError
 
 DEFAULT_MAX_ADAPTERS = 16
 DEFAULT_MAX_RANK = 32
@@ -54,8 +58,9 @@ class TorchBackend:
                  checkpoint_dir: Path | None = None,
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  decode: sampling.Decode | None = None, host_adapter_bytes: int = 0, disk_adapter_bytes: int = 0,
-                 page_dir: Path | None = None) -> None:
+                 page_dir: Path | None = None, sharded: ShardedBase | None = None) -> None:
         self.model = model.eval()
+        self.decoder = model.get_decoder()
         self.device = next(model.parameters()).device
         self.decode = decode  # the base model's detokenizer, for stop strings
         self.max_batch_tokens = max_batch_tokens
@@ -67,7 +72,18 @@ class TorchBackend:
         self.max_adapters = max_adapters
         self.bank = LoraBank(self.model, max_adapters + sampler_slots, max_rank)
         self.layers = self.bank.layers
-        self.decoder_layers = list(self.model.get_decoder().layers)
+        self.decoder_layers = list(self.decoder.layers)
+        # Sharded over a rank group (lilo.backend.sharding): ``peers`` is rank 0's line to the followers, None on
+        # a follower; ``exchanged`` counts the bytes a follower received or sent, by kind, and the group's passes.
+        self.sharded = sharded
+        self.ranks = 1
+        if sharded is not None:
+            import torch.distributed as dist
+
+            self.ranks = dist.get_world_size()
+        self.peers: Peers | None = None
+        self.exchanged: Counter[str] = Counter()
+        self._stale: set[int] = set()  # slots whose adapter changed since the followers last saw it
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
         # CUDA runs the LoRA deltas as torch's grouped GEMM; on CPU batched GEMMs over gathered rows are faster.
         self._grouped = self.device.type == "cuda"
@@ -106,6 +122,7 @@ class TorchBackend:
                 layer.clear_slot(slot)
         self.optimizer.reset_slot(slot)
         self._grad_slots.discard(slot)
+        self._stale.add(slot)
         self.adapters[model_id] = Adapter(slot, spec)
         if not model_id.startswith(TINKER_SCHEME):
             self._touch(model_id)
@@ -272,11 +289,16 @@ class TorchBackend:
         else:
             self._grad_slots.discard(slot)
         self.optimizer.set_steps(slot, state.step)
-        targets = set(target_names(state.spec.train_attn, state.spec.train_mlp, state.spec.train_unembed))
-        scale = (state.spec.alpha or state.spec.rank) / state.spec.rank
-        for path, layer in self.layers.items():
-            layer.set_adapter(slot, state.spec.rank if projection_kind(path) in targets else 0, scale)
+        self.set_slot_spec(slot, state.spec)
+        self._stale.add(slot)
         self.adapters[model_id] = Adapter(slot, state.spec)
+
+    def set_slot_spec(self, slot: int, spec: LoraSpec) -> None:
+        """Tell every LoRA layer what rank and scale the adapter in ``slot`` has there (0: it does not train it)."""
+        targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
+        scale = (spec.alpha or spec.rank) / spec.rank
+        for path, layer in self.layers.items():
+            layer.set_adapter(slot, spec.rank if projection_kind(path) in targets else 0, scale)
 
     def _make_room(self, pinned: Container[str] = ()) -> None:
         """Free a slot if none is: evict the least recently used sampler checkpoint not in ``pinned``."""
@@ -309,21 +331,27 @@ class TorchBackend:
             return results
         # One row per datum, tagged with its request; rows go through the model in micro-batches of at most
         # max_batch_tokens (a lone longer row runs with its layers recomputed), gradients accumulating across them.
-        rows = [(n, datum) for n, (_, command, _, _) in enumerate(valid) for datum in command.payload.data]
+        rows = [TrainRow(n, self.adapters[command.model_id].slot, datum, command.payload.loss_fn, config)
+                for n, (_, command, _, config) in enumerate(valid) for datum in command.payload.data]
         # Rows of one adapter side by side: one run each for the grouped GEMM; a request keeps its datum order.
-        rows.sort(key=lambda row: self.adapters[valid[row[0]][1].model_id].slot)
-        slots = {self.adapters[command.model_id].slot for _, command, _, _ in valid}
+        rows.sort(key=lambda row: row.slot)
+        slots = {row.slot for row in rows}
         pending = {} if forward_only else {slot: self.bank.grads[slot].clone() for slot in slots & self._grad_slots}
         outputs: list[list[dict]] = [[] for _ in valid]
         sums = [0.0] * len(valid)
-        chunk: Sequence[tuple[int, Datum]] = ()
+        chunk: Sequence[TrainRow] = ()
         try:
-            for chunk in _micro_batches(rows, self.max_batch_tokens):
-                for (n, _), (logprobs, elementwise, loss) in zip(chunk, self._rows_pass(chunk, valid, forward_only)):
-                    outputs[n].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
-                    sums[n] += loss
+            if self.peers is not None:
+                row_results = self._rows_on_group(rows, forward_only)
+            else:
+                row_results = []
+                for chunk in _micro_batches(rows, self.max_batch_tokens):
+                    row_results += self._rows_pass(chunk, forward_only, self._recomputes(chunk, forward_only))
+            for row, (logprobs, elementwise, loss) in zip(rows, row_results):
+                outputs[row.request].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
+                sums[row.request] += loss
         except Exception as error:
-            if not _out_of_memory(error):
+            if isinstance(error, UnavailableError) or not _out_of_memory(error):
                 raise
             # Whatever the pass added to its models' gradients goes: each is as before the request.
             for slot in slots:
@@ -331,7 +359,7 @@ class TorchBackend:
                     self.bank.grads[slot].copy_(pending[slot])
                 elif slot not in self._grad_slots:
                     self.bank.grads[slot].zero_()
-            padded = len(chunk) * max(len(datum.tokens) for _, datum in chunk)
+            padded = _padded_size(chunk)
             for i, command, _, _ in valid:
                 results[i] = TooLargeError(
                     f"{command.kind} request {command.request_id} of model {command.model_id} ran out of this "
@@ -345,36 +373,117 @@ class TorchBackend:
             results[i] = {"loss_fn_outputs": outputs[n], "metrics": {"loss:sum": sums[n]}}
         return results
 
-    def _rows_pass(self, chunk: Sequence[tuple[int, Datum]], valid: Sequence[tuple],
-                   forward_only: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-        """(target logprobs, per-token loss, loss sum) of each row of ``chunk``, its gradients accumulated into the
-        rows' slots unless ``forward_only``. The rows stay routed through the backward pass, which recomputes the
-        log-probabilities' slices (and, for a row longer than the budget, every decoder layer)."""
-        slots = [self.adapters[valid[n][1].model_id].slot for n, _ in chunk]
-        input_ids, mask = (t.to(self.device) for t in _padded([datum.tokens for _, datum in chunk]))
-        recompute = not forward_only and input_ids.numel() > self.max_batch_tokens
-        self._route(slots)
+    def _recomputes(self, rows: Sequence[TrainRow], forward_only: bool) -> bool:
+        """Whether a pass of ``rows`` recomputes its layers in the backward: a lone row longer than the budget."""
+        return not forward_only and _padded_size(rows) > self.max_batch_tokens
+
+    def _rows_pass(self, rows: Sequence[TrainRow], forward_only: bool,
+                   recompute: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """(target logprobs, per-token loss, loss sum) of each row, its gradients accumulated into the rows' slots
+        unless ``forward_only``. The rows stay routed through the backward pass, which recomputes the
+        log-probabilities' slices (and with ``recompute`` every decoder layer). On a sharded base a rank with no
+        rows runs an idle one, as it must take part in the pass's collectives."""
+        batch = list(rows) or [_IDLE_ROW]
+        input_ids, mask = (t.to(self.device) for t in _padded([row.datum.tokens for row in batch]))
+        self._route([row.slot for row in batch])
         try:
             with torch.set_grad_enabled(not forward_only), recomputed_layers(self.decoder_layers, recompute):
                 # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal
                 # path. No KV cache: a training pass never decodes further, and the model's default builds one.
-                hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False,
-                                                  attention_mask=None if bool(mask.all()) else mask).last_hidden_state
-                targets = _padded_targets([datum.loss_inputs["target_tokens"] for _, datum in chunk]).to(self.device)
+                hidden = self.decoder(**self._decoder_inputs(input_ids, forward_only), use_cache=False,
+                                      attention_mask=None if bool(mask.all()) else mask).last_hidden_state
+                targets = _padded_targets([row.datum.loss_inputs["target_tokens"] for row in batch]).to(self.device)
                 target_logprobs = token_logprobs.target_logprobs(hidden, self.model.get_output_embeddings(), targets)
                 per_row = []
-                for row, (n, datum) in enumerate(chunk):
-                    _, _, loss_fn, config = valid[n]
-                    logprobs = _datum_logprobs(target_logprobs[row], datum)
+                for index, row in enumerate(batch):
+                    logprobs = _datum_logprobs(target_logprobs[index], row.datum)
                     inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32, device=self.device)
-                              for key, value in datum.loss_inputs.items() if key != "target_tokens"}
-                    elementwise = loss_fn(logprobs, inputs, config)
+                              for key, value in row.datum.loss_inputs.items() if key != "target_tokens"}
+                    elementwise = losses.LOSSES[row.loss_fn](logprobs, inputs, row.config)
                     per_row.append((logprobs.detach(), elementwise.detach(), elementwise.sum()))
                 if not forward_only:
                     torch.stack([loss for _, _, loss in per_row]).sum().backward()
         finally:
             self._route(None)
-        return [(logprobs, elementwise, float(loss.detach())) for logprobs, elementwise, loss in per_row]
+        return [(logprobs, elementwise, float(loss.detach())) for logprobs, elementwise, loss in per_row[:len(rows)]]
+
+    def _decoder_inputs(self, input_ids: torch.Tensor, forward_only: bool) -> dict[str, torch.Tensor]:
+        if self.sharded is None or forward_only:
+            return {"input_ids": input_ids}
+        # The embeddings as a leaf that wants its gradient: every rank's backward then runs through every layer,
+        # whichever projections its rows' adapters train, so FSDP's gathers there come in the same order on all.
+        return {"inputs_embeds": self.decoder.get_input_embeddings()(input_ids).detach().requires_grad_()}
+
+    # --- the rank group (lilo.backend.sharding) -------------------------------------------------------------
+    def _rows_on_group(self, rows: Sequence[TrainRow],
+                       forward_only: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """``_rows_pass`` over the group: each micro-batch (of up to ``ranks`` x the budget) split into one part
+        per rank, rank 0 running the first; the followers' gradients summed into rank 0's after the last. Returns
+        every row's result, in order."""
+        budget = self.max_batch_tokens
+        chunks = [_split(chunk, self.ranks) for chunk in _micro_batches(rows, budget * self.ranks)]
+        recompute = [any(self._recomputes(part, forward_only) for part in parts) for parts in chunks]
+        specs = self._slot_specs()
+        trained = () if forward_only else sorted({row.slot for row in rows})
+        grad_slots = tuple(SlotUpdate(slot, specs[slot]) for slot in trained)
+        updates = self._updates({row.slot for row in rows})
+        plans = [TrainPlan(updates, tuple((tuple(parts[rank]), again) for parts, again in zip(chunks, recompute)),
+                           forward_only, grad_slots) for rank in range(1, self.ranks)]
+
+        def own() -> list[list[tuple[torch.Tensor, torch.Tensor, float]]]:
+            self.exchanged["weights"] += broadcast_slots(self.bank.weights, updates, self._entry_index)
+            results = [self._rows_pass(parts[0], forward_only, again) for parts, again in zip(chunks, recompute)]
+            self.exchanged["gradients"] += sum_gradients(self.bank.grads, grad_slots, self._entry_index)
+            self.exchanged["gathered"] += len(chunks) * self.sharded.gathered_per_pass(backward=not forward_only)
+            return results
+
+        mine, theirs = self._on_group(plans, own)
+        ordered = []
+        for index, results in enumerate(mine):
+            ordered += results
+            for follower in theirs:
+                ordered += follower[index]
+        return ordered
+
+    def _generate_on_group(self, requests: list[SamplingRequest], slots: list[int]) -> list[SampleResult]:
+        """One generation on every rank of the group at once: each request's seed drawn here when it has none, so
+        every rank samples the same tokens (and stops when the others do)."""
+        requests = [request if request.seed is not None else dataclasses.replace(request, seed=random.getrandbits(62))
+                    for request in requests]
+        updates = self._updates({slot for slot in slots if slot != BASE_SLOT})
+        plan = SamplePlan(updates, tuple(requests), tuple(slots))
+
+        def own() -> list[SampleResult]:
+            self.exchanged["weights"] += broadcast_slots(self.bank.weights, updates, self._entry_index)
+            return sampling.generate(self.model, self._route_sampling, requests, slots, self.decode)
+
+        return self._on_group([plan] * (self.ranks - 1), own)[0]
+
+    def _on_group(self, plans: Sequence[Plan], own: Any) -> tuple[Any, list[Any]]:
+        """``own()`` here while the followers run their ``plans``; (its result, theirs). A failure on any rank
+        leaves the group's collectives out of step: the group is rebuilt, and the pass fails with a message."""
+        pending = self.peers.dispatch(plans)
+        try:
+            mine = own()
+            theirs = self.peers.collect(pending)
+        except Exception as error:
+            self.peers.failed(error)
+            raise UnavailableError(
+                f"A pass on this trainer's {self.ranks} ranks failed ({str(error).splitlines()[0][:300]}), so it did "
+                "not take effect. The trainer restarts its rank group and restores its models from their latest "
+                "checkpoint or page file; send your next request in a few seconds.") from error
+        self.exchanged["passes"] += 1
+        return mine, theirs
+
+    def _slot_specs(self) -> dict[int, LoraSpec]:
+        return {adapter.slot: adapter.spec for adapter in self.adapters.values()}
+
+    def _updates(self, slots: Collection[int]) -> tuple[SlotUpdate, ...]:
+        """The adapters of ``slots`` the followers have not seen as they are now (they will have after the pass)."""
+        specs = self._slot_specs()
+        changed = sorted(set(slots) & self._stale)
+        self._stale.difference_update(changed)
+        return tuple(SlotUpdate(slot, specs[slot]) for slot in changed)
 
     def longest_datum(self) -> int:
         """The most tokens one datum may have here: a row longer than the budget runs alone, its layers recomputed
@@ -410,6 +519,7 @@ class TorchBackend:
     def optim_step(self, commands: Sequence[Command[AdamParams]]) -> list[OptimStepResult | Exception]:
         adapters = [self._adapter(command.model_id) for command in commands]
         norms = self.optimizer.step([a.slot for a in adapters], [command.payload for command in commands])
+        self._stale.update(a.slot for a in adapters)
         self.optimizer.zero_grad([a.slot for a in adapters])
         self._grad_slots.difference_update(a.slot for a in adapters)
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
@@ -438,8 +548,11 @@ class TorchBackend:
                 except Exception as error:
                     results[i] = error
             if valid:
-                generated = sampling.generate(self.model, self._route_sampling, [commands[i].payload for i in valid],
-                                              slots, self.decode)
+                requests = [commands[i].payload for i in valid]
+                if self.peers is not None:
+                    generated = self._generate_on_group(requests, slots)
+                else:
+                    generated = sampling.generate(self.model, self._route_sampling, requests, slots, self.decode)
                 for i, result in zip(valid, generated):
                     results[i] = result
             waiting = deferred
@@ -599,13 +712,13 @@ class TorchBackend:
         self._samplers.move_to_end(path)
 
 
-def _micro_batches(rows: Sequence[tuple[int, Datum]], max_tokens: int) -> list[list[tuple[int, Datum]]]:
+def _micro_batches(rows: Sequence[TrainRow], max_tokens: int) -> list[list[TrainRow]]:
     """Consecutive rows grouped so each group's padded size (rows x longest) stays within ``max_tokens``."""
-    batches: list[list[tuple[int, Datum]]] = []
-    current: list[tuple[int, Datum]] = []
+    batches: list[list[TrainRow]] = []
+    current: list[TrainRow] = []
     longest = 0
     for row in rows:
-        length = len(row[1].tokens)
+        length = len(row.datum.tokens)
         if current and (len(current) + 1) * max(longest, length) > max_tokens:
             batches.append(current)
             current, longest = [], 0
@@ -614,6 +727,25 @@ def _micro_batches(rows: Sequence[tuple[int, Datum]], max_tokens: int) -> list[l
     if current:
         batches.append(current)
     return batches
+
+
+def _split(rows: Sequence[TrainRow], parts: int) -> list[list[TrainRow]]:
+    """``rows`` in ``parts`` consecutive parts of as equal a count as can be (the first ones longer; some may be
+    empty)."""
+    size, extra = divmod(len(rows), parts)
+    bounds = [0]
+    for part in range(parts):
+        bounds.append(bounds[-1] + size + (part < extra))
+    return [list(rows[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _padded_size(rows: Sequence[TrainRow]) -> int:
+    return len(rows) * max((len(row.datum.tokens) for row in rows), default=0)
+
+
+# What a rank with no rows in a micro-batch runs: one token, through no adapter, of zero loss.
+_IDLE_ROW = TrainRow(-1, BASE_SLOT, Datum(tokens=[0], loss_inputs={"target_tokens": [0], "weights": [0.0]}),
+                     "cross_entropy", {})
 
 
 def _padded(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

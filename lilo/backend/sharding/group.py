@@ -1,0 +1,87 @@
+"""Joining a trainer's rank group, and sharding the frozen base model over it (FSDP2 per decoder layer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# How long a rank waits in one collective for the others (they run each pass in lockstep, so a wait is a pass's
+# skew): past it the collective fails, and with it the pass, instead of blocking on a rank that died.
+COLLECTIVE_TIMEOUT_S = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankGroup:
+    """Where this process sits in its trainer's group: ``rank`` of ``world``, meeting at ``address``
+    (``tcp://host:port`` of rank 0)."""
+
+    rank: int
+    world: int
+    address: str
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedBase:
+    """What sharding left on this rank and what a pass gathers: bytes of the base weights held here (its shards
+    and the replicated rest), and bytes one rank receives to gather the layers once (``layer_gather_bytes``) and the
+    decoder's own parameters (``root_gather_bytes``: the final norm; gathered once per pass)."""
+
+    local_bytes: int
+    layer_gather_bytes: int
+    root_gather_bytes: int
+
+    def gathered_per_pass(self, backward: bool) -> int:
+        """Bytes this rank receives in FSDP's all-gathers in one pass: every layer in the forward and again in the
+        backward (each is resharded after its forward), the decoder's own parameters once."""
+        return self.root_gather_bytes + self.layer_gather_bytes * (2 if backward else 1)
+
+
+def join(group: RankGroup, device: torch.device) -> None:
+    """Join the group's default process group (blocks until all ``world`` ranks have)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=group.address, rank=group.rank, world_size=group.world,
+                            timeout=datetime.timedelta(seconds=group.timeout_s))
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_base_model(model: nn.Module, device: torch.device) -> ShardedBase:
+    """Shard ``model``'s decoder layers (and the decoder's own parameters) over the joined group, moving them to
+    ``device``; the embeddings and head stay whole, moved there too. Call before the LoRA layers wrap it: FSDP keeps
+    the frozen linears it found, and the LoRA parameters added after stay plain tensors, replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    decoder = model.get_decoder()
+    replicated = set(decoder.get_input_embeddings().parameters())
+    layer_bytes = sum(_bytes(layer.parameters()) for layer in decoder.layers)
+    root_bytes = sum(_bytes([p]) for name, p in decoder.named_parameters()
+                     if p not in replicated and not name.startswith("layers."))
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(decoder, mesh=mesh, ignored_params=replicated)
+    model.to(device)  # what FSDP left alone: the embeddings, the head, buffers
+    local = sum(_local_bytes(p) for p in model.parameters())
+    share = (world - 1) / world
+    return ShardedBase(local, int(layer_bytes * share), int(root_bytes * share))
+
+
+def _bytes(parameters) -> int:
+    return sum(p.numel() * p.element_size() for p in parameters)
+
+
+def _local_bytes(parameter: torch.Tensor) -> int:
+    local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+    return local.numel() * local.element_size()
