@@ -23,13 +23,16 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import orjson
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE, ClusterError
 from cluster.sampler_actor import sampler_name
 from cluster.sampling_plane import SamplerRelay, SamplerSeat, samplers_of, trainer_gpu_share
 from cluster.timing import TimingPublisher, get_timing_actor
+from cluster.trainer_backend import build_backend
+from cluster.trainer_ranks import rank_bundles
 from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoint_index import (
     CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, latest_weights, list_checkpoints,
@@ -113,9 +116,12 @@ class Loaded:
 # request id and write the result to the futures DB under it (``_report``), in batches with others'.
 @ray.remote(max_restarts=-1, max_concurrency=1000)
 class TrainerActor:
-    def __init__(self, name: str, base_model: str, config: TrainerConfig, samplers: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, base_model: str, config: TrainerConfig, samplers: Sequence[str] = (),
+                 ranks: int = 1) -> None:
         self.name = name
         self.base_model = base_model
+        self.ranks = ranks  # more than 1: the base sharded over this actor (rank 0) and its followers
+        self._peers: Any = None  # its followers (cluster.trainer_ranks.RankPeers)
         self._sampler_names = tuple(samplers)  # the vLLM sampler actors this trainer relays samples to
         self._relay: SamplerRelay | None = None
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
@@ -134,29 +140,18 @@ class TrainerActor:
     def _run_torch(self, config: TrainerConfig) -> None:
         lower_thread_priority(config.compute_nice)
         try:
-            # Torch is imported here, not with this module: Ray imports this module in every process that holds a
-            # trainer's handle (the API replicas, the recovery actor), and those need no torch.
-            from lilo.backend.memory_cap import cap_bytes, cap_memory
-            from lilo.backend.batch_tokens import size_batch_tokens
-            from lilo.backend.models import load_base_model, load_decoder, model_directory, resolve_device
-            from lilo.backend.paging import host_adapter_bytes
-            from lilo.backend.torch_backend import TorchBackend
+            group = None
+            if self.ranks > 1:
+                from cluster.trainer_ranks import RankPeers
 
-            directory = model_directory(self.base_model, config.model_cache_dir)
-            backend = TorchBackend(load_base_model(directory, resolve_device(config.device)),
-                                   max_adapters=config.max_adapters, max_rank=config.max_rank,
-                                   sampler_slots=config.sampler_slots, checkpoint_dir=config.checkpoint_dir,
-                                   base_model_name=self.base_model, decode=load_decoder(directory),
-                                   host_adapter_bytes=host_adapter_bytes(config.host_adapter_mb),
-                                   disk_adapter_bytes=int(config.disk_adapter_gb * 2**30),
-                                   page_dir=config.page_dir / self.name if config.page_dir else None)
-            # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
-            free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
-            backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(
-                backend.model, backend.device, backend.slot_state_bytes(), free_under_cap)
-            logger.info("%s: passes of at most %d padded tokens%s", self.name, backend.max_batch_tokens,
-                        "" if config.max_batch_tokens else " (sized from the device's free memory)")
-            engine = Engine(backend, token_budget=backend.max_batch_tokens,
+                self._peers = RankPeers(self.name, self.base_model, config, self.ranks, ray_gpus())
+                group = self._peers.group
+            backend = build_backend(self.name, self.base_model, config, group)
+            if self._peers is not None:
+                self._peers.ready()
+                backend.peers = self._peers
+            # One execution fills every rank's pass.
+            engine = Engine(backend, token_budget=backend.max_batch_tokens * self.ranks,
                             window_cap_ms=config.coalesce_window_ms, start=False)
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
@@ -206,11 +201,23 @@ class TrainerActor:
         backend = loaded.backend
         eos = backend.model.config.eos_token_id
         room = backend.room_by_tier()
-        return {"name": self.name, "base_model": self.base_model, "free_slots": room.total, "room": room._asdict(),
+        return {"name": self.name, "base_model": self.base_model, "ranks": self.ranks,
+                "free_slots": room.total, "room": room._asdict(),
                 "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu": bool(ray.get_gpu_ids()), "pid": os.getpid(),
                 "backend_ready_s": loaded.engine.timings.gauges()[BACKEND_READY],
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
+
+    async def rank_info(self) -> list[dict[str, Any]]:
+        """Each rank of this trainer: where it runs (node, pid, GPU) and what it holds (``rank_memory``), rank 0
+        first; with the bytes the group exchanged so far on rank 0's (``TorchBackend.exchanged``)."""
+        from cluster.trainer_ranks import rank_memory
+
+        backend = (await self._loaded()).backend
+        own = {"rank": 0, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+               "gpu": bool(ray.get_gpu_ids()), **rank_memory(backend), "exchanged": dict(backend.exchanged)}
+        followers = await asyncio.to_thread(self._peers.ready) if self._peers is not None else []
+        return [own, *followers]
 
     async def sampling(self) -> dict[str, Any]:
         """Its vLLM samplers (which are ready, what each has loaded) and how many samples each engine answered,
@@ -533,17 +540,37 @@ def completion_for(kind: Kind, request_id: int, done: Future,
 
 
 def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpus: float = 0,
-                  num_cpus: float = 1, node_id: str | None = None,
-                  samplers: Sequence[str] = ()) -> ray.actor.ActorHandle:
+                  num_cpus: float = 1, node_id: str | None = None, samplers: Sequence[str] = (),
+                  ranks: int = 1) -> ray.actor.ActorHandle:
     """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist. With
     ``node_id`` it lives on that node only: Ray restarts it there if its process dies, and it dies with the node
-    (the reconciler starts trainers on the nodes that are left or join)."""
+    (the reconciler starts trainers on the nodes that are left or join). With ``ranks`` > 1 it spans that many
+    GPUs (CPUs without GPUs) of one node: a placement group of one bundle per rank, the trainer in the first."""
     name = trainer_name(index)
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    if ranks > 1:
+        strategy = PlacementGroupSchedulingStrategy(rank_placement_group(name, ranks, num_gpus),
+                                                    placement_group_bundle_index=0)
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-                                lifetime="detached", scheduling_strategy=strategy).remote(name, base_model, config,
-                                                                                          tuple(samplers))
+                                lifetime="detached", scheduling_strategy=strategy).remote(
+                                    name, base_model, config, tuple(samplers), ranks)
+
+
+def rank_placement_group(trainer: str, ranks: int, gpus: float) -> PlacementGroup:
+    """The placement group of a sharded trainer (``<trainer>-ranks``, detached like the trainer): a pending one
+    is what asks the autoscaler for a node with ``ranks`` GPUs. One left by an earlier trainer of that name goes."""
+    name = f"{trainer}-ranks"
+    try:
+        remove_placement_group(ray.util.get_placement_group(name))
+    except ValueError:
+        pass
+    return placement_group(rank_bundles(ranks, gpus), strategy="STRICT_PACK", name=name, lifetime="detached")
+
+
+def ray_gpus() -> float:
+    """The GPUs Ray gave this process (a share of one, for a trainer beside a vLLM sampler)."""
+    return ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
 
 
 def start_trainers(settings: Settings, seats: Sequence[SamplerSeat] = ()) -> list[ray.actor.ActorHandle]:
@@ -554,7 +581,8 @@ def start_trainers(settings: Settings, seats: Sequence[SamplerSeat] = ()) -> lis
     gpus = bool(ray.cluster_resources().get("GPU", 0))
     config = TrainerConfig.from_settings(settings)
     return [start_trainer(index, model, config, num_gpus=trainer_gpu_share(settings.samplers, gpus), num_cpus=1,
-                          samplers=samplers_of(trainer_name(index), seats, sampler_name))
+                          samplers=samplers_of(trainer_name(index), seats, sampler_name),
+                          ranks=settings.ranks_of(model))
             for index, model in enumerate(trainer_layout(settings))]
 
 

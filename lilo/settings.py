@@ -41,6 +41,9 @@ class Settings:
     trainers: int | None = None
     # Adapter slots per trainer: how many training models one trainer holds at once.
     max_adapters: int = 16
+    # Devices (processes on CPU) per trainer, the base model sharded over them (lilo.backend.sharding): "N" for
+    # every base model, with "MODEL=N" overrides after it, comma-separated ("1,big/model=4").
+    trainer_ranks: str = "1"
     # The largest LoRA rank a model may have on a trainer: every adapter slot holds this rank's weights, gradients
     # and optimizer moments from the start, so memory grows with it as with the slots. A model of a larger rank is
     # refused, with a message naming this maximum.
@@ -145,7 +148,17 @@ class Settings:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
+    def ranks_of(self, base_model: str) -> int:
+        """How many ranks a trainer of ``base_model`` spans (``trainer_ranks``)."""
+        default, overrides = parse_trainer_ranks(self.trainer_ranks)
+        return overrides.get(base_model, default)
+
     def validate(self) -> "Settings":
+        default, overrides = parse_trainer_ranks(self.trainer_ranks)
+        strangers = sorted(set(overrides) - set(self.base_models))
+        if strangers:
+            raise SettingsError(f"--trainer-ranks names {', '.join(strangers)}, which no --base-model serves; name "
+                                f"one of {', '.join(self.base_models)}.")
         for name in ("http_port", "dashboard_port"):
             port = getattr(self, name)
             if not 1 <= port <= 65535:
@@ -230,6 +243,25 @@ class Settings:
         return self
 
 
+def parse_trainer_ranks(raw: str) -> tuple[int, dict[str, int]]:
+    """``--trainer-ranks``: (the ranks of every base model, the ranks of those named ``MODEL=N``)."""
+    default, overrides = 1, {}
+    for part in (part.strip() for part in raw.split(",") if part.strip()):
+        name, _, count = part.rpartition("=")
+        try:
+            ranks = int(count)
+        except ValueError:
+            ranks = 0
+        if ranks < 1:
+            raise SettingsError(f"--trainer-ranks takes N or MODEL=N with N at least 1, comma-separated; {part!r} "
+                                "is neither.")
+        if name:
+            overrides[name.strip()] = ranks
+        else:
+            default = ranks
+    return default, overrides
+
+
 def flag(raw: str) -> bool:
     """An on/off environment variable: 1, true or yes; 0, false or no."""
     if raw.lower() in ("1", "true", "yes"):
@@ -247,6 +279,7 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_NUM_CPUS": ("num_cpus", int),
     "LILO_TRAINERS": ("trainers", int),
     "LILO_MAX_ADAPTERS": ("max_adapters", int),
+    "LILO_TRAINER_RANKS": ("trainer_ranks", str),
     "LILO_MAX_RANK": ("max_rank", int),
     "LILO_SAMPLER_SLOTS": ("sampler_slots", int),
     "LILO_SAMPLERS": ("samplers", float),

@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--dashboard-port", type=int, help="Ray dashboard port (default 8265)")
     up.add_argument("--num-cpus", type=int, help="CPUs the local Ray head offers (default: all)")
     up.add_argument("--trainers", type=int, help="trainer actors (default: one per GPU, or one without GPUs)")
+    up.add_argument("--trainer-ranks",
+                    help="devices per trainer, the base model sharded over them (one GPU each; on CPU one process "
+                         "each): N, or N,MODEL=N,... per base model (default 1)")
     up.add_argument("--max-adapters", type=int, help="adapter slots per trainer: models it holds at once (default 16)")
     up.add_argument("--max-rank", type=int,
                     help="largest LoRA rank a model may have; every adapter slot holds memory for this rank "
@@ -154,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "max_adapters",
+    fields = ("home", "http_host", "http_port", "dashboard_port", "num_cpus", "trainers", "trainer_ranks",
+              "max_adapters",
               "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "max_batch_tokens", "coalesce_window_ms",
               "trainer_memory_gb", "host_adapter_mb", "disk_adapter_gb",
               "base_models",

@@ -61,7 +61,7 @@ def local_cluster() -> Iterator[RunningCluster]:
     keys_file = cluster.home / "api-keys"
     keys_file.write_text(API_KEYS_FILE)
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
-            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "6", "--trainers", "2",
+            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "8", "--trainers", "2",
             "--api-keys-file", str(keys_file),
             # Few tests unload their models, and a restarted recovery actor restores the ones tests placed on
             # trainers that never existed: room for all of them, whichever test runs when.

@@ -52,12 +52,14 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_base_model(source: str | Path, device: torch.device | str = "cpu") -> nn.Module:
-    """``from_pretrained`` on a directory or hub id, onto ``device`` in its compute dtype; the weights are frozen."""
+def load_base_model(source: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """``from_pretrained`` on a directory or hub id, onto ``device`` in ``dtype`` (default: the device's compute
+    dtype); the weights are frozen."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=compute_dtype(device)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype or compute_dtype(device)).to(device)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model.eval()

@@ -1,0 +1,53 @@
+"""Building a trainer's ``TorchBackend`` on its torch thread: the same for a 1-rank trainer and for each rank of a
+sharded one (``cluster.trainer_ranks``). Torch is imported inside: Ray imports the actor modules in processes that
+hold a trainer's handle and need no torch."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.trainer_actor import TrainerConfig
+    from lilo.backend.sharding.group import RankGroup
+
+logger = logging.getLogger(__name__)
+
+
+def build_backend(name: str, base_model: str, config: TrainerConfig, group: RankGroup | None = None) -> Any:
+    """The backend of trainer ``name`` (or of its rank ``group.rank``): the base model loaded onto this process's
+    device (sharded over ``group`` when given, after joining it), its adapter slots, its pass budget."""
+    from lilo.backend.batch_tokens import size_batch_tokens
+    from lilo.backend.memory_cap import cap_bytes, cap_memory
+    from lilo.backend.models import compute_dtype, load_base_model, load_decoder, model_directory, resolve_device
+    from lilo.backend.paging import host_adapter_bytes
+    from lilo.backend.sharding.group import join, shard_base_model
+    from lilo.backend.torch_backend import TorchBackend
+
+    directory = model_directory(base_model, config.model_cache_dir)
+    device = resolve_device(config.device)
+    sharded = None
+    if group is None:
+        model = load_base_model(directory, device)
+    else:
+        join(group, device)
+        # Whole in host memory first, then each layer's shard onto the device: no device ever holds the whole model.
+        model = load_base_model(directory, "cpu", dtype=compute_dtype(device))
+        sharded = shard_base_model(model, device)
+    follower = group is not None and group.rank > 0
+    page_dir = config.page_dir / name if config.page_dir and not follower else None
+    backend = TorchBackend(model, max_adapters=config.max_adapters, max_rank=config.max_rank,
+                           sampler_slots=config.sampler_slots, checkpoint_dir=config.checkpoint_dir,
+                           base_model_name=base_model, decode=load_decoder(directory),
+                           host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
+                           disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),
+                           page_dir=page_dir, sharded=sharded)
+    # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
+    free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
+    backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(
+        backend.model, backend.device, backend.slot_state_bytes(), free_under_cap)
+    if not follower:
+        logger.info("%s: passes of at most %d padded tokens%s%s", name, backend.max_batch_tokens,
+                    "" if config.max_batch_tokens else " (sized from the device's free memory)",
+                    f" per rank, over {group.world} ranks" if group else "")
+    return backend
