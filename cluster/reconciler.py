@@ -50,7 +50,9 @@ from cluster.scaling import GpuNode, Seat, config_has_gpu_workers, may_request_t
 from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler
 from cluster.sampling_plane import sampler_config, trainer_gpu_share
 from cluster.timing import get_timing_actor
-from cluster.trainer_actor import TRAINER_PREFIX, TrainerConfig, start_trainer, trainer_name
+from cluster.trainer_actor import (
+    TRAINER_PREFIX, TrainerConfig, remove_rank_placement_group, start_trainer, trainer_name,
+)
 from lilo.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -345,6 +347,7 @@ def _kill_actor(name: str, handle: Callable[[], ActorHandle]) -> None:
         ray.kill(handle(), no_restart=True)
     except Exception as error:  # gone already
         logger.info("%s could not be killed (%s)", name, error)
+    remove_rank_placement_group(name)
 
 
 def scaling_config(settings: Settings, follow_gpus: bool) -> ScalingConfig:

@@ -214,9 +214,11 @@ def stop_service(settings: Settings, serve_app: Callable[[], ServeApp], progress
         if settings.ray_address is not None:
             from cluster.futures_actor import FUTURES_ACTOR_NAME
             from cluster.timing import TIMING_ACTOR_NAME
+            from cluster.trainer_actor import remove_rank_placement_group
 
             for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *trainer_names(), *sampler_names()):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+                remove_rank_placement_group(name)
     except Exception as error:  # the cluster may already be half gone; Ray's shutdown below still runs
         progress(f"Serve shutdown failed ({error}); stopping Ray anyway")
     if settings.ray_address is None:

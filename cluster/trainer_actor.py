@@ -153,6 +153,8 @@ class TrainerActor:
             # One execution fills every rank's pass.
             engine = Engine(backend, token_budget=backend.max_batch_tokens * self.ranks,
                             window_cap_ms=config.coalesce_window_ms, start=False)
+            if self._peers is not None:
+                self._peers.on_failure = engine.stop
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
             publisher = TimingPublisher(engine.timings, self.name, get_timing_actor()).start()
@@ -560,12 +562,18 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
 def rank_placement_group(trainer: str, ranks: int, gpus: float) -> PlacementGroup:
     """The placement group of a sharded trainer (``<trainer>-ranks``, detached like the trainer): a pending one
     is what asks the autoscaler for a node with ``ranks`` GPUs. One left by an earlier trainer of that name goes."""
-    name = f"{trainer}-ranks"
+    remove_rank_placement_group(trainer)
+    return placement_group(rank_bundles(ranks, gpus), strategy="STRICT_PACK", name=f"{trainer}-ranks",
+                           lifetime="detached")
+
+
+def remove_rank_placement_group(trainer: str) -> None:
+    """Free the GPUs (CPUs) a sharded trainer's placement group holds, once the trainer is gone for good; none
+    is fine (a trainer of one rank has no group)."""
     try:
-        remove_placement_group(ray.util.get_placement_group(name))
+        remove_placement_group(ray.util.get_placement_group(f"{trainer}-ranks"))
     except ValueError:
         pass
-    return placement_group(rank_bundles(ranks, gpus), strategy="STRICT_PACK", name=name, lifetime="detached")
 
 
 def ray_gpus() -> float:

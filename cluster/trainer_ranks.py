@@ -4,8 +4,9 @@ A trainer of N ranks is its ``TrainerActor`` (rank 0) and N - 1 ``RankActor``s, 
 placement group ``start_trainer`` made for it (one GPU each, packed on one node; on CPU one CPU each). Rank 0
 starts them as it starts: they are its own actors, so they die with its process, and a restarted rank 0 starts a
 fresh group. A pass that fails on any rank (one died, a collective timed out) leaves the group out of step, so
-rank 0 then exits after a moment (its failed commands' results written first), Ray restarts it in its bundle, and
-the recovery actor restores its models as after any trainer restart (``cluster.recovery``).
+rank 0 then stops its engine (what is queued fails), exits after a moment (the failures' results written first),
+Ray restarts it in its bundle, and the recovery actor restores its models as after any trainer restart
+(``cluster.recovery``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
@@ -104,6 +105,8 @@ class RankPeers:
                     trainer, base_model, config, RankGroup(rank, ranks, self.group.address))
             for rank in range(1, ranks)]
         self._broken: BaseException | None = None
+        # Called once a pass failed: the trainer stops its engine, so nothing queued runs on the broken group.
+        self.on_failure: Callable[[], None] = lambda: None
 
     def ready(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         return ray.get([actor.ready.remote() for actor in self.actors], timeout=timeout_s)
@@ -124,3 +127,4 @@ class RankPeers:
         logger.error("%s: a pass on its rank group failed (%s); restarting the group in %.0f s", self.trainer, error,
                      EXIT_AFTER_FAILURE_S)
         threading.Timer(EXIT_AFTER_FAILURE_S, os._exit, args=(1,)).start()
+        self.on_failure()

@@ -24,6 +24,9 @@ from lilo.settings import load_settings  # noqa: E402
 # Llama with SmolLM2's vocabulary and chat tokenizer, so the demo runs on it too.
 TINY_DIRECTORY = Path(tempfile.gettempdir()) / f"lilo-tiny-dir-{os.getpid()}"
 BASE_MODELS = ("lilo/tiny-llama", str(TINY_DIRECTORY))
+# The session cluster's trainers of this base model span two ranks (its decoder sharded over two processes): every
+# test on it (the cookbook's recipes, the OpenAI API, sampling, paging) runs on a sharded trainer.
+SHARDED_BASE_MODEL = str(TINY_DIRECTORY)
 # The session cluster runs with API keys: the tests' and the demo's keys are the tenant "local" (so they work as in
 # local mode), and two more tenants try each other's things (test_tenants.py). Local mode itself is tested without
 # a cluster (test_api_key_gate.py) and by the two-node cluster (test_two_nodes.py), which runs without keys.
@@ -61,7 +64,8 @@ def local_cluster() -> Iterator[RunningCluster]:
     keys_file = cluster.home / "api-keys"
     keys_file.write_text(API_KEYS_FILE)
     args = ["up", "--detach", "--home", str(cluster.home), "--port", str(cluster.http_port),
-            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "8", "--trainers", "2",
+            "--dashboard-port", str(cluster.dashboard_port), "--num-cpus", "10", "--trainers", "2",
+            "--trainer-ranks", f"1,{SHARDED_BASE_MODEL}=2",
             "--api-keys-file", str(keys_file),
             # Few tests unload their models, and a restarted recovery actor restores the ones tests placed on
             # trainers that never existed: room for all of them, whichever test runs when.

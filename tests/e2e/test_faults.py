@@ -26,6 +26,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.recovery import RECOVERY_ACTOR_NAME
+from conftest import SHARDED_BASE_MODEL
 from helpers import retrieve_finished, unload_models
 
 pytestmark = pytest.mark.disruptive
@@ -175,6 +176,43 @@ def test_a_trainer_that_died_while_the_recovery_actor_was_down_is_recovered_when
     assert event["models"][client.model_id][1].endswith("/weights/before-both-died")
     assert forward_loss(client, 99) == pytest.approx(checkpoint_loss, rel=1e-6)
     train_step(client, 2)
+
+
+def test_a_rank_killed_mid_pass_fails_its_groups_futures_and_the_group_comes_back(service, ray_driver, created):
+    client = created(service.create_lora_training_client(base_model=SHARDED_BASE_MODEL, rank=4).result(timeout=120))
+    trainer, _ = owner_pid(client.model_id)
+    ranks = ray.get(ray.get_actor(trainer, namespace=NAMESPACE).rank_info.remote(), timeout=60)
+    assert [rank["rank"] for rank in ranks] == [0, 1]
+    train_step(client, 1)
+    client.save_state("before-rank-died").result(timeout=120)
+    checkpoint_loss = forward_loss(client, 99)
+
+    big = [datum(seed, 257) for seed in range(48)]
+    started = time.monotonic()
+    client.forward(big, "cross_entropy").result(timeout=120)
+    pass_s = time.monotonic() - started  # a forward_backward of it takes longer: killed at this, it is mid-pass
+    in_flight = [client.forward_backward(big, "cross_entropy"),
+                 client.optim_step(types.AdamParams(learning_rate=1e-2))]
+    time.sleep(pass_s)
+    killed_at = time.monotonic()
+    kill(ranks[1]["pid"])  # the follower: rank 0 finds its collectives broken
+    for future in in_flight:
+        with pytest.raises(tinker.RequestFailedError) as failed:
+            future.result(timeout=FUTURES_END_WITHIN_S)
+        assert failed.value.category == "server"
+        # The pass under way fails as the group's; what was queued behind it never runs on the broken group.
+        assert ("on this trainer's 2 ranks failed" in failed.value.message
+                or "stopped before request" in failed.value.message
+                or f"Trainer {trainer} stopped before this request finished" in failed.value.message), failed.value
+    assert time.monotonic() - killed_at < FUTURES_END_WITHIN_S
+
+    # The group is rebuilt (a new rank 0, a new follower) and the model is restored from its checkpoint.
+    (event,) = recoveries_of(client.model_id)
+    assert event["trainer"] == trainer and event["models"][client.model_id][1].endswith("/weights/before-rank-died")
+    assert forward_loss(client, 99) == pytest.approx(checkpoint_loss, rel=1e-5)
+    train_step(client, 4)
+    rebuilt = ray.get(ray.get_actor(trainer, namespace=NAMESPACE).rank_info.remote(), timeout=60)
+    assert len(rebuilt) == 2 and not {rank["pid"] for rank in rebuilt} & {rank["pid"] for rank in ranks}
 
 
 def test_killing_the_futures_db_actor_loses_no_acknowledged_request(service, ray_driver, created):
