@@ -142,7 +142,7 @@ class ReconcilerActor:
             where = await handle.describe.remote()
             if name not in self._handles:  # forgotten meanwhile (its node left)
                 return
-            self._place_seat(name, where["base_model"], where["node_id"], where["gpu"])
+            self._place_seat(name, where["base_model"], where["node_id"], where["gpu"], where.get("ranks", 1))
             if base_model is not None and self._config.sampler_share:  # one this reconciler started
                 self._start_sampler_beside(name, base_model, where["node_id"])
             info = await handle.ready.remote()
@@ -156,10 +156,10 @@ class ReconcilerActor:
             self._note("trainer_ready", name, self._seats[name].node_id)
             logger.warning("trainer %s is ready on node %s (%s)", name, info["node_id"], info["base_model"])
 
-    def _place_seat(self, name: str, base_model: str, node_id: str, gpu: bool) -> None:
+    def _place_seat(self, name: str, base_model: str, node_id: str, gpu: bool, ranks: int = 1) -> None:
         if name not in self._pinned and self._left_free.get(node_id, 0) > 0:
             self._left_free[node_id] -= 1  # a demanded trainer took a GPU an idle one had left free
-        self._seats[name] = Seat(name, base_model, node_id, ready=False, gpu=gpu)
+        self._seats[name] = Seat(name, base_model, node_id, ready=False, gpu=gpu, ranks=ranks)
 
     def _forget(self, name: str) -> None:
         for table in (self._seats, self._handles, self._free_slots):
@@ -325,6 +325,7 @@ class ReconcilerActor:
                      else "starting" if not seat.ready else "idle" if seat.models == 0 else "ready")
             node = nodes.get(seat.node_id or "", {})
             trainers.append({"name": name, "base_model": seat.base_model, "state": state, "gpu": seat.gpu,
+                             "ranks": seat.ranks,
                              "node_id": seat.node_id, "node_ip": node.get("NodeManagerAddress"), "models": seat.models,
                              "free_slots": self._free_slots.get(name), "sampling": sampling.get(name)})
         return {"follow_gpus": self._config.follow_gpus, "gpus": self._gpus, "counts": self.counts(),
@@ -367,10 +368,11 @@ def start_reconciler(config: ScalingConfig) -> ActorHandle:
 
 def follows_gpus(settings: Settings) -> bool:
     """Whether the trainers follow the GPUs: as set, else on an existing cluster (--address), whose GPU nodes may
-    come and go, unless --trainers or whole-GPU --samplers fix the layout."""
+    come and go, unless --trainers, whole-GPU --samplers or sharded trainers (--trainer-ranks) fix the layout."""
     if settings.follow_gpus is not None:
         return settings.follow_gpus
-    return settings.ray_address is not None and settings.trainers is None and settings.samplers < 1
+    return (settings.ray_address is not None and settings.trainers is None and settings.samplers < 1
+            and settings.most_ranks == 1)
 
 
 def starts_cpu_trainers(settings: Settings) -> bool:

@@ -38,6 +38,8 @@ class Seat:
     idle_since: float | None = None
     # Whether it holds a GPU: False for a CPU trainer, started at deploy on a cluster that had no GPU yet.
     gpu: bool = True
+    # Devices it spans (its base sharded over them; its followers in its placement group, on its node).
+    ranks: int = 1
 
 
 def trainers_to_start(nodes: Sequence[GpuNode], seats: Sequence[Seat], base_models: Sequence[str],

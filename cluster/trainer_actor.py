@@ -194,7 +194,7 @@ class TrainerActor:
         """Its name, base model, node and whether it holds a GPU, at once (``ready`` waits for the base model to
         load): the reconciler learns from this where Ray placed a trainer it started."""
         return {"name": self.name, "base_model": self.base_model, "node_id": ray.get_runtime_context().get_node_id(),
-                "gpu": bool(ray.get_gpu_ids())}
+                "gpu": bool(ray.get_gpu_ids()), "ranks": self.ranks}
 
     async def ready(self) -> dict[str, Any]:
         """Waits for the base model; says what this trainer serves."""
@@ -610,8 +610,8 @@ def trainer_layout(settings: Settings) -> list[str]:
     """The base model of each trainer ``start_trainers`` starts, by index."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
     models = settings.base_models
-    if gpus:
-        count = max(settings.trainers or gpus, len(models))
+    if gpus:  # by default as many as the GPUs hold, a trainer of N ranks taking N
+        count = max(settings.trainers or max(1, gpus // settings.most_ranks), len(models))
         return [models[index % len(models)] for index in range(count)]
     return [model for model in models for _ in range(settings.trainers or 1)]
 

@@ -48,8 +48,8 @@ def rank_memory(backend: Any) -> dict[str, int]:
 
     import torch
 
-    base = backend.sharded.local_bytes if backend.sharded else sum(
-        p.numel() * p.element_size() for p in backend.model.parameters())
+    base = backend.sharded.local_bytes if backend.sharded else sum(  # the frozen ones: not the LoRA bank's views
+        p.numel() * p.element_size() for p in backend.model.parameters() if not p.requires_grad)
     if backend.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(backend.device)
     else:

@@ -153,8 +153,17 @@ class Settings:
         default, overrides = parse_trainer_ranks(self.trainer_ranks)
         return overrides.get(base_model, default)
 
+    @property
+    def most_ranks(self) -> int:
+        """The most ranks any base model's trainers span."""
+        return max(map(self.ranks_of, self.base_models))
+
     def validate(self) -> "Settings":
         default, overrides = parse_trainer_ranks(self.trainer_ranks)
+        if self.follow_gpus and (default > 1 or any(ranks > 1 for ranks in overrides.values())):
+            raise SettingsError("Trainers that follow the GPUs are one GPU each for now; to shard a base model over "
+                                "several GPUs (--trainer-ranks), fix the trainers with --no-follow-gpus and "
+                                "--trainers N.")
         strangers = sorted(set(overrides) - set(self.base_models))
         if strangers:
             raise SettingsError(f"--trainer-ranks names {', '.join(strangers)}, which no --base-model serves; name "

@@ -348,7 +348,7 @@ def _cluster_view(settings: Settings, state: ClusterState) -> tuple[bool, dict |
 
 def trainer_lines(status: dict) -> list[str]:
     """``lilo status``'s trainers: counts, then per node each trainer with its base model (and "on CPU" for one that
-    holds no GPU), state, models and free adapter slots."""
+    holds no GPU, and the ranks of a sharded one), state, models and free adapter slots."""
     counts = status["counts"]
     mode = "following the cluster's GPUs" if status["follow_gpus"] else "a fixed set"
     lines = [f"  Trainers:    {counts['ready']} ready ({counts['idle']} idle), {counts['starting']} starting, "
@@ -362,6 +362,8 @@ def trainer_lines(status: dict) -> list[str]:
         for trainer in trainers:
             slots = "" if trainer["free_slots"] is None else f", {trainer['free_slots']} free slot(s)"
             device = "" if trainer["gpu"] else " on CPU"
+            if trainer.get("ranks", 1) > 1:
+                device += f" over {trainer['ranks']} ranks ({'GPUs' if trainer['gpu'] else 'processes'})"
             lines.append(f"      {trainer['name']}: {trainer['base_model']}{device}, {trainer['state']}, "
                          f"{trainer['models']} model(s){slots}{sampler_note(trainer.get('sampling'))}")
     return lines

@@ -45,6 +45,10 @@ def test_base_models_from_environment_keep_their_order():
         ({"trainer_wait_s": -1}, "--trainer-wait must be 0 or more seconds"),
         ({"follow_gpus": True, "ray_address": "auto", "trainers": 2}, "--trainers fixes how many trainers run"),
         ({"follow_gpus": True}, "--follow-gpus needs a cluster whose GPU nodes come and go"),
+        ({"trainer_ranks": "0"}, "--trainer-ranks takes N or MODEL=N with N at least 1"),
+        ({"trainer_ranks": "2,other/model=4"}, "--trainer-ranks names other/model, which no --base-model serves"),
+        ({"trainer_ranks": "2", "follow_gpus": True, "ray_address": "auto"},
+         "Trainers that follow the GPUs are one GPU each for now"),
     ],
 )
 def test_invalid_settings_say_what_to_change(overrides, message):
@@ -141,3 +145,11 @@ def test_the_pass_budget_and_the_coalescing_window_come_from_the_environment_or_
         load_settings(env={}, max_batch_tokens=0)
     with pytest.raises(SettingsError, match=r"--coalesce-window-ms must be 0 \(no window\) or more, got -5"):
         load_settings(env={}, coalesce_window_ms=-5)
+
+
+def test_trainer_ranks_apply_to_every_base_model_unless_one_is_named():
+    settings = load_settings(env={"LILO_TRAINER_RANKS": "2,lilo/tiny-llama=4"},
+                             base_models=["lilo/tiny-llama", DEFAULT_BASE_MODEL])
+    assert (settings.ranks_of("lilo/tiny-llama"), settings.ranks_of(DEFAULT_BASE_MODEL)) == (4, 2)
+    assert settings.most_ranks == 4
+    assert load_settings(env={}).ranks_of(DEFAULT_BASE_MODEL) == 1

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.local import ClusterState, SupervisorLock, write_state
 from cluster.ports import free_ports
+from conftest import SHARDED_BASE_MODEL
 from helpers import imported_top_levels, lilo, short_home
 from lilo.settings import load_settings
 
@@ -55,6 +56,8 @@ def test_status_reports_a_running_cluster(local_cluster):
     assert local_cluster.api_url in result.stdout
     assert "healthz: ok" in result.stdout
     assert "  Trainers:    " in result.stdout and "lilo-trainer-0: lilo/tiny-llama" in result.stdout
+    # The session cluster's sharded base model: each of its trainers says it spans two rank processes.
+    assert f"{SHARDED_BASE_MODEL} on CPU over 2 ranks (processes)" in result.stdout, result.stdout
 
 
 def test_the_lilo_command_imports_no_ray_before_it_prepares_rays_environment():
