@@ -66,7 +66,7 @@ def worker(case: dict, cap_gb: float) -> None:
     torch.manual_seed(0)
     backend = TorchBackend(load_base_model(smollm2_directory()), max_adapters=2, max_rank=8)
     if case["budget"] == "default":
-        from lilo.backend.batch_tokens import size_batch_tokens
+        from lilo.backend.training.batch_tokens import size_batch_tokens
 
         backend.max_batch_tokens = size_batch_tokens(backend.model, backend.device, backend.slot_state_bytes())
     else:
@@ -123,7 +123,7 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker), args.cap_gb)
         return
-    from lilo.backend.batch_tokens import activation_bytes_per_token
+    from lilo.backend.training.batch_tokens import activation_bytes_per_token
     from lilo.backend.models import smollm2_directory
 
     from transformers import AutoConfig

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from lilo.backend.checkpoint_paths import local_directory
-from lilo.backend.lora import BASE_SLOT
+from lilo.backend.checkpoints.paths import local_directory
+from lilo.backend.adapters.lora import BASE_SLOT
 from lilo.backend.models import load_base_model, smollm2_directory
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput

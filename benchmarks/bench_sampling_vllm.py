@@ -41,8 +41,8 @@ def default_workload(directory: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig
 
-    from lilo.backend.checkpoints import AdapterState, write_peft
-    from lilo.backend.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+    from lilo.backend.checkpoints.state import AdapterState, write_peft
+    from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
     from lilo.backend.models import model_directory
     from lilo.backend.registry import DEFAULT_BASE_MODEL
     from lilo.backend.types import LoraSpec

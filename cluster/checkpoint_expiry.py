@@ -16,7 +16,7 @@ from typing import Sequence
 from ray.actor import ActorHandle
 
 from cluster.placement import ask_file_keeper
-from lilo.backend.checkpoint_index import checkpoint_path_parts
+from lilo.backend.checkpoints.index import checkpoint_path_parts
 from lilo.errors import NotFoundError
 
 logger = logging.getLogger(__name__)

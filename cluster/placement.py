@@ -13,7 +13,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cluster.local import NAMESPACE
-from lilo.backend.paging import Room
+from lilo.backend.paging.policy import Room
 from lilo.errors import InvalidRequestError, SaturatedError, UnavailableError
 
 

@@ -48,7 +48,7 @@ from cluster.local import NAMESPACE
 from cluster.placement import choose_trainer, free_slots, models_placed, named_actor, trainer_facts
 from cluster.reconciler import RECONCILER_ACTOR_NAME, REGISTRY_REFRESH_S
 from cluster.unloading import unload_models
-from lilo.backend.paging import Room
+from lilo.backend.paging.policy import Room
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError, LiloError
 from lilo.futures.store import DisplacedModel

@@ -35,7 +35,7 @@ import ray
 
 from cluster.placement import named_actor
 from cluster.sampler_actor import SamplerConfig
-from lilo.backend.checkpoint_paths import TINKER_SCHEME, local_directory
+from lilo.backend.checkpoints.paths import TINKER_SCHEME, local_directory
 from lilo.backend.types import SamplingRequest
 from lilo.backend.vllm_sampler import vllm_unsupported
 from lilo.engine.commands import Command

@@ -34,12 +34,12 @@ from cluster.timing import TimingPublisher, get_timing_actor
 from cluster.trainer_backend import build_backend
 from cluster.trainer_ranks import rank_bundles
 from cluster.worker_setup import freeze_startup
-from lilo.backend.checkpoint_index import (
+from lilo.backend.checkpoints.index import (
     CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, latest_weights, list_checkpoints,
     read_checkpoint_file, weights_spec,
 )
-from lilo.backend.page_files import PageFile, delete_page_files, find_page_files
-from lilo.backend.paging import page_file_wins
+from lilo.backend.paging.files import PageFile, delete_page_files, find_page_files
+from lilo.backend.paging.policy import page_file_wins
 from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
@@ -78,7 +78,7 @@ class TrainerConfig:
     # None: the backend's temporary directory (tests), or the default model cache.
     checkpoint_dir: Path | None = None
     model_cache_dir: Path | None = None
-    # Paging (lilo.backend.paging): host memory per trainer (None: a share of its node's), disk per trainer, and
+    # Paging (lilo.backend.paging.policy): host memory per trainer (None: a share of its node's), disk per trainer, and
     # the directory under which each trainer keeps its page files (None: beside the checkpoints). 0 and 0: none.
     host_adapter_mb: int | None = 0
     disk_adapter_gb: float = 0.0
@@ -86,7 +86,7 @@ class TrainerConfig:
     # Padded tokens per pass (None: sized from the device's free memory) and the coalescing window's cap.
     max_batch_tokens: int | None = None
     coalesce_window_ms: float = DEFAULT_WINDOW_CAP_MS
-    # The trainer process's memory cap in GB (lilo.backend.memory_cap; None: the default, 0: none).
+    # The trainer process's memory cap in GB (lilo.backend.training.memory_cap; None: the default, 0: none).
     memory_gb: float | None = None
 
     @classmethod
@@ -339,7 +339,7 @@ class TrainerActor:
         """Restore ``model_id`` from its newest page file (``pages[0]``), its load run under the seq before
         ``next_seq``; the file's path. None when the file does not read back whole (nothing created then), or its
         load failed (the model goes on from a fresh adapter, as after a checkpoint's failed load)."""
-        from lilo.backend.page_store import PageRestore, read_page_file  # torch: this process's torch thread has it
+        from lilo.backend.paging.store import PageRestore, read_page_file  # torch: this process's torch thread has it
 
         try:
             state = await asyncio.to_thread(read_page_file, pages[0])
@@ -380,7 +380,7 @@ class TrainerActor:
         self._report(Kind.UNLOAD_MODEL, request_id, unloaded)
 
     # Checkpoints are read and deleted by the trainer of their run, where the files were written (see
-    # lilo.backend.checkpoint_index for what a multi-node cluster needs).
+    # lilo.backend.checkpoints.index for what a multi-node cluster needs).
     async def list_checkpoints(self, runs: list[str]) -> dict[str, list[CheckpointEntry]]:
         return await self._in_checkpoint_dir(lambda directory: {run: list_checkpoints(directory, run) for run in runs})
 

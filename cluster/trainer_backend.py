@@ -17,10 +17,10 @@ logger = logging.getLogger(__name__)
 def build_backend(name: str, base_model: str, config: TrainerConfig, group: RankGroup | None = None) -> Any:
     """The backend of trainer ``name`` (or of its rank ``group.rank``): the base model loaded onto this process's
     device (sharded over ``group`` when given, after joining it), its adapter slots, its pass budget."""
-    from lilo.backend.batch_tokens import size_batch_tokens
-    from lilo.backend.memory_cap import cap_bytes, cap_memory
+    from lilo.backend.training.batch_tokens import size_batch_tokens
+    from lilo.backend.training.memory_cap import cap_bytes, cap_memory
     from lilo.backend.models import compute_dtype, load_base_model, load_decoder, model_directory, resolve_device
-    from lilo.backend.paging import host_adapter_bytes
+    from lilo.backend.paging.policy import host_adapter_bytes
     from lilo.backend.sharding.group import join, shard_base_model
     from lilo.backend.torch_backend import TorchBackend
 

@@ -59,14 +59,14 @@ class Settings:
     sampler_max_loras: int = 8
     # Padded tokens one forward/backward pass holds: commands of several models coalesce into a pass up to this, and
     # a larger request runs as micro-batches of at most this. None: sized by each trainer from its device's free
-    # memory and its base model (lilo.backend.batch_tokens).
+    # memory and its base model (lilo.backend.training.batch_tokens).
     max_batch_tokens: int | None = None
     # The longest a pass that could start waits for the next commands of models stepping in rhythm with it
     # (lilo.engine.window; also never more than a quarter of the pass). 0: no window, every pass starts at once.
     coalesce_window_ms: float = 100.0
     # The most memory (GB) a trainer process may take (its data: model, adapter slots, passes); past it an
     # allocation fails and the pass that asked fails with a message, instead of the node running out and Ray
-    # killing processes. None: CPU trainers a share of their node's memory (lilo.backend.memory_cap), GPU trainers
+    # killing processes. None: CPU trainers a share of their node's memory (backend.training.memory_cap), GPU trainers
     # none; 0: no cap.
     trainer_memory_gb: float | None = None
     # Where a trainer's models beyond its slots wait, whole (weights, optimizer state, step): host memory, MB per

@@ -17,8 +17,8 @@ import uuid
 from typing import Any, AsyncIterator
 from urllib.parse import quote, urlencode
 
-from lilo.backend.checkpoint_index import EXTERNAL_WEIGHTS, checkpoint_path
-from lilo.backend.checkpoint_paths import TINKER_SCHEME, parse_tinker_path
+from lilo.backend.checkpoints.index import EXTERNAL_WEIGHTS, checkpoint_path
+from lilo.backend.checkpoints.paths import TINKER_SCHEME, parse_tinker_path
 from lilo.backend.types import LoraSpec
 from lilo.errors import ForbiddenError, InvalidRequestError, NotFoundError
 from lilo.futures.checkpoint_records import CheckpointRecord, expiry_for

@@ -12,7 +12,7 @@ import dataclasses
 import uuid
 from typing import Mapping, Sequence
 
-from lilo.backend.checkpoint_paths import TINKER_SCHEME, sampler_run
+from lilo.backend.checkpoints.paths import TINKER_SCHEME, sampler_run
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SamplingRequest
 from lilo.engine.commands import Command, Kind

@@ -3,7 +3,7 @@
 A training run is a model in the futures DB (an unloaded one stays a run). Its checkpoints are files the trainer
 of the run wrote, so listing and deleting them is asked of that trainer (``TrainerActor.list_checkpoints``,
 ``delete_checkpoint``), never read from the ingress's disk: on a multi-node cluster the files are on the trainer's
-node unless the checkpoint directory is shared storage (see ``lilo.backend.checkpoint_index``). What the futures DB
+node unless the checkpoint directory is shared storage (see ``lilo.backend.checkpoints.index``). What the futures DB
 records of each (its expiry, whether it is public: ``lilo.futures.checkpoint_records``) is joined in, and a
 checkpoint past its TTL is left out even before the expiry sweep deletes its files. Responses have the SDK's shapes:
 ``TrainingRun``, ``TrainingRunsResponse``, ``Checkpoint``, ``CheckpointsListResponse``.
@@ -16,7 +16,7 @@ import datetime
 import time
 from typing import Any, Iterable
 
-from lilo.backend.checkpoint_index import (
+from lilo.backend.checkpoints.index import (
     EXTERNAL_WEIGHTS, SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry, checkpoint_path,
 )
 from lilo.futures.checkpoint_records import CheckpointRecord

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from cluster.placement import choose_sampling_trainer, trainer_facts as ask_trainer_facts
-from lilo.backend.checkpoint_paths import ephemeral_name, sampler_run, tinker_path
+from lilo.backend.checkpoints.paths import ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import Command, Kind

@@ -9,7 +9,7 @@ from fastapi import HTTPException
 from ray.exceptions import RayActorError
 
 from cluster.timing import get_timing_actor
-from lilo.backend.checkpoint_paths import TINKER_SCHEME, parse_tinker_path
+from lilo.backend.checkpoints.paths import TINKER_SCHEME, parse_tinker_path
 from lilo.errors import InvalidRequestError
 from lilo.timing.phase_stats import ALL_MODELS
 from serve.actors import Actors

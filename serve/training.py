@@ -11,9 +11,9 @@ from typing import Any, Sequence
 from ray.actor import ActorHandle
 
 from cluster.unloading import unload_model, unload_models
-from lilo.backend.checkpoint_index import WEIGHTS
-from lilo.backend.checkpoint_paths import checked_client_name, parse_tinker_path, tinker_path
-from lilo.backend.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
+from lilo.backend.checkpoints.index import WEIGHTS
+from lilo.backend.checkpoints.paths import checked_client_name, parse_tinker_path, tinker_path
+from lilo.backend.training.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
 from lilo.backend.provenance import named_sequences
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind

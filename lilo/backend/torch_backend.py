@@ -20,15 +20,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from lilo.backend import batch_tokens, losses, sampling, token_logprobs
-from lilo.backend.checkpoint_paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
-from lilo.backend.checkpoints import AdapterState, read_peft, read_state, write_peft, write_state
-from lilo.backend.loss_inputs import check_train_input
-from lilo.backend.lora import BASE_SLOT, BATCHED, GROUPED, RUNS, LoraBank, projection_kind, target_names
-from lilo.backend.optimizer import SlotAdamW
-from lilo.backend.page_store import PagedState, PageRestore, PageStore
-from lilo.backend.paging import PageMove, Room, Tier, choose_victims
-from lilo.backend.recompute import recomputed_layers
+from lilo.backend import sampling
+from lilo.backend.training import batch_tokens, losses, token_logprobs
+from lilo.backend.checkpoints.paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
+from lilo.backend.checkpoints.state import AdapterState, read_peft, read_state, write_peft, write_state
+from lilo.backend.training.loss_inputs import check_train_input
+from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, GROUPED, RUNS, LoraBank, projection_kind, target_names
+from lilo.backend.adapters.optimizer import SlotAdamW
+from lilo.backend.paging.store import PagedState, PageRestore, PageStore
+from lilo.backend.paging.policy import PageMove, Room, Tier, choose_victims
+from lilo.backend.training.recompute import recomputed_layers
 from lilo.backend.sharding.exchange import broadcast_slots, sum_gradients
 from lilo.backend.sharding.group import ShardedBase
 from lilo.backend.sharding.plans import Peers, Plan, SamplePlan, SlotUpdate, TrainPlan, TrainRow

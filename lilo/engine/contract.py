@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 from typing import Collection, NotRequired, Protocol, Sequence, TypedDict, TypeVar, runtime_checkable
 
-from lilo.backend.paging import PageMove
+from lilo.backend.paging.policy import PageMove
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command
 

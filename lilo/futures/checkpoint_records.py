@@ -1,6 +1,6 @@
 """What lilo keeps about checkpoints beside their files: expiry (TTL) and publication, in the futures database.
 
-The files of a checkpoint are the trainer's (``lilo.backend.checkpoint_index``); this is the one writer's record of
+The files of a checkpoint are the trainer's (``lilo.backend.checkpoints.index``); this is the one writer's record of
 when each expires and whether other tenants may read it. The rules are pure functions (``access_refusal``,
 ``due_for_deletion``); ``CheckpointRecords`` reads and writes the rows on the futures DB's thread.
 
@@ -19,7 +19,7 @@ import orjson
 from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from lilo.backend.checkpoint_paths import parse_tinker_path
+from lilo.backend.checkpoints.paths import parse_tinker_path
 from lilo.errors import GoneError, InvalidRequestError, NotFoundError
 from lilo.futures.schema import checkpoints, models
 from lilo.tenants import may_see

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from cluster.trainer_actor import TrainerConfig, start_trainer, trainer_name
 from helpers import train_input
-from lilo.backend.page_files import page_file_name
+from lilo.backend.paging.files import page_file_name
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
 

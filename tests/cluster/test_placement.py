@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.placement import choose_sampling_trainer, choose_trainer, free_slots
-from lilo.backend.paging import Room
+from lilo.backend.paging.policy import Room
 from lilo.errors import InvalidRequestError, SaturatedError
 
 

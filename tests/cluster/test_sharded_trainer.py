@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from cluster.trainer_actor import TrainerConfig, start_trainer
-from lilo.backend.checkpoint_paths import local_directory
-from lilo.backend.checkpoints import read_state
+from lilo.backend.checkpoints.paths import local_directory
+from lilo.backend.checkpoints.state import read_state
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 

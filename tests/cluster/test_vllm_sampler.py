@@ -14,7 +14,7 @@ import torch
 
 from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler, vllm_available
 from conftest import TINY_DIRECTORY
-from lilo.backend.checkpoint_paths import local_directory
+from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
 from lilo.errors import NotFoundError

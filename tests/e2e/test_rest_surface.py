@@ -25,7 +25,7 @@ from cluster.local import NAMESPACE
 from cluster.recovery import RECOVERY_ACTOR_NAME
 from conftest import TENANT_KEYS, TINY_DIRECTORY
 from helpers import API_KEY
-from lilo.backend.checkpoint_paths import local_directory
+from lilo.backend.checkpoints.paths import local_directory
 from lilo.signed_urls import SECRET_FILE, DownloadGrant, read_secret, signature
 
 TINY = "lilo/tiny-llama"

@@ -14,7 +14,7 @@ from tinker import types
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from helpers import AUTH, retrieve_finished
-from lilo.backend.checkpoint_paths import local_directory
+from lilo.backend.checkpoints.paths import local_directory
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120

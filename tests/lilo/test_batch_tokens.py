@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lilo.backend.batch_tokens import (
+from lilo.backend.training.batch_tokens import (
     MAX_BATCH_TOKENS, MIN_BATCH_TOKENS, activation_bytes_per_token, budget_tokens, longest_sequence,
     recompute_bytes_per_token, size_batch_tokens,
 )

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from lilo.backend.checkpoint_index import (
+from lilo.backend.checkpoints.index import (
     checkpoint_files, checkpoint_path, checkpoint_path_parts, copy_checkpoint, delete_checkpoint, list_checkpoints,
     read_checkpoint_file, weights_spec,
 )
-from lilo.backend.checkpoint_paths import local_directory
-from lilo.backend.checkpoints import AdapterState, write_peft, write_state
+from lilo.backend.checkpoints.paths import local_directory
+from lilo.backend.checkpoints.state import AdapterState, write_peft, write_state
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError, NotFoundError
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from lilo.backend import losses
-from lilo.backend.loss_inputs import CONFIG_KEYS, check_train_input, loss_config
+from lilo.backend.training import losses
+from lilo.backend.training.loss_inputs import CONFIG_KEYS, check_train_input, loss_config
 from lilo.backend.provenance import RECORDED_LOGPROBS, RECORDED_MASK, PROMPT, SAMPLED, Provenance, Span
 from lilo.backend.types import Datum, TrainInput
 from lilo.errors import InvalidRequestError

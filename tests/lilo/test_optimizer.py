@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lilo.backend.optimizer import SlotAdamW, slot_runs
+from lilo.backend.adapters.optimizer import SlotAdamW, slot_runs
 from lilo.backend.types import AdamParams
 
 

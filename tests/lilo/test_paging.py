@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from lilo.backend.checkpoint_paths import local_directory
-from lilo.backend.checkpoints import read_state
-from lilo.backend.page_files import delete_page_files, find_page_files
-from lilo.backend.paging import Room, choose_victims, host_adapter_bytes, host_demotions, page_file_wins
+from lilo.backend.checkpoints.paths import local_directory
+from lilo.backend.checkpoints.state import read_state
+from lilo.backend.paging.files import delete_page_files, find_page_files
+from lilo.backend.paging.policy import Room, choose_victims, host_adapter_bytes, host_demotions, page_file_wins
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, TrainInput
 from lilo.engine.commands import Command, Kind
@@ -183,7 +183,7 @@ def test_when_the_idlest_model_does_not_fit_the_next_idlest_that_does_leaves(bas
 
 
 def test_a_page_file_read_ahead_is_used_once_and_never_after_its_model_was_paged_out_again(tmp_path):
-    from lilo.backend.page_store import PagedState, PageStore
+    from lilo.backend.paging.store import PagedState, PageStore
 
     store = PageStore(host_bytes=0, disk_bytes=MB, directory=tmp_path)
     first = PagedState(LoraSpec(rank=4), 3, False, torch.arange(12.0).view(3, 4))
@@ -271,7 +271,7 @@ def test_a_paged_model_is_saved_from_its_paged_state_as_it_would_be_from_a_slot(
 
 
 def test_a_page_file_describes_itself_and_a_torn_one_is_passed_over(tmp_path):
-    from lilo.backend.page_store import PagedState, PageStore, read_page_file
+    from lilo.backend.paging.store import PagedState, PageStore, read_page_file
 
     store = PageStore(host_bytes=0, disk_bytes=MB, directory=tmp_path / "lilo-trainer-0")
     state = PagedState(LoraSpec(rank=4, seed=3), 7, True, torch.arange(16.0).view(4, 4), paged_at=123.5)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from lilo.backend.loss_inputs import check_train_input
-from lilo.backend.memory_cap import data_bytes
-from lilo.backend.recompute import recomputed_layers
-from lilo.backend.token_logprobs import target_logprobs
+from lilo.backend.training.loss_inputs import check_train_input
+from lilo.backend.training.memory_cap import data_bytes
+from lilo.backend.training.recompute import recomputed_layers
+from lilo.backend.training.token_logprobs import target_logprobs
 from lilo.backend.types import Datum, LoraSpec, TrainInput
 from lilo.errors import InvalidRequestError, TooLargeError
 from test_torch_backend import datum, fresh_backend, slot_grads, step

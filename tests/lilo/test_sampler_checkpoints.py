@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lilo.backend.checkpoint_paths import parse_tinker_path, sampler_run
-from lilo.backend.checkpoints import AdapterState, read_peft, write_peft
+from lilo.backend.checkpoints.paths import parse_tinker_path, sampler_run
+from lilo.backend.checkpoints.state import AdapterState, read_peft, write_peft
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
@@ -137,7 +137,7 @@ def test_checkpoints_sample_while_training_models_fill_every_training_slot(base,
 
 
 def test_a_checkpoint_that_does_not_fit_fails_its_sample_and_keeps_no_slot(backend):
-    from lilo.backend.checkpoint_paths import local_directory
+    from lilo.backend.checkpoints.paths import local_directory
 
     backend.add_adapter("m", LoraSpec(rank=8, seed=0))
     path = save_for_sampler(backend, "m", "misfit")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lilo.backend import sampling
-from lilo.backend.lora import BASE_SLOT, BATCHED, RUNS
+from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, RUNS
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoraSpec, SamplingRequest
 from lilo.engine.commands import Command, Kind

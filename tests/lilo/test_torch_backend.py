@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lilo.backend.checkpoint_paths import local_directory
+from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.models import load_base_model
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
@@ -131,14 +131,14 @@ def test_unknown_loss_or_config_key_is_refused(base):
 @pytest.mark.parametrize("value, words", [("high", "must be numbers"), (None, "must be numbers"),
                                           (float("nan"), "must be finite")])
 def test_a_config_value_that_is_no_finite_number_is_refused(value, words):
-    from lilo.backend.loss_inputs import loss_config
+    from lilo.backend.training.loss_inputs import loss_config
 
     with pytest.raises(InvalidRequestError, match=words):
         loss_config("dro", {"beta": value})
 
 
 def test_every_loss_the_checks_accept_has_an_implementation_and_no_other():
-    from lilo.backend import loss_inputs, losses
+    from lilo.backend.training import loss_inputs, losses
 
     assert set(losses.LOSSES) == set(loss_inputs.CONFIG_KEYS) == set(loss_inputs.REQUIRED_INPUTS)
 
@@ -451,7 +451,7 @@ def test_a_batch_sampling_more_checkpoints_than_free_slots_runs_in_several_gener
 
 
 def test_a_sampler_checkpoint_being_saved_again_samples_its_last_whole_version(base, tmp_path):
-    from lilo.backend.checkpoint_paths import PEFT_CONFIG, PEFT_WEIGHTS, local_directory
+    from lilo.backend.checkpoints.paths import PEFT_CONFIG, PEFT_WEIGHTS, local_directory
 
     backend = fresh_backend(base, {"m": LoraSpec(rank=8, seed=0)})
     backend.checkpoint_dir = tmp_path
@@ -621,7 +621,7 @@ def test_micro_batches_accumulate_the_same_gradients_as_one_pass(base):
 def test_gradients_equal_a_peft_reference_model(base):
     from peft import LoraConfig, get_peft_model
 
-    from lilo.backend.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+    from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 
     spec = LoraSpec(rank=4, alpha=8, seed=3)
     backend = fresh_backend(base, {"a": spec})

@@ -2,7 +2,7 @@
 
 from tinker import types
 
-from lilo.backend.checkpoint_index import CheckpointEntry
+from lilo.backend.checkpoints.index import CheckpointEntry
 from serve.runs import Listed, checkpoint_json, timestamp, training_run_json
 
 RUN = {"model_id": "s:train:0", "base_model": "lilo/tiny-llama", "tenant": None, "lora_config": {"rank": 8},

@@ -3,7 +3,7 @@
 
 A training pass keeps, per token, each decoder layer's activations for the backward pass
 (``activation_bytes_per_token``, from the base model's shape); the target tokens' log-probabilities come from the
-unembedding a slice of tokens at a time (``lilo.backend.token_logprobs``), so the full-vocabulary logits cost one
+unembedding a slice of tokens at a time (``training.token_logprobs``), so the full-vocabulary logits cost one
 slice's worth per pass (``logit_slice_bytes``), not bytes per token. ``size_batch_tokens`` gives a pass its share of
 the memory the device has free once the model and its adapter slots are in (or of the trainer's memory cap, where it
 has one), rounded down to a power of two, within ``MIN_BATCH_TOKENS`` and the device's ceiling: on a GPU up to
@@ -30,7 +30,7 @@ ACTIVATION_SHARE = {"cuda": 0.6, "cpu": 0.25}
 # its output, residuals, LoRA inputs) and per MLP unit (gate, up and their product).
 SAVED_PER_HIDDEN = 20
 SAVED_PER_INTERMEDIATE = 3
-# Tokens whose logits exist at once (lilo.backend.token_logprobs; for SmolLM2, 256 x 49,152 fp32 values are
+# Tokens whose logits exist at once (lilo.backend.training.token_logprobs; for SmolLM2, 256 x 49,152 fp32 values are
 # 50 MB a copy), and the copies: the logits, their softmax and the gradient.
 LOGIT_COPIES = 3
 LOGIT_SLICE_TOKENS = 256
@@ -80,7 +80,7 @@ def budget_tokens(free_bytes: int, bytes_per_token: int, device_type: str) -> in
 def size_batch_tokens(model: Any, device: Any, slot_bytes: int = 0, capped_free_bytes: int | None = None) -> int:
     """The default budget for ``model`` (loaded, with its adapter slots allocated) on ``device``: from the GPU's
     free memory under CUDA; on a CPU from the node's available memory less ``slot_bytes``, the slots' whole state,
-    which there becomes resident only as slots fill (``lilo.backend.slot_memory``), or from what the trainer's
+    which there becomes resident only as slots fill (``lilo.backend.adapters.slot_memory``), or from what the trainer's
     memory cap leaves it (``capped_free_bytes``) when that is less."""
     import psutil
     import torch

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from lilo.backend.checkpoint_paths import (
+from lilo.backend.checkpoints.paths import (
     KIND_DIRECTORIES, META_FILE, PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, parse_tinker_path,
 )
 from lilo.backend.types import LoraSpec

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from lilo.backend.slot_memory import slot_zeros
+from lilo.backend.adapters.slot_memory import slot_zeros
 from lilo.backend.types import AdamParams
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from lilo.backend.checkpoint_paths import META_FILE, PEFT_CONFIG, PEFT_WEIGHTS, STATE_FILE
-from lilo.backend.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
+from lilo.backend.checkpoints.paths import META_FILE, PEFT_CONFIG, PEFT_WEIGHTS, STATE_FILE
+from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
 

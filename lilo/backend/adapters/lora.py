@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lilo.backend.slot_memory import slot_zeros
+from lilo.backend.adapters.slot_memory import slot_zeros
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -1,7 +1,7 @@
 """Paged models' states: in host memory (pinned where CUDA is present, so the copy back is one DMA) or in one
 safetensors file per model (written whole, then renamed into place). Nothing read back is unpickled.
 
-A page file describes itself (``lilo.backend.page_files``), so after its trainer's process dies another trainer
+A page file describes itself (``lilo.backend.paging.files``), so after its trainer's process dies another trainer
 can restore the model from it (``read_page_file``). It is not fsynced: a process death leaves what it wrote with
 the kernel, which writes it out; only a machine crash can lose it, and a page file that does not read back whole is
 passed over (the model comes back from its checkpoint). A file exists only while its model is paged out to disk:
@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lilo.backend.page_files import PAGE_FORMAT, PageFile, page_file_name
-from lilo.backend.paging import DISK, HOST, PageMove, Tier, host_demotions
+from lilo.backend.paging.files import PAGE_FORMAT, PageFile, page_file_name
+from lilo.backend.paging.policy import DISK, HOST, PageMove, Tier, host_demotions
 from lilo.backend.types import LoraSpec
 
 # Page files read ahead and kept in memory at most (each is one model's state, about to be paged in).

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lilo.backend.batch_tokens import LOGIT_SLICE_TOKENS
+from lilo.backend.training.batch_tokens import LOGIT_SLICE_TOKENS
 
 
 def target_logprobs(hidden: torch.Tensor, unembed: nn.Module, targets: torch.Tensor,

@@ -2,7 +2,7 @@
 weights, both AdamW moments, its step count, any gradients it has accumulated, its spec) moves between them as one.
 
 The decisions live here as pure functions of plain data (which models leave their slots, which host-memory models
-go on to disk); ``lilo.backend.page_store`` keeps the paged states, and ``TorchBackend.make_room`` carries the
+go on to disk); ``lilo.backend.paging.store`` keeps the paged states, and ``TorchBackend.make_room`` carries the
 decisions out. No torch here: the engine's contract names ``PageMove``.
 """
 

@@ -1,6 +1,6 @@
 """Page files as files: their names, and finding, describing and deleting a model's under the pages root
 (``<home>/pages/<trainer>/<model>.page.safetensors``, one directory per trainer). No torch here: the trainer
-actor's event loop finds a dead trainer's page files with these (``lilo.backend.page_store`` writes and reads the
+actor's event loop finds a dead trainer's page files with these (``lilo.backend.paging.store`` writes and reads the
 tensors).
 
 A page file describes itself in its safetensors metadata: its format, model id, LoRA spec, optimizer step, whether

@@ -1,0 +1,1 @@
+"""More models than slots: which models page out (policy), where their state waits (store), its files."""
