@@ -1,8 +1,9 @@
 """A trainer of two ranks (its frozen base sharded over two gloo processes) on the real local cluster trains, saves
 and samples exactly as a trainer of one: the same commands, coalesced, give both the same losses, weights and
 greedy tokens, within fp32 tolerance (the followers' gradients are summed into rank 0's, so the sum's order
-differs from one rank's accumulation: about 1e-6 relative here)."""
+differs from one rank's accumulation: about 1e-6 relative here). The three models page through two slots on both."""
 
+import json
 import uuid
 
 import numpy as np
@@ -21,7 +22,8 @@ STEPS = 3
 
 
 def _trainers(tmp_path_factory, ranks):
-    config = TrainerConfig(max_adapters=4, max_rank=8, sampler_slots=1, device="cpu", compute_nice=0,
+    config = TrainerConfig(max_adapters=2, max_rank=8, sampler_slots=1, device="cpu", compute_nice=0,
+                           host_adapter_mb=64,
                            checkpoint_dir=tmp_path_factory.mktemp(f"checkpoints-{ranks}"),
                            model_cache_dir=tmp_path_factory.mktemp("models"), max_batch_tokens=256)
     index = 700 + uuid.uuid4().int % 99
@@ -80,6 +82,9 @@ def test_two_ranks_train_save_and_sample_as_one(pair):
         for key, tensor in weights_1[model].items():
             assert float((weights_2[model][key] - tensor).abs().max()) < 1e-5, (model, key)
     assert greedy_2 == greedy_1
+    # The three models took turns in two slots on both: paged out to host memory and back in between passes.
+    for actor in (one, two):
+        assert "page_in" in json.dumps(ray.get(actor.timing.remote()))
 
 
 def test_the_ranks_say_where_they_run_and_what_each_holds(pair):
