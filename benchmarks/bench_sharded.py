@@ -80,7 +80,7 @@ def tp_estimate_bytes(config, tokens: int, ranks: int, dtype_bytes: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--model", default="smollm2", help="tiny, smollm2, or a model directory")
     parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts, 1 first")
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rows", type=int, default=4, help="sequences per adapter per step")
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
     args = parser.parse_args()
     counts = [int(n) for n in args.ranks.split(",")]
-    base_model = MODELS[args.model]
+    base_model = MODELS.get(args.model, args.model)
     port = free_ports(1)[0]
     with private_cluster("lilo/tiny-llama", port, "--trainers", "1", "--num-cpus", str(sum(counts) + 3)) as home:
         connect_driver(load_settings(home=home))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sampling benches on a GPU machine (the device tool's H200, or a cluster node), in under 8 minutes: the torch
+# The sampling (and, with 2 GPUs or more, sharding) benches on a GPU machine (the device tool's H200, or a cluster node), in under 8 minutes: the torch
 # sampler on CUDA over 4 adapters against the bare base (bench_sampling.py; its vLLM half where .venv-vllm holds the
 # GPU build), then the RL loop of 1, 4 and 8 SDK clients on the torch sampler and on vLLM (bench_rl.py, SmolLM2),
 # where this machine has lilo's whole environment. Each JSON line goes to stdout and to $OUT (when set); a part
@@ -25,6 +25,16 @@ run() {  # run NAME SECONDS COMMAND...: one bench, its JSON line kept, its failu
 }
 
 run sampling 240 "$PYTHON" benchmarks/bench_sampling.py --device cuda --runs 3
+# A trainer sharded over the GPUs (bench_sharded.py): 1 rank against 2 and 4 where the machine has them, of the
+# model in $LILO_SHARDED_MODEL (an 8B-class directory, where one is on disk) or SmolLM2.
+GPUS=$(nvidia-smi --list-gpus | wc -l)
+if [ "$GPUS" -ge 2 ] && "$PYTHON" -c "import ray, tinker, fastapi" 2> /dev/null; then
+    SPLITS=1,2; [ "$GPUS" -ge 4 ] && SPLITS=1,2,4
+    (cd benchmarks && run sharded 300 "../$PYTHON" bench_sharded.py --device cuda --ranks "$SPLITS" \
+        --model "${LILO_SHARDED_MODEL:-smollm2}" --rows 8 --seq 512)
+else
+    echo "== sharded skipped: it needs 2 GPUs or more (this machine has $GPUS) and lilo's service environment"
+fi
 if "$PYTHON" -c "import ray, tinker, fastapi" 2> /dev/null; then
     (cd benchmarks && run rl 240 "../$PYTHON" bench_rl.py --model smollm2 --clients 1,4,8 --steps 2 --max-tokens 64)
 else
