@@ -14,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.ports import free_ports
 from cluster.trainer_backend import build_backend
 
 if TYPE_CHECKING:
@@ -34,6 +36,15 @@ logger = logging.getLogger(__name__)
 
 # How long rank 0 waits, after a failed pass, for its failures to reach the futures DB before it exits.
 EXIT_AFTER_FAILURE_S = 2.0
+
+
+def rendezvous_file(trainer: str) -> Path:
+    """A fresh file for the group of ``trainer`` to meet at (its ranks share a node); its earlier groups' go."""
+    directory = Path(tempfile.gettempdir()) / "lilo-rank-groups"
+    directory.mkdir(exist_ok=True)
+    for stale in directory.glob(f"{trainer}-*"):
+        stale.unlink(missing_ok=True)
+    return directory / f"{trainer}-{uuid.uuid4().hex}"
 
 
 def rank_bundles(ranks: int, gpus: float) -> list[dict[str, float]]:
@@ -94,7 +105,7 @@ class RankPeers:
 
         self.trainer = trainer
         host = ray.util.get_node_ip_address()
-        self.group = RankGroup(0, ranks, f"tcp://{host}:{free_ports(1, host)[0]}")
+        self.group = RankGroup(0, ranks, f"file://{rendezvous_file(trainer)}", host)
         placement: PlacementGroup | None = get_current_placement_group()
         if placement is None:
             raise RuntimeError(f"Trainer {trainer} has {ranks} ranks but runs in no placement group; start it with "
@@ -102,7 +113,7 @@ class RankPeers:
         self.actors = [
             RankActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement, placement_group_bundle_index=rank)).remote(
-                    trainer, base_model, config, RankGroup(rank, ranks, self.group.address))
+                    trainer, base_model, config, RankGroup(rank, ranks, self.group.address, host))
             for rank in range(1, ranks)]
         self._broken: BaseException | None = None
         # Called once a pass failed: the trainer stops its engine, so nothing queued runs on the broken group.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,14 @@ COLLECTIVE_TIMEOUT_S = 20.0
 
 @dataclasses.dataclass(frozen=True)
 class RankGroup:
-    """Where this process sits in its trainer's group: ``rank`` of ``world``, meeting at ``address``
-    (``tcp://host:port`` of rank 0)."""
+    """Where this process sits in its trainer's group: ``rank`` of ``world``, meeting at ``address`` (a
+    ``file://`` rendezvous on the group's node: nothing listens for it), its collectives' sockets on the network
+    interface that holds ``host`` (the node's address: loopback in local mode)."""
 
     rank: int
     world: int
     address: str
+    host: str
     timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
@@ -44,10 +47,23 @@ class ShardedBase:
 def join(group: RankGroup, device: torch.device) -> None:
     """Join the group's default process group (blocks until all ``world`` ranks have)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    _use_interface_of(group.host)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=group.address, rank=group.rank, world_size=group.world,
                             timeout=datetime.timedelta(seconds=group.timeout_s))
+
+
+def _use_interface_of(host: str) -> None:
+    """gloo and NCCL open their sockets on the interface holding ``host`` (unless told otherwise), not on whatever
+    the machine's hostname resolves to: in local mode nothing may listen beyond loopback."""
+    import psutil
+
+    interface = next((name for name, addresses in psutil.net_if_addrs().items()
+                      if any(address.address == host for address in addresses)), None)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
 
 def leave() -> None:
