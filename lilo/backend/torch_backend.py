@@ -168,6 +168,9 @@ class TorchBackend:
     def training_slots(self) -> int:
         return self.max_adapters
 
+    def pass_ranks(self) -> int:
+        return self.ranks
+
     def slot_state_bytes(self) -> int:
         """Bytes of every slot's state together: LoRA weights, their gradients and both AdamW moments."""
         return 4 * self.bank.weights.nbytes

@@ -4,6 +4,7 @@ The engine speaks of models; a backend of adapters, each held in a slot. A model
 id. The engine maps its work onto the backend like this, and calls nothing else:
 
     engine                                      backend
+    (the engine, once built)                ->  pass_ranks()
     create_model(model_id, spec)            ->  make_room([model_id], ...), then add_adapter(model_id, spec)
     any command of a model, before it runs  ->  make_room(its batch's models, ...) (pages them in)
     unload_model(model_id)                  ->  remove_adapter(model_id), once the model's queued commands have run
@@ -122,6 +123,11 @@ class Backend(Protocol[Captured]):
 
     def training_slots(self) -> int:
         """How many training models can be in slots at once: the engine runs a batch of more models in parts."""
+        ...
+
+    def pass_ranks(self) -> int:
+        """How many processes run each pass: 1, or the ranks of a backend that spans several devices (each
+        execution's timing says so)."""
         ...
 
     def make_room(self, model_ids: Sequence[str], running: Collection[str],

@@ -71,6 +71,7 @@ class Engine:
                  window_cap_ms: float = DEFAULT_WINDOW_CAP_MS, clock: Callable[[], float] = time.monotonic,
                  start: bool = True) -> None:
         self._backend = backend
+        self._ranks = backend.pass_ranks()
         self._clock = clock
         self._token_budget = token_budget
         self._coalesce = coalesce
@@ -357,7 +358,7 @@ class Engine:
         if ok:
             self._rhythm.passed(kind, t1 - t0)
         self.observer.span([c.model_id for c in commands], kind, COMPUTE_LANE, t0, t1,
-                           request_ids=[c.request_id for c in commands], n=len(commands), ok=ok)
+                           request_ids=[c.request_id for c in commands], n=len(commands), ranks=self._ranks, ok=ok)
         if kind != Kind.SAMPLE:  # samples were never any model queue's head
             self._finish_heads(commands)
         for (_, future), result in zip(taken, results):

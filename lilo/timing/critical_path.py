@@ -3,9 +3,10 @@
 The engine reports what it does through the ``Observer`` protocol and nothing else; ``CriticalPath`` is one
 observer, composed with whatever other observer the engine is given (``Observers``), so it cannot be switched off.
 
-Phases per model (and for ``ALL_MODELS``), each with ``count, total_s, mean_s, max_s, mean_batch``:
+Phases per model (and for ``ALL_MODELS``), each with ``count, total_s, mean_s, max_s, mean_batch, mean_ranks``:
 - ``<kind>.execute``: wall time of each backend execution holding the model (a coalesced batch's wall time is
-  credited to every model in it; ``mean_batch`` is how many commands shared it). Recorded on failure too.
+  credited to every model in it; ``mean_batch`` is how many commands shared it, ``mean_ranks`` how many processes
+  ran it: the ranks of a trainer that spans several devices). Recorded on failure too.
 - ``<kind>.queue_wait``: submission to the start of the command's first span, split into ``queue_wait_self``
   (the lane ran batches holding an earlier command of this model), ``queue_wait_others`` (it ran batches holding
   none of this model's commands) and ``queue_wait_idle`` (it ran nothing: pure service overhead); the three add up.
@@ -207,6 +208,7 @@ class CriticalPath:
         models = (model,) if isinstance(model, str) else tuple(dict.fromkeys(model))
         request_ids = attrs.get("request_ids", ())
         batch = attrs.get("n") or len(request_ids) or len(models)
+        ranks = attrs.get("ranks", 1)
         phase = _PHASES.get(name) or _PHASES.setdefault(name, phase_of(name))
         history = self._lanes.get(lane)
         if history is None:
@@ -221,14 +223,14 @@ class CriticalPath:
                 model_id, kind, submitted = entry
                 starts[model_id] = max(t0, submitted)
                 wait_phase = _WAIT_PHASES.get(kind) or _WAIT_PHASES.setdefault(kind, f"{kind}.{QUEUE_WAIT}")
-                observations.append((model_id, wait_phase, split_wait(history, model_id, submitted, t0), batch))
-        observations += [(model_id, phase, (t1 - starts.get(model_id, t0),), batch) for model_id in models]
+                observations.append((model_id, wait_phase, split_wait(history, model_id, submitted, t0), batch, 1))
+        observations += [(model_id, phase, (t1 - starts.get(model_id, t0),), batch, ranks) for model_id in models]
         if name == "accept":
             for model_id in models:
                 registered = self._accepts.pop(model_id, None)
                 if registered is not None:
                     split = split_wait(history, model_id, registered, t0)
-                    observations.append((model_id, f"accept.{QUEUE_WAIT}", split, batch))
+                    observations.append((model_id, f"accept.{QUEUE_WAIT}", split, batch, 1))
             if attrs.get("ok", True) and FIRST_MODEL_READY not in self._gauges:
                 self._gauges[FIRST_MODEL_READY] = wall_now - self._process_start
         history.append((t0, t1, models))

@@ -1,6 +1,7 @@
 """A bounded accumulator of per-(model, phase) durations with per-reader intervals.
 
-Each series row holds ``count``, the summed batch size and, per *part*, a total and a max. Most phases have one
+Each series row holds ``count``, the summed batch size, the summed ranks (how many processes ran it: more than one
+on a trainer that spans several devices) and, per *part*, a total and a max. Most phases have one
 part; a ``<kind>.queue_wait`` phase has four (the wait and its self / others / idle split), kept in one row so a
 queue wait costs one update instead of four. Rows expand into one phase per part when read.
 
@@ -25,7 +26,8 @@ QUEUE_WAIT = "queue_wait"
 QUEUE_WAIT_PARTS = ("", "_self", "_others", "_idle")
 SINGLE_PART = ("",)
 
-Row = list  # [count, batch_total, total_0, max_0, total_1, max_1, ...]
+Row = list  # [count, batch_total, ranks_total, total_0, max_0, total_1, max_1, ...]
+HEADER = 3  # count, batch_total, ranks_total
 
 
 def parts_of(phase: str) -> tuple[str, ...]:
@@ -34,11 +36,12 @@ def parts_of(phase: str) -> tuple[str, ...]:
 
 
 def new_row(phase: str) -> Row:
-    return [0, 0] + [0.0, 0.0] * len(parts_of(phase))
+    return [0, 0, 0] + [0.0, 0.0] * len(parts_of(phase))
 
 
-def summarize(phase: str, count: int, batch_total: float, totals_maxes: list) -> dict[str, dict[str, float]]:
-    """Expand one row's numbers into ``{phase+suffix: {count, total_s, mean_s, max_s, mean_batch}}``."""
+def summarize(phase: str, count: int, batch_total: float, ranks_total: float,
+              totals_maxes: list) -> dict[str, dict[str, float]]:
+    """Expand one row's numbers into ``{phase+suffix: {count, total_s, mean_s, max_s, mean_batch, mean_ranks}}``."""
     out = {}
     for i, suffix in enumerate(parts_of(phase)):
         total, peak = totals_maxes[2 * i], totals_maxes[2 * i + 1]
@@ -48,6 +51,7 @@ def summarize(phase: str, count: int, batch_total: float, totals_maxes: list) ->
             "mean_s": total / count if count else 0.0,
             "max_s": peak,
             "mean_batch": batch_total / count if count else 0.0,
+            "mean_ranks": ranks_total / count if count else 0.0,
         }
     return out
 
@@ -76,24 +80,24 @@ class PhaseStats:
         self._lock = threading.Lock()
 
     # --- writing -------------------------------------------------------------------------------------------
-    def record(self, model_id: str, phase: str, values: tuple[float, ...], batch: int) -> None:
+    def record(self, model_id: str, phase: str, values: tuple[float, ...], batch: int, ranks: int = 1) -> None:
         """One observation of ``phase`` for ``model_id`` (and the aggregate); ``values`` has one entry per part."""
-        self.record_many(((model_id, phase, values, batch),))
+        self.record_many(((model_id, phase, values, batch, ranks),))
 
-    def record_many(self, observations: Sequence[tuple[str, str, tuple[float, ...], int]]) -> None:
-        """Several observations (model_id, phase, values, batch) under one lock: one span's worth."""
+    def record_many(self, observations: Sequence[tuple[str, str, tuple[float, ...], int, int]]) -> None:
+        """Several observations (model_id, phase, values, batch, ranks) under one lock: one span's worth."""
         add = self._add
         with self._lock:
-            for model_id, phase, values, batch in observations:
-                add(self._aggregate, ALL_MODELS, phase, 1, batch, values, values)
-                add(self._model_rows(model_id), model_id, phase, 1, batch, values, values)
+            for model_id, phase, values, batch, ranks in observations:
+                add(self._aggregate, ALL_MODELS, phase, 1, batch, ranks, values, values)
+                add(self._model_rows(model_id), model_id, phase, 1, batch, ranks, values, values)
 
     def merge(self, model_id: str, phase: str, row: Row) -> None:
         """Add a row recorded elsewhere (another trainer's interval); ``model_id`` may be ALL_MODELS."""
-        totals, maxes = row[2::2], row[3::2]
+        totals, maxes = row[HEADER::2], row[HEADER + 1::2]
         with self._lock:
             rows = self._aggregate if model_id == ALL_MODELS else self._model_rows(model_id)
-            self._add(rows, model_id, phase, row[0], row[1], totals, maxes)
+            self._add(rows, model_id, phase, row[0], row[1], row[2], totals, maxes)
 
     def _model_rows(self, model_id: str) -> dict[str, Row]:
         rows = self._series.get(model_id)
@@ -106,22 +110,23 @@ class PhaseStats:
             self._series.move_to_end(model_id)
         return rows
 
-    def _add(self, rows: dict[str, Row], model_id: str, phase: str, count: int, batch: float,
+    def _add(self, rows: dict[str, Row], model_id: str, phase: str, count: int, batch: float, ranks: float,
              totals: Sequence[float], maxes: Sequence[float]) -> None:
         row = rows.get(phase)
         if row is None:
             row = rows[phase] = new_row(phase)
         row[0] += count
         row[1] += batch
+        row[2] += ranks
         if len(totals) == 1:  # the common case, unrolled: this runs on every span of the engine
-            row[2] += totals[0]
-            if maxes[0] > row[3]:
-                row[3] = maxes[0]
+            row[3] += totals[0]
+            if maxes[0] > row[4]:
+                row[4] = maxes[0]
         else:
-            for i, total in enumerate(totals, start=1):
-                row[2 * i] += total
-                if maxes[i - 1] > row[2 * i + 1]:
-                    row[2 * i + 1] = maxes[i - 1]
+            for i, total in enumerate(totals):
+                row[HEADER + 2 * i] += total
+                if maxes[i] > row[HEADER + 2 * i + 1]:
+                    row[HEADER + 2 * i + 1] = maxes[i]
         for reader in self._resetting:
             since_reset = reader.maxes.get(model_id)
             if since_reset is not None:
@@ -155,11 +160,12 @@ class PhaseStats:
 
     def stats(self, model_id: str = ALL_MODELS, reader: str = DEFAULT_READER,
               reset: bool = False) -> dict[str, dict[str, float]]:
-        """``{phase: {count, total_s, mean_s, max_s, mean_batch}}`` over the reader's interval of this model."""
+        """``{phase: {count, total_s, mean_s, max_s, mean_batch, mean_ranks}}`` over the reader's interval of this
+        model."""
         with self._lock:
             out: dict[str, dict[str, float]] = {}
-            for phase, count, batch, totals_maxes in self._interval(model_id, self._reader(reader), reset):
-                out.update(summarize(phase, count, batch, totals_maxes))
+            for phase, header, totals_maxes in self._interval(model_id, self._reader(reader), reset):
+                out.update(summarize(phase, *header, totals_maxes))
             return out
 
     def take_interval(self, reader: str) -> dict[str, dict[str, Row]]:
@@ -169,9 +175,9 @@ class PhaseStats:
             taken = {}
             for model_id in [ALL_MODELS, *self._series]:
                 rows = {}
-                for phase, count, batch, totals_maxes in self._interval(model_id, handle, reset=True):
-                    if count:
-                        rows[phase] = [count, batch, *totals_maxes]
+                for phase, header, totals_maxes in self._interval(model_id, handle, reset=True):
+                    if header[0]:
+                        rows[phase] = [*header, *totals_maxes]
                 if rows:
                     taken[model_id] = rows
             return taken
@@ -190,26 +196,28 @@ class PhaseStats:
             self._readers.move_to_end(name)
         return reader
 
-    def _interval(self, model_id: str, reader: _Reader, reset: bool) -> Iterator[tuple[str, int, float, list]]:
+    def _interval(self, model_id: str, reader: _Reader, reset: bool) -> Iterator[tuple[str, list, list]]:
+        """(phase, [count, batch_total, ranks_total], [total_0, max_0, ...]) of each phase in the interval."""
         rows = self._aggregate if model_id == ALL_MODELS else self._series.get(model_id, {})
         baseline = reader.baseline.get(model_id, {})
         maxes = reader.maxes.get(model_id)
         for phase, row in rows.items():
             base = baseline.get(phase)
-            count, batch = row[0] - (base[0] if base else 0), row[1] - (base[1] if base else 0)
+            header = [row[i] - (base[i] if base else 0) for i in range(HEADER)]
+            count = header[0]
             totals_maxes = []
             for i in range(len(parts_of(phase))):
-                total = row[2 + 2 * i] - (base[2 + i] if base else 0.0)
+                total = row[HEADER + 2 * i] - (base[HEADER + i] if base else 0.0)
                 if maxes is None:
-                    peak = row[3 + 2 * i]
+                    peak = row[HEADER + 1 + 2 * i]
                 else:
                     peaks = maxes.get(phase)
                     peak = peaks[i] if peaks is not None and count else 0.0
                 totals_maxes += [total, peak]
-            yield phase, count, batch, totals_maxes
+            yield phase, header, totals_maxes
         if reset:
             reader.baseline[model_id] = {
-                phase: (row[0], row[1], *row[2::2]) for phase, row in rows.items()
+                phase: (*row[:HEADER], *row[HEADER::2]) for phase, row in rows.items()
             }
             reader.maxes[model_id] = {}
             if reader not in self._resetting:

@@ -54,8 +54,25 @@ def test_stats_are_count_total_mean_max_and_mean_batch(timings):
     timings.span("a", "forward_backward", "gpu", 0.0, 1.0, n=1)
     timings.span("a", "forward_backward", "gpu", 1.0, 4.0, n=3)
     assert timings.snapshot("a")["phases"]["forward_backward.execute"] == {
-        "count": 2, "total_s": 4.0, "mean_s": 2.0, "max_s": 3.0, "mean_batch": 2.0,
+        "count": 2, "total_s": 4.0, "mean_s": 2.0, "max_s": 3.0, "mean_batch": 2.0, "mean_ranks": 1.0,
     }
+
+
+def test_an_execution_on_several_ranks_says_how_many_and_its_waits_do_not(timings):
+    submit(timings, "a", "a:1", "forward_backward", 0.0)
+    timings.span("a", "forward_backward", "gpu", 1.0, 2.0, request_ids=["a:1"], n=1, ranks=4)
+    timings.span("a", "forward_backward", "gpu", 2.0, 3.0, n=1, ranks=2)
+    phases = timings.snapshot("a", reset=True)["phases"]
+    assert phases["forward_backward.execute"]["mean_ranks"] == 3.0
+    assert phases["forward_backward.queue_wait"]["mean_ranks"] == 1.0
+    # A reader's next interval, and a trainer's rows merged elsewhere (the timing actor), keep the ranks apart.
+    timings.span("a", "forward_backward", "gpu", 3.0, 4.0, n=1, ranks=2)
+    assert timings.snapshot("a")["phases"]["forward_backward.execute"]["mean_ranks"] == 2.0
+    merged = PhaseStats()
+    for phase, row in timings.stats.take_interval("actor")["a"].items():
+        merged.merge("a", phase, row)
+    assert merged.stats("a")["forward_backward.execute"] == timings.snapshot("a")["phases"][
+        "forward_backward.execute"] | {"count": 3, "total_s": 3.0, "mean_s": 1.0, "mean_ranks": 8 / 3}
 
 
 def test_first_span_of_a_command_records_its_queue_wait_once(timings):

@@ -35,6 +35,9 @@ class RecordingBackend:
     def training_slots(self):
         return 1000
 
+    def pass_ranks(self):
+        return 1
+
     def make_room(self, model_ids, running, queued):
         return []
 
