@@ -8,14 +8,16 @@ trainer the cluster has by name, so a restarted reconciler loses nothing.
 
 Following the GPUs (``Settings.follow_gpus``), every ``RECONCILE_EVERY_S`` it also:
 
-1. starts one trainer per GPU on every live node with GPUs and no trainer for them, pinned to that node (base
-   models dealt out in turn), and forgets (kills) the trainers whose node left: the recovery actor restores their
-   models on the trainers that are left;
+1. starts one trainer per GPU (per N GPUs for a base model sharded over N, ``--trainer-ranks``: its ranks a
+   placement group on that node) on every live node with GPUs no trainer holds, pinned to that node (base models
+   dealt out in turn), and forgets (kills) the trainers whose node left: the recovery actor restores their models
+   on the trainers that are left;
 2. on demand (``request_trainer``: every trainer of a base model was full), starts one more trainer that needs a
-   GPU and is pinned nowhere: a pending actor, which Ray's autoscaler turns into a node, up to ``max_trainers``;
+   GPU (N GPUs of one node) and is pinned nowhere: a pending actor (placement group), which Ray's autoscaler turns
+   into a node, up to ``max_trainers``;
 3. lets go of trainers that held no model for ``idle_timeout_s``, never below ``min_trainers``: each first leaves
-   the registry, and is stopped ``RELEASE_GRACE_S`` later if still no model was placed on it meanwhile. Its GPU
-   is left free (not refilled), so that the autoscaler can take the idle node back.
+   the registry, and is stopped ``RELEASE_GRACE_S`` later if still no model was placed on it meanwhile. Its GPUs
+   are left free (not refilled), so that the autoscaler can take the idle node back.
 
 On an existing cluster (``--address``) the trainers follow the GPUs unless ``--trainers`` (or whole-GPU
 ``--samplers``) fixes them. Where that cluster has no GPU yet and its `ray up` config brings none (GPU nodes, if
@@ -34,7 +36,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 import yaml
@@ -84,6 +86,11 @@ class ScalingConfig:
     # --samplers as a GPU share (0: none): each trainer it starts gets a vLLM sampler on that share of its GPU.
     sampler_share: float = 0.0
     sampler: SamplerConfig | None = None
+    # GPUs a trainer of each base model spans (--trainer-ranks): 1 where not named.
+    ranks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def ranks_of(self, base_model: str) -> int:
+        return self.ranks.get(base_model, 1)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -158,7 +165,8 @@ class ReconcilerActor:
 
     def _place_seat(self, name: str, base_model: str, node_id: str, gpu: bool, ranks: int = 1) -> None:
         if name not in self._pinned and self._left_free.get(node_id, 0) > 0:
-            self._left_free[node_id] -= 1  # a demanded trainer took a GPU an idle one had left free
+            # A demanded trainer took GPUs an idle one had left free.
+            self._left_free[node_id] = max(0, self._left_free[node_id] - ranks)
         self._seats[name] = Seat(name, base_model, node_id, ready=False, gpu=gpu, ranks=ranks)
 
     def _forget(self, name: str) -> None:
@@ -170,12 +178,13 @@ class ReconcilerActor:
     def _start(self, base_model: str, node_id: str | None) -> str:
         index, self._next_index = self._next_index, self._next_index + 1
         name = trainer_name(index)
-        share = self._config.sampler_share
+        share, ranks = self._config.sampler_share, self._config.ranks_of(base_model)
         handle = start_trainer(index, base_model, self._config.trainer, num_gpus=trainer_gpu_share(share, True),
-                               num_cpus=1, node_id=node_id, samplers=(sampler_name(index),) if share else ())
+                               num_cpus=1, node_id=node_id, samplers=(sampler_name(index),) if share else (),
+                               ranks=ranks)
         if node_id is not None:
             self._pinned.add(name)
-        self._seats[name] = Seat(name, base_model, node_id, ready=False)
+        self._seats[name] = Seat(name, base_model, node_id, ready=False, ranks=ranks)
         self._spawn(self._follow(name, handle, base_model))
         self._note("trainer_started", name, node_id)
         logger.warning("starting trainer %s for %s on %s", name, base_model, node_id or "a GPU the autoscaler adds")
@@ -201,7 +210,7 @@ class ReconcilerActor:
             self._drop_departed(alive)
             seats = list(self._seats.values())
             for node_id, base_model in trainers_to_start(gpu_nodes, seats, self._config.base_models,
-                                                        self._left_free):
+                                                        self._left_free, self._config.ranks):
                 self._start(base_model, node_id)
             for name in trainers_to_release([s for s in self._seats.values() if s.name not in self._releasing],
                                             now, self._config.idle_timeout_s, self._config.min_trainers):
@@ -265,7 +274,7 @@ class ReconcilerActor:
         self._note("trainer_released", name, seat.node_id)
         self._forget(name)
         if seat.gpu and seat.node_id is not None:
-            self._left_free[seat.node_id] = self._left_free.get(seat.node_id, 0) + 1
+            self._left_free[seat.node_id] = self._left_free.get(seat.node_id, 0) + seat.ranks
 
     async def _publish_counts(self, now: float) -> None:
         counts = self.counts()
@@ -355,7 +364,8 @@ def scaling_config(settings: Settings, follow_gpus: bool) -> ScalingConfig:
     share = settings.samplers if follow_gpus and 0 < settings.samplers < 1 else 0.0
     return ScalingConfig(tuple(settings.base_models), TrainerConfig.from_settings(settings), follow_gpus,
                          settings.min_trainers, settings.max_trainers, settings.trainer_idle_timeout_s,
-                         sampler_share=share, sampler=sampler_config(settings) if share else None)
+                         sampler_share=share, sampler=sampler_config(settings) if share else None,
+                         ranks={model: settings.ranks_of(model) for model in settings.base_models})
 
 
 def start_reconciler(config: ScalingConfig) -> ActorHandle:
@@ -368,11 +378,10 @@ def start_reconciler(config: ScalingConfig) -> ActorHandle:
 
 def follows_gpus(settings: Settings) -> bool:
     """Whether the trainers follow the GPUs: as set, else on an existing cluster (--address), whose GPU nodes may
-    come and go, unless --trainers, whole-GPU --samplers or sharded trainers (--trainer-ranks) fix the layout."""
+    come and go, unless --trainers or whole-GPU --samplers fix the layout."""
     if settings.follow_gpus is not None:
         return settings.follow_gpus
-    return (settings.ray_address is not None and settings.trainers is None and settings.samplers < 1
-            and settings.most_ranks == 1)
+    return settings.ray_address is not None and settings.trainers is None and settings.samplers < 1
 
 
 def starts_cpu_trainers(settings: Settings) -> bool:

@@ -2,8 +2,9 @@
 GPU nodes, the trainers it knows, the clock), with no Ray in them (``cluster.reconciler`` gathers the inputs and
 carries out the answers).
 
-- ``trainers_to_start``: one trainer per GPU on every node that has GPUs and no trainer for them, base models dealt
-  out in turn (the fewest trainers first), as ``start_trainers`` deals them at deploy.
+- ``trainers_to_start``: on every node with GPUs no trainer holds, one trainer per GPU (per N GPUs for a base model
+  sharded over N, ``--trainer-ranks``), base models dealt out in turn (the fewest trainers first), as
+  ``start_trainers`` deals them at deploy.
 - ``may_request_trainer``: one more trainer for a base model whose trainers are all full, up to the cap.
 - ``trainers_to_release``: trainers with no models for the idle timeout, never below the minimum of GPU trainers; a
   CPU trainer (started before any GPU joined) once a GPU trainer serves its base model.
@@ -43,20 +44,25 @@ class Seat:
 
 
 def trainers_to_start(nodes: Sequence[GpuNode], seats: Sequence[Seat], base_models: Sequence[str],
-                      left_free: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
-    """``(node_id, base_model)`` of each trainer to start: a node's GPUs less its trainers (starting ones included)
-    and less the GPUs left free on it (``left_free``: trainers released there for idleness, whose node the
-    autoscaler is to take back). Nothing while a trainer waits for a node: Ray gives it the next free GPU first."""
+                      left_free: Mapping[str, int] | None = None,
+                      ranks: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
+    """``(node_id, base_model)`` of each trainer to start: a node's GPUs less those its trainers span (starting ones
+    included) and less the GPUs left free on it (``left_free``: trainers released there for idleness, whose node the
+    autoscaler is to take back), a trainer of base model m taking ``ranks[m]`` GPUs (default 1), so a node of 8
+    GPUs gets two trainers of 4. Base models are dealt out in turn (the fewest trainers first) among those that fit
+    what is left of the node. Nothing while a trainer waits for a node: Ray gives it the next free GPUs first."""
     if any(seat.node_id is None for seat in seats):
         return []
-    left_free = left_free or {}
+    left_free, ranks = left_free or {}, ranks or {}
     served = {model: sum(seat.base_model == model for seat in seats) for model in base_models}
     starts: list[tuple[str, str]] = []
     for node in sorted(nodes, key=lambda node: node.node_id):
-        on_node = sum(seat.node_id == node.node_id for seat in seats)
-        for _ in range(node.gpus - left_free.get(node.node_id, 0) - on_node):
-            model = min(base_models, key=lambda name: (served[name], base_models.index(name)))
+        free = node.gpus - left_free.get(node.node_id, 0) - sum(seat.ranks for seat in seats
+                                                                 if seat.node_id == node.node_id)
+        while fitting := [model for model in base_models if ranks.get(model, 1) <= free]:
+            model = min(fitting, key=lambda name: (served[name], base_models.index(name)))
             served[model] += 1
+            free -= ranks.get(model, 1)
             starts.append((node.node_id, model))
     return starts
 

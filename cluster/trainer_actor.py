@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import orjson
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
@@ -547,24 +547,27 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
     """A named trainer (``lilo-trainer-<index>`` in namespace ``lilo``), one GPU each when GPUs exist. With
     ``node_id`` it lives on that node only: Ray restarts it there if its process dies, and it dies with the node
     (the reconciler starts trainers on the nodes that are left or join). With ``ranks`` > 1 it spans that many
-    GPUs (CPUs without GPUs) of one node: a placement group of one bundle per rank, the trainer in the first."""
+    GPUs (CPUs without GPUs) of one node (``node_id``'s, when given): a placement group of one bundle per rank, the
+    trainer in the first."""
     name = trainer_name(index)
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     if ranks > 1:
-        strategy = PlacementGroupSchedulingStrategy(rank_placement_group(name, ranks, num_gpus),
+        strategy = PlacementGroupSchedulingStrategy(rank_placement_group(name, ranks, num_gpus, node_id),
                                                     placement_group_bundle_index=0)
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
                                 lifetime="detached", scheduling_strategy=strategy).remote(
                                     name, base_model, config, tuple(samplers), ranks)
 
 
-def rank_placement_group(trainer: str, ranks: int, gpus: float) -> PlacementGroup:
-    """The placement group of a sharded trainer (``<trainer>-ranks``, detached like the trainer): a pending one
-    is what asks the autoscaler for a node with ``ranks`` GPUs. One left by an earlier trainer of that name goes."""
+def rank_placement_group(trainer: str, ranks: int, gpus: float, node_id: str | None = None) -> PlacementGroup:
+    """The placement group of a sharded trainer (``<trainer>-ranks``, detached like the trainer), on ``node_id``
+    only when given (it then dies with that node): a pending one is what asks the autoscaler for a node with
+    ``ranks`` GPUs. One left by an earlier trainer of that name goes."""
     remove_rank_placement_group(trainer)
+    on_node = None if node_id is None else [{NODE_ID_LABEL_KEY: node_id}] * ranks
     return placement_group(rank_bundles(ranks, gpus), strategy="STRICT_PACK", name=f"{trainer}-ranks",
-                           lifetime="detached")
+                           lifetime="detached", bundle_label_selector=on_node)
 
 
 def remove_rank_placement_group(trainer: str) -> None:

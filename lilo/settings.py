@@ -160,10 +160,11 @@ class Settings:
 
     def validate(self) -> "Settings":
         default, overrides = parse_trainer_ranks(self.trainer_ranks)
-        if self.follow_gpus and (default > 1 or any(ranks > 1 for ranks in overrides.values())):
-            raise SettingsError("Trainers that follow the GPUs are one GPU each for now; to shard a base model over "
-                                "several GPUs (--trainer-ranks), fix the trainers with --no-follow-gpus and "
-                                "--trainers N.")
+        if 0 < self.samplers < 1 and (default > 1 or any(ranks > 1 for ranks in overrides.values())):
+            raise SettingsError(f"--samplers {self.samplers:g} puts a vLLM sampler on a share of one GPU of each "
+                                "trainer, which would hold a whole base model that --trainer-ranks shards over "
+                                "several; give the samplers GPUs of their own (--samplers N) or leave sampling to "
+                                "the trainers (--samplers 0).")
         strangers = sorted(set(overrides) - set(self.base_models))
         if strangers:
             raise SettingsError(f"--trainer-ranks names {', '.join(strangers)}, which no --base-model serves; name "

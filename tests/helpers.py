@@ -190,8 +190,9 @@ class ClusterService:
             assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s; trainers: {trainers}"
             time.sleep(0.5)
 
-    def add_gpu_node(self, label: str):
-        node = self.cluster.add_node(num_cpus=1, num_gpus=1)
+    def add_gpu_node(self, label: str, gpus: int = 1):
+        """A node of ``gpus`` fake GPUs and a CPU for each (a trainer's rank, or a trainer, takes one of both)."""
+        node = self.cluster.add_node(num_cpus=gpus, num_gpus=gpus)
         self.nodes[label] = node
         return node
 

@@ -12,8 +12,8 @@ from lilo.settings import load_settings
 MODELS = ("tiny", "small")
 
 
-def seat(name, model="tiny", node="n1", ready=True, models=0, idle_since=None, gpu=True):
-    return Seat(name, model, node, ready, models, idle_since, gpu)
+def seat(name, model="tiny", node="n1", ready=True, models=0, idle_since=None, gpu=True, ranks=1):
+    return Seat(name, model, node, ready, models, idle_since, gpu, ranks)
 
 
 def test_a_joined_node_gets_one_trainer_per_gpu_with_base_models_dealt_in_turn():
@@ -38,6 +38,21 @@ def test_nothing_starts_while_a_trainer_waits_for_a_node():
 def test_gpus_left_free_by_an_idle_release_are_not_filled_again():
     assert trainers_to_start([GpuNode("n1", 2)], [], MODELS, left_free={"n1": 2}) == []
     assert trainers_to_start([GpuNode("n1", 2)], [], MODELS, left_free={"n1": 1}) == [("n1", "tiny")]
+
+
+def test_a_sharded_base_model_takes_as_many_gpus_as_its_ranks_a_trainer():
+    assert trainers_to_start([GpuNode("n1", 8)], [], ("big",), ranks={"big": 4}) == [("n1", "big"), ("n1", "big")]
+    # What its groups leave of a node goes to the base models that fit it.
+    assert trainers_to_start([GpuNode("n1", 3)], [], ("big", "tiny"), ranks={"big": 2}) == [
+        ("n1", "big"), ("n1", "tiny")]
+    assert trainers_to_start([GpuNode("n1", 3)], [], ("big",), ranks={"big": 2}) == [("n1", "big")]
+
+
+def test_a_group_counts_its_gpus_on_its_node_and_gpus_left_free_count_one_each():
+    seats = [seat("t0", "big", "n1", ranks=4)]
+    assert trainers_to_start([GpuNode("n1", 8)], seats, ("big",), ranks={"big": 4}) == [("n1", "big")]
+    assert trainers_to_start([GpuNode("n1", 8)], seats, ("big",), left_free={"n1": 4}, ranks={"big": 4}) == []
+    assert trainers_to_start([GpuNode("n1", 4)], [], ("big",), ranks={"big": 8}) == []  # no node holds one
 
 
 @pytest.mark.parametrize(("seats", "cap", "expected"), [
@@ -98,6 +113,7 @@ def test_a_ray_up_config_with_a_gpu_worker_type_is_a_gpu_cluster():
     ({"ray_address": "auto", "trainers": 2}, False),
     ({"ray_address": "auto", "samplers": 2}, False),  # samplers of a GPU each: a fixed layout
     ({"ray_address": "auto", "samplers": 0.3}, True),
+    ({"ray_address": "auto", "trainer_ranks": "4"}, True),  # groups of four GPUs follow them too
     ({"ray_address": "auto", "follow_gpus": False}, False),
 ])
 def test_trainers_follow_the_gpus_on_an_existing_cluster_unless_the_layout_is_fixed(given, follows):
