@@ -57,6 +57,7 @@ class SamplerConfig:
     gpu_fraction: float = 0.3  # of its GPU's memory, for weights and KV cache (a share of a trainer's GPU)
     kv_cache_gb: float = 1.0  # on CPU: the KV cache's memory
     threads: int | None = None  # on CPU: compute threads bound to the first CPUs (None: vLLM's own binding)
+    tensor_parallel_size: int = 1  # workers the base model is split over (a sampler of a sharded base model)
     model_cache_dir: Path | None = None  # where lilo's named base models are made (lilo.backend.models)
 
 
@@ -105,7 +106,8 @@ class SamplerActor:
             self._loading.set_result(VllmSampler(
                 model_directory(self.base_model, config.model_cache_dir), max_loras=config.max_loras,
                 max_rank=config.max_rank, device=device, gpu_fraction=config.gpu_fraction,
-                kv_cache_gb=config.kv_cache_gb, threads=config.threads))
+                kv_cache_gb=config.kv_cache_gb, threads=config.threads,
+                tensor_parallel_size=config.tensor_parallel_size))
         except BaseException as error:
             logger.exception("sampler %s could not start its engine for %s", self.name, self.base_model)
             self._loading.set_exception(portable(error))

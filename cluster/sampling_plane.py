@@ -14,8 +14,9 @@ sample never reads weights older than the last whole save, whatever the order of
 
 Layout (``sampler_layout``): ``--samplers 0`` none (the torch sampler on every trainer); a fraction ``0 < F < 1``: one
 sampler beside each trainer, on a share F of its GPU (the trainer takes the rest); a whole number N: N samplers
-per base model, each on a GPU of its own, shared by that base model's trainers. Without GPUs, F gives one sampler
-per trainer and N gives N per base model, on CPU.
+per base model, each on a GPU of its own, shared by that base model's trainers (for a base model sharded over M GPUs,
+``--trainer-ranks``, each on M GPUs, its engine tensor parallel over them). Without GPUs, F gives one sampler per
+trainer and N gives N per base model, on CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import zlib
 from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 
@@ -66,6 +67,8 @@ class SamplerSeat:
     base_model: str
     num_gpus: float
     trainers: tuple[str, ...]
+    # Workers its engine splits the base model over: the ranks of the trainers of a sharded base model.
+    tensor_parallel: int = 1
 
 
 def trainer_gpu_share(samplers: float, gpus: bool) -> float:
@@ -75,8 +78,11 @@ def trainer_gpu_share(samplers: float, gpus: bool) -> float:
     return 1.0 - samplers if 0 < samplers < 1 else 1.0
 
 
-def sampler_layout(samplers: float, trainers: Sequence[tuple[str, str]], gpus: bool) -> list[SamplerSeat]:
-    """The sampler actors for ``trainers`` (name, base model) under ``--samplers`` (see the module docstring)."""
+def sampler_layout(samplers: float, trainers: Sequence[tuple[str, str]], gpus: bool,
+                   ranks: Mapping[str, int] | None = None) -> list[SamplerSeat]:
+    """The sampler actors for ``trainers`` (name, base model) under ``--samplers`` (see the module docstring); a
+    sampler of a base model that ``ranks`` shards over N devices splits it over N (tensor parallel), on N GPUs."""
+    ranks = ranks or {}
     if samplers <= 0:
         return []
     if samplers < 1:
@@ -85,8 +91,9 @@ def sampler_layout(samplers: float, trainers: Sequence[tuple[str, str]], gpus: b
     seats: list[SamplerSeat] = []
     for base_model in dict.fromkeys(model for _, model in trainers):
         served_by = tuple(name for name, model in trainers if model == base_model)
+        workers = ranks.get(base_model, 1)
         for _ in range(math.floor(samplers)):
-            seats.append(SamplerSeat(len(seats), base_model, 1.0 if gpus else 0.0, served_by))
+            seats.append(SamplerSeat(len(seats), base_model, float(workers) if gpus else 0.0, served_by, workers))
     return seats
 
 

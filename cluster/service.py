@@ -256,7 +256,8 @@ def sampler_seats(settings: Settings) -> list:
     from cluster.trainer_actor import trainer_layout, trainer_name
 
     served = [(trainer_name(index), model) for index, model in enumerate(trainer_layout(settings))]
-    return sampler_layout(settings.samplers, served, bool(ray.cluster_resources().get("GPU", 0)))
+    return sampler_layout(settings.samplers, served, bool(ray.cluster_resources().get("GPU", 0)),
+                          {model: settings.ranks_of(model) for model in settings.base_models})
 
 
 def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
@@ -273,8 +274,13 @@ def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
     config = sampler_config(settings)
     progress(f"Starting {len(seats)} vLLM sampler(s): "
              + ", ".join(f"{sampler_name(seat.index)} ({seat.base_model}, {seat.num_gpus:g} GPU, for "
-                         f"{'/'.join(seat.trainers)})" for seat in seats))
-    return [start_sampler(seat.index, seat.base_model, config, num_gpus=seat.num_gpus) for seat in seats]
+                         f"{'/'.join(seat.trainers)}"
+                         + (f", tensor parallel over {seat.tensor_parallel}" if seat.tensor_parallel > 1 else "") + ")"
+                         for seat in seats))
+    # A tensor-parallel engine's workers compute each on a CPU of their own where there is no GPU.
+    return [start_sampler(seat.index, seat.base_model,
+                          dataclasses.replace(config, tensor_parallel_size=seat.tensor_parallel),
+                          num_gpus=seat.num_gpus, num_cpus=seat.tensor_parallel) for seat in seats]
 
 
 def wait_for_samplers(handles: list, timeout_s: float, progress: Progress) -> None:

@@ -129,15 +129,26 @@ def context_length(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
 
 
-def cpu_binding(threads: int | None) -> str:
+def cpu_binding(threads: int | None, ranks: int = 1) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND``: vLLM's own choice (``auto``: on x86 it keeps a core for its scheduler, so
-    one compute thread on two cores) or the first ``threads`` CPUs this process may run on."""
-    if threads is None:
+    one compute thread on two cores) or the first ``threads`` CPUs this process may run on for each of ``ranks``
+    tensor-parallel workers (``|`` between the workers' CPUs). Several workers on one NUMA node need the latter
+    (vLLM's ``auto`` binds one node a worker): without ``threads`` they share this process's CPUs evenly."""
+    if threads is None and ranks == 1:
         return "auto"
     allowed = sorted(os.sched_getaffinity(0))
-    if not 1 <= threads <= len(allowed):
-        raise ValueError(f"threads={threads}, but this process may run on {len(allowed)} CPUs.")
-    return ",".join(str(cpu) for cpu in allowed[:threads])
+    threads = threads or max(1, len(allowed) // ranks)
+    if not 1 <= threads * ranks <= len(allowed):
+        raise ValueError(f"threads={threads} for each of {ranks} worker(s), but this process may run on "
+                         f"{len(allowed)} CPUs.")
+    return "|".join(",".join(str(cpu) for cpu in allowed[rank * threads:(rank + 1) * threads])
+                    for rank in range(ranks))
+
+
+def tensor_parallel(workers: int) -> dict:
+    """Engine arguments splitting the base model's layers over ``workers`` processes of this one (on the GPUs Ray
+    gave it): a sampler of a base model a trainer shards over that many devices. None for one."""
+    return {"tensor_parallel_size": workers, "distributed_executor_backend": "mp"} if workers > 1 else {}
 
 
 @dataclasses.dataclass
@@ -156,14 +167,14 @@ class VllmSampler:
 
     def __init__(self, model_dir: Path, *, max_loras: int, max_rank: int, device: str = "cpu",
                  gpu_fraction: float = 0.9, kv_cache_gb: float = 1.0, threads: int | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, tensor_parallel_size: int = 1) -> None:
         cpu = device == "cpu"
         memory = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if cpu
                   else {"gpu_memory_utilization": gpu_fraction})
         # Read by vLLM's engine processes, which inherit this environment when the engine starts below.
         os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", STEP_TIMEOUT_S)
         if cpu:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(threads)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(threads, tensor_parallel_size)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -184,7 +195,8 @@ class VllmSampler:
             # request whose prefill was cut into chunks: it rewinds the request's generator, which CPU generators
             # cannot. Whole prefills only, so no step samples a token it discards.
             enable_chunked_prefill=False, max_num_seqs=MAX_SEQUENCES,
-            max_num_batched_tokens=max(MIN_STEP_TOKENS, context_length(self.model_dir)), **memory)
+            max_num_batched_tokens=max(MIN_STEP_TOKENS, context_length(self.model_dir)),
+            **memory, **tensor_parallel(tensor_parallel_size))
         self.engine = AsyncLLM.from_engine_args(args)
         model_config = self.engine.model_config
         self.vocab_size: int = model_config.get_vocab_size()

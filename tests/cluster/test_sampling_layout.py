@@ -32,6 +32,12 @@ def test_a_count_gives_each_base_model_that_many_samplers_on_a_gpu_each_shared_b
     assert trainer_gpu_share(2, gpus=True) == 1.0
 
 
+def test_a_sampler_of_a_sharded_base_model_takes_its_ranks_in_gpus_and_splits_the_model_over_them():
+    seats = sampler_layout(1, TRAINERS, gpus=True, ranks={"a": 4})
+    assert [(seat.base_model, seat.num_gpus, seat.tensor_parallel) for seat in seats] == [("a", 4.0, 4), ("b", 1.0, 1)]
+    assert [seat.tensor_parallel for seat in sampler_layout(1, TRAINERS, gpus=False, ranks={"a": 2})] == [2, 1]
+
+
 def test_without_gpus_samplers_ask_for_none():
     assert {seat.num_gpus for seat in sampler_layout(0.5, TRAINERS, gpus=False)} == {0.0}
     assert {seat.num_gpus for seat in sampler_layout(1, TRAINERS, gpus=False)} == {0.0}

@@ -56,12 +56,12 @@ def torch_side(ray_driver, tmp_path_factory):
     return backend, directories
 
 
-@pytest.fixture(scope="module")
-def sampler(torch_side):
-    """A sampler actor of the tiny model with both adapters published under their own names."""
-    _, directories = torch_side
+def published_sampler(directories: dict[str, str], workers: int = 1):
+    """A sampler actor of the tiny model (its engine split over ``workers`` tensor-parallel processes) with both
+    adapters published under their own names: (actor, what it said it serves); killed after."""
     actor = start_sampler(900 + uuid.uuid4().int % 99, str(TINY_DIRECTORY),
-                          SamplerConfig(max_loras=4, max_rank=32, device="cpu", kv_cache_gb=1.0))
+                          SamplerConfig(max_loras=4, max_rank=32, device="cpu", kv_cache_gb=1.0,
+                                        tensor_parallel_size=workers), num_cpus=workers)
     try:
         info = ray.get(actor.ready.remote(), timeout=TIMEOUT_S)
         for key, directory in directories.items():
@@ -69,6 +69,23 @@ def sampler(torch_side):
         yield actor, info
     finally:
         ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def sampler(torch_side):
+    yield from published_sampler(torch_side[1])
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_sampler(torch_side):
+    """The sampler of a base model that trainers shard over two ranks: its engine's layers split over two workers."""
+    yield from published_sampler(torch_side[1], workers=2)
+
+
+# The checks of what a sample is, run on both samplers.
+@pytest.fixture(params=["sampler", "tensor_parallel_sampler"])
+def either_sampler(request):
+    return request.getfixturevalue(request.param)
 
 
 def torch_samples(backend, requests: list[SamplingRequest], adapters: list[str | None]) -> list:
@@ -109,10 +126,10 @@ def test_the_sampler_says_what_it_serves(sampler, torch_side):
 
 @needs_vllm
 def test_greedy_samples_equal_the_torch_samplers_for_adapter_rows_and_base_rows_batched_with_them(
-        sampler, torch_side):
+        either_sampler, torch_side):
     """Rows of both adapters and of the bare base model, each its own concurrent call (they share the engine's
     batches): the same tokens, and the same logprobs and top-k logprobs to 1e-3."""
-    actor, _ = sampler
+    actor, _ = either_sampler
     backend, _ = torch_side
     adapters = [None, "a", "b"] * 3
     requests = [greedy(tokens_of("prompt")[:4 + i // 3], topk_sample_logprobs=3) for i in range(len(adapters))]
@@ -133,9 +150,9 @@ def test_greedy_samples_equal_the_torch_samplers_for_adapter_rows_and_base_rows_
 
 
 @needs_vllm
-def test_sampled_logprobs_equal_the_trainers_logprobs_of_the_same_tokens(sampler, torch_side):
+def test_sampled_logprobs_equal_the_trainers_logprobs_of_the_same_tokens(either_sampler, torch_side):
     """The cookbook's check: at temperature 1, a sample's logprobs are those the trainer computes for its tokens."""
-    actor, _ = sampler
+    actor, _ = either_sampler
     backend, _ = torch_side
     prompt = tokens_of("a")[:6]
     (result,) = vllm_samples(actor, [SamplingRequest(prompt=prompt, max_tokens=24, seed=3, num_samples=2)], ["a"])

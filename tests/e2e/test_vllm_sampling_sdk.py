@@ -28,15 +28,18 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 @pytest.fixture(scope="module")
 def vllm_service(local_cluster):
     """Its own service (the session cluster has no samplers) on the tiny model with a tokenizer, which the session
-    cluster's fixture builds; one vLLM sampler."""
+    cluster's fixture builds, served as a base model too big for one device would be: its trainer sharded over two
+    ranks, its one vLLM sampler tensor parallel over two workers."""
     home = short_home()
     port, dashboard = free_ports(2)
     started = lilo("up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
-                   "--num-cpus", "4", "--samplers", "1", "--base-model", str(TINY_DIRECTORY), "--timeout", "400",
+                   "--num-cpus", "6", "--samplers", "1", "--trainer-ranks", "2", "--base-model", str(TINY_DIRECTORY),
+                   "--timeout", "400",
                    timeout_s=480)
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         assert "Sampler lilo-sampler-0 ready" in started.stdout, started.stdout
+        assert "tensor parallel over 2" in started.stdout, started.stdout
         with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY) as client:
             yield client, f"http://127.0.0.1:{port}"
     finally:
