@@ -45,7 +45,8 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
     free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
     backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(
-        backend.model, backend.device, backend.slot_state_bytes(), free_under_cap)
+        backend.model, backend.device, backend.slot_state_bytes(), free_under_cap,
+        reserved_bytes=sharded.gathered_peak_bytes if sharded else 0)
     if not follower:
         logger.info("%s: passes of at most %d padded tokens%s%s", name, backend.max_batch_tokens,
                     "" if config.max_batch_tokens else " (sized from the device's free memory)",

@@ -5,6 +5,8 @@ import pytest
 import tinker
 from tinker import types
 
+from conftest import SHARDED_BASE_MODEL
+
 
 def memorize_datum() -> types.Datum:
     tokens = np.random.default_rng(0).integers(0, 1000, 24).tolist()
@@ -172,9 +174,11 @@ def test_closing_the_service_client_unloads_its_models_and_frees_their_slots(loc
     assert model_id not in ray.get(trainer.model_ids.remote())  # its adapter slot is free again
 
 
-def test_save_state_then_load_state_resumes_where_it_was(local_cluster):
+# On a trainer of one rank, and on the session cluster's trainer sharded over two.
+@pytest.mark.parametrize("base_model", ["lilo/tiny-llama", SHARDED_BASE_MODEL])
+def test_save_state_then_load_state_resumes_where_it_was(local_cluster, base_model):
     with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
-        training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120)
+        training = service.create_lora_training_client(base_model=base_model, rank=4).result(timeout=120)
         data = [memorize_datum()]
         for _ in range(2):
             training.forward_backward(data, "cross_entropy").result(timeout=120)

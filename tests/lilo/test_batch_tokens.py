@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lilo.backend.training.batch_tokens import (
-    MAX_BATCH_TOKENS, MIN_BATCH_TOKENS, activation_bytes_per_token, budget_tokens, longest_sequence,
+    MAX_BATCH_TOKENS, MIN_BATCH_TOKENS, activation_bytes_per_token, budget_tokens, logit_slice_bytes, longest_sequence,
     recompute_bytes_per_token, size_batch_tokens,
 )
 from lilo.backend.models import TINY_LLAMA
@@ -48,3 +48,14 @@ def test_a_loaded_model_on_the_cpu_gets_a_budget_within_the_bounds():
     assert MIN_BATCH_TOKENS <= size_batch_tokens(model, torch.device("cpu")) <= MAX_BATCH_TOKENS["cpu"]
     # Slots that will take all the memory there is leave a pass the floor.
     assert size_batch_tokens(model, torch.device("cpu"), slot_bytes=2**50) == MIN_BATCH_TOKENS
+
+
+def test_the_layers_a_sharded_base_gathers_whole_come_off_a_passs_memory():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    per_token = activation_bytes_per_token(model.config, 4)
+    free = logit_slice_bytes(model.config) + 8192 * per_token  # well inside the CPU's bounds, under a cap
+    whole = size_batch_tokens(model, torch.device("cpu"), capped_free_bytes=free)
+    reserved = size_batch_tokens(model, torch.device("cpu"), capped_free_bytes=free, reserved_bytes=4096 * per_token)
+    assert MIN_BATCH_TOKENS < reserved < whole

@@ -32,11 +32,19 @@ class RankGroup:
 class ShardedBase:
     """What sharding left on this rank and what a pass gathers: bytes of the base weights held here (its shards
     and the replicated rest), and bytes one rank receives to gather the layers once (``layer_gather_bytes``) and the
-    decoder's own parameters (``root_gather_bytes``: the final norm; gathered once per pass)."""
+    decoder's own parameters (``root_gather_bytes``: the final norm; gathered once per pass); ``largest_layer_bytes``:
+    the largest decoder layer whole, as a pass holds it while it runs."""
 
     local_bytes: int
     layer_gather_bytes: int
     root_gather_bytes: int
+    largest_layer_bytes: int = 0
+
+    @property
+    def gathered_peak_bytes(self) -> int:
+        """What a pass holds of gathered layers at once, beside the shards: the one running and the next, which FSDP
+        gathers ahead of it."""
+        return 2 * self.largest_layer_bytes
 
     def gathered_per_pass(self, backward: bool) -> int:
         """Bytes this rank receives in FSDP's all-gathers in one pass: every layer in the forward and again in the
@@ -82,7 +90,7 @@ def shard_base_model(model: nn.Module, device: torch.device) -> ShardedBase:
     mesh = init_device_mesh(device.type, (world,))
     decoder = model.get_decoder()
     replicated = set(decoder.get_input_embeddings().parameters())
-    layer_bytes = sum(_bytes(layer.parameters()) for layer in decoder.layers)
+    each_layer = [_bytes(layer.parameters()) for layer in decoder.layers]
     root_bytes = sum(_bytes([p]) for name, p in decoder.named_parameters()
                      if p not in replicated and not name.startswith("layers."))
     for layer in decoder.layers:
@@ -91,7 +99,7 @@ def shard_base_model(model: nn.Module, device: torch.device) -> ShardedBase:
     model.to(device)  # what FSDP left alone: the embeddings, the head, buffers
     local = sum(_local_bytes(p) for p in model.parameters())
     share = (world - 1) / world
-    return ShardedBase(local, int(layer_bytes * share), int(root_bytes * share))
+    return ShardedBase(local, int(sum(each_layer) * share), int(root_bytes * share), max(each_layer))
 
 
 def _bytes(parameters) -> int:

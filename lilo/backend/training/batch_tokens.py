@@ -77,11 +77,13 @@ def budget_tokens(free_bytes: int, bytes_per_token: int, device_type: str) -> in
     return tokens
 
 
-def size_batch_tokens(model: Any, device: Any, slot_bytes: int = 0, capped_free_bytes: int | None = None) -> int:
+def size_batch_tokens(model: Any, device: Any, slot_bytes: int = 0, capped_free_bytes: int | None = None,
+                      reserved_bytes: int = 0) -> int:
     """The default budget for ``model`` (loaded, with its adapter slots allocated) on ``device``: from the GPU's
     free memory under CUDA; on a CPU from the node's available memory less ``slot_bytes``, the slots' whole state,
     which there becomes resident only as slots fill (``lilo.backend.adapters.slot_memory``), or from what the trainer's
-    memory cap leaves it (``capped_free_bytes``) when that is less."""
+    memory cap leaves it (``capped_free_bytes``) when that is less; less ``reserved_bytes`` either way (the layers a
+    sharded base gathers whole while a pass runs)."""
     import psutil
     import torch
 
@@ -91,6 +93,6 @@ def size_batch_tokens(model: Any, device: Any, slot_bytes: int = 0, capped_free_
         free_bytes = max(0, psutil.virtual_memory().available - slot_bytes)
         if capped_free_bytes is not None:
             free_bytes = min(free_bytes, capped_free_bytes)
-    free_bytes = max(0, free_bytes - logit_slice_bytes(model.config))
+    free_bytes = max(0, free_bytes - logit_slice_bytes(model.config) - reserved_bytes)
     dtype_bytes = next(model.parameters()).element_size()
     return budget_tokens(free_bytes, activation_bytes_per_token(model.config, dtype_bytes), device.type)
