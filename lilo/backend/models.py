@@ -27,13 +27,31 @@ TINY_LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, n
                   num_key_value_heads=4, vocab_size=1000, max_position_embeddings=512)
 
 
+# A tiny Qwen3-MoE: every decoder layer a mixture of 8 experts, 2 per token (the experts hold 59 % of its weights).
+TINY_QWEN3_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=1000,
+                      max_position_embeddings=512)
+
+
 def build_tiny_llama(directory: Path, seed: int = 0, **config: Any) -> Path:
     """A random-init tiny Llama saved with ``save_pretrained``, so tests load it through the real path;
     ``config`` overrides the tiny shape (a vocabulary to match some tokenizer, say)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    return _build(directory, LlamaForCausalLM, LlamaConfig(**{**TINY_LLAMA, **config}), seed)
+
+
+def build_tiny_qwen3_moe(directory: Path, seed: int = 0, **config: Any) -> Path:
+    """A random-init tiny Qwen3-MoE, saved as ``build_tiny_llama`` saves its model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _build(directory, Qwen3MoeForCausalLM, Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **config}), seed)
+
+
+def _build(directory: Path, model_class: Any, config: Any, seed: int) -> Path:
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config})).save_pretrained(directory)
+    model_class(config).save_pretrained(directory)
     return directory
 
 
@@ -121,12 +139,15 @@ def _convert_smollm2(target: Path) -> None:
 
 
 def model_directory(name: str, cache_dir: Path | None = None) -> Path:
-    """The local directory of a served base model, made on first use (tiny: generated; SmolLM2: from its GGUF)."""
-    from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_BASE_MODEL
+    """The local directory of a served base model, made on first use (the tiny ones: generated; SmolLM2: from its
+    GGUF)."""
+    from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_BASE_MODEL, TINY_MOE_BASE_MODEL
 
     cache = cache_dir or default_cache_dir()
     if name == DEFAULT_BASE_MODEL:
         return smollm2_directory(cache)
     if name == TINY_BASE_MODEL:
         return made_once(cache / "tiny-llama", build_tiny_llama)
+    if name == TINY_MOE_BASE_MODEL:
+        return made_once(cache / "tiny-qwen3-moe", build_tiny_qwen3_moe)
     return Path(name)  # a local directory (or a hub id, where one is reachable)

@@ -22,6 +22,7 @@ class BaseModelSpec:
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TINY_BASE_MODEL = "lilo/tiny-llama"
+TINY_MOE_BASE_MODEL = "lilo/tiny-qwen3-moe"
 
 _REGISTRY: dict[str, BaseModelSpec] = {
     spec.name: spec
@@ -35,6 +36,11 @@ _REGISTRY: dict[str, BaseModelSpec] = {
             TINY_BASE_MODEL,
             max_context_length=512,
             description="a tiny random-init Llama generated locally, for tests",
+        ),
+        BaseModelSpec(
+            TINY_MOE_BASE_MODEL,
+            max_context_length=512,
+            description="a tiny random-init Qwen3-MoE (8 experts, 2 a token) generated locally, for tests",
         ),
     )
 }

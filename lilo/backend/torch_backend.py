@@ -25,7 +25,8 @@ from lilo.backend.training import batch_tokens, losses, token_logprobs
 from lilo.backend.checkpoints.paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
 from lilo.backend.checkpoints.state import AdapterState, read_peft, read_state, write_peft, write_state
 from lilo.backend.training.loss_inputs import check_train_input
-from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, GROUPED, RUNS, LoraBank, projection_kind, target_names
+from lilo.backend.adapters.bank import LoraBank
+from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, GROUPED, RUNS, projection_kind, target_names
 from lilo.backend.adapters.optimizer import SlotAdamW
 from lilo.backend.paging.store import PagedState, PageRestore, PageStore
 from lilo.backend.paging.policy import PageMove, Room, Tier, choose_victims
@@ -237,13 +238,8 @@ class TorchBackend:
         index = self._entry_indices.get(key)
         if index is None:
             targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
-            offsets, shapes, parts = self.bank.offsets, self.bank.shapes, []
-            for n, path in enumerate(self.layers):
-                if projection_kind(path) in targets:
-                    a, b = 2 * n, 2 * n + 1
-                    parts.append(torch.arange(offsets[a], offsets[a] + spec.rank * shapes[a][1]))
-                    rows = torch.arange(shapes[b][0]).unsqueeze(1) * shapes[b][1]
-                    parts.append((offsets[b] + rows + torch.arange(spec.rank)).flatten())
+            parts = [self.bank.trained_index(index, spec.rank) for n, path in enumerate(self.layers)
+                     if projection_kind(path) in targets for index in (2 * n, 2 * n + 1)]
             index = self._entry_indices[key] = torch.cat(parts).to(self.device)
         return index
 
@@ -569,8 +565,9 @@ class TorchBackend:
         rank = adapter.spec.rank
         for n, path in enumerate(self.layers):
             if projection_kind(path) in targets:
-                yield f"{path}.lora_A", 2 * n, (adapter.slot, slice(0, rank))
-                yield f"{path}.lora_B", 2 * n + 1, (adapter.slot, slice(None), slice(0, rank))
+                # A's first rows, B's first columns (of every expert, for fused experts).
+                yield f"{path}.lora_A", 2 * n, (adapter.slot, Ellipsis, slice(0, rank), slice(None))
+                yield f"{path}.lora_B", 2 * n + 1, (adapter.slot, Ellipsis, slice(0, rank))
 
     def capture_checkpoint(self, command: Command[SaveRequest]) -> tuple[str, AdapterState]:
         """Copy the adapter (and for save_weights its optimizer state) to CPU; the slot may change right after."""

@@ -116,12 +116,20 @@ def sequence_of(completion: Any, topk: int) -> SampledSequence:
 
 
 def peft_rank(peft_dir: Path) -> int:
-    """The rank of the PEFT adapter in ``peft_dir``; InvalidRequestError when it holds none."""
+    """The rank of the PEFT adapter in ``peft_dir``; InvalidRequestError when it holds none, or one that trains
+    fused MoE experts (PEFT's ``target_parameters``), which lilo does not hand to vLLM: the trainer's torch sampler
+    answers its samples."""
     try:
-        return int(json.loads((peft_dir / PEFT_CONFIG).read_text())["r"])
+        config = json.loads((peft_dir / PEFT_CONFIG).read_text())
+        rank = int(config["r"])
     except (FileNotFoundError, NotADirectoryError, KeyError, ValueError) as error:
         raise InvalidRequestError(f"{peft_dir} holds no PEFT LoRA adapter ({error}); publish a directory "
                                   "save_weights_for_sampler wrote.") from None
+    if config.get("target_parameters"):
+        experts = ", ".join(config["target_parameters"])
+        raise InvalidRequestError(f"The adapter in {peft_dir} trains fused MoE experts ({experts}), which lilo does "
+                                  "not load into vLLM yet; the torch sampler answers it.")
+    return rank
 
 
 def context_length(model_dir: Path) -> int:

@@ -2,11 +2,13 @@
 no vLLM needed (tests/cluster/test_vllm_sampler.py runs them on a real engine)."""
 
 import dataclasses
+import json
 
 import pytest
 
 from lilo.backend.types import PromptTargets, SamplingRequest
-from lilo.backend.vllm_sampler import sample_seed, sampling_params_of, vllm_unsupported
+from lilo.backend.vllm_sampler import peft_rank, sample_seed, sampling_params_of, vllm_unsupported
+from lilo.errors import InvalidRequestError
 
 PLAIN = SamplingRequest(prompt=[1, 2, 3], max_tokens=8)
 
@@ -59,3 +61,12 @@ def test_greedy_and_unseeded_requests_leave_the_filters_and_seed_to_vllm():
     params = sampling_params_of(dataclasses.replace(PLAIN, temperature=0.0), 0)
     assert params["seed"] is None and "top_k" not in params and "top_p" not in params
     assert params["detokenize"] is False and "stop" not in params and params["logprobs"] == 0
+
+
+def test_an_adapter_of_fused_moe_experts_is_not_handed_to_vllm(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj"]}))
+    assert peft_rank(tmp_path) == 4
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"r": 4, "target_modules": ["q_proj"], "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}))
+    with pytest.raises(InvalidRequestError, match="trains fused MoE experts .*the torch sampler answers it"):
+        peft_rank(tmp_path)

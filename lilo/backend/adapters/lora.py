@@ -11,9 +11,8 @@ one batched GEMM (training on the CPU, where autograd wants one op over all rows
 of consecutive rows sharing a slot (torch's grouped GEMM, on CUDA); ``runs`` loops over those runs with plain GEMMs
 at each adapter's own rank, skipping rows of no adapter (sampling on the CPU, without autograd).
 
-All of it lives in one ``LoraBank``: a ``(slots, D)`` tensor holding every projection's A and B of a slot in one
-contiguous row, and a gradient tensor laid out alike. The layers' parameters are views into those rows, so the
-optimizer steps k adapters with a few ops over k rows, and a slot is reset or copied as one row.
+All of it lives in one ``LoraBank`` (``lilo.backend.adapters.bank``), which also covers fused MoE experts
+(``lilo.backend.adapters.experts``).
 """
 
 from __future__ import annotations
@@ -21,15 +20,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Sequence
 
 import torch
 from torch import nn
 
-from lilo.backend.adapters.slot_memory import slot_zeros
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A dense MLP's linears, and a mixture-of-experts block's fused expert projections (``gate_up_proj``, or
+# ``up_proj`` alone, and ``down_proj``: lilo.backend.adapters.experts).
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 UNEMBED = "lm_head"
 # A row routed to this slot runs through the bare base model (its scale is the layers' trailing zero entry).
 BASE_SLOT = -1
@@ -62,13 +61,15 @@ class Routing:
                    runs, mode)
 
 
-class MultiLoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor, grad_A: torch.Tensor,
-                 grad_B: torch.Tensor) -> None:
+class SlotAdapters(nn.Module):
+    """Every slot's A and B of one projection, and what routing knows of them: the bookkeeping a linear's and an
+    expert projection's multi-LoRA layers share. ``lora_A`` is ``(slots, ..., max_rank, in_features)`` and
+    ``lora_B`` ``(slots, ..., out_features, max_rank)`` (the ``...`` an expert axis for fused experts)."""
+
+    def __init__(self, lora_A: torch.Tensor, lora_B: torch.Tensor, grad_A: torch.Tensor, grad_B: torch.Tensor,
+                 in_features: int) -> None:
         super().__init__()
-        self.base = base
-        for parameter in self.base.parameters():
-            parameter.requires_grad_(False)
+        self.in_features = in_features
         # Views into the bank; autograd accumulates into the preset .grad views in place, so the bank's gradient
         # rows fill up without any copy.
         self.lora_A = nn.Parameter(lora_A)
@@ -94,14 +95,16 @@ class MultiLoRALinear(nn.Module):
         self.trained[slot] = rank > 0
 
     def reset_slot(self, slot: int, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
-        """A fresh adapter in ``slot``: A like nn.Linear's init on its first ``rank`` rows, B zero, padding zero."""
+        """A fresh adapter in ``slot``: A like nn.Linear's init on its first ``rank`` rows (of every expert), B
+        zero, padding zero."""
         with torch.no_grad():
             self.lora_A[slot].zero_()
             self.lora_B[slot].zero_()
-            bound = 1.0 / math.sqrt(self.base.in_features)
-            a = torch.empty(rank, self.base.in_features, dtype=self.lora_A.dtype)
+            bound = 1.0 / math.sqrt(self.in_features)
+            trained = self.lora_A[slot, ..., :rank, :]
+            a = torch.empty(trained.shape, dtype=self.lora_A.dtype)
             a.uniform_(-bound, bound, generator=generator)
-            self.lora_A[slot, :rank] = a.to(self.lora_A.device)
+            trained.copy_(a.to(self.lora_A.device))
         self.set_adapter(slot, rank, alpha / rank)
 
     def clear_slot(self, slot: int) -> None:
@@ -109,6 +112,15 @@ class MultiLoRALinear(nn.Module):
             self.lora_A[slot].zero_()
             self.lora_B[slot].zero_()
         self.set_adapter(slot, 0, 0.0)
+
+
+class MultiLoRALinear(SlotAdapters):
+    def __init__(self, base: nn.Linear, lora_A: torch.Tensor, lora_B: torch.Tensor, grad_A: torch.Tensor,
+                 grad_B: torch.Tensor) -> None:
+        super().__init__(lora_A, lora_B, grad_A, grad_B, base.in_features)
+        self.base = base
+        for parameter in self.base.parameters():
+            parameter.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -149,58 +161,6 @@ class MultiLoRALinear(nn.Module):
         h = torch._grouped_mm(x.reshape(rows * width, -1), a, offs=offsets).view(rows, width, -1)
         h = h * self.scale[routing.row_slots].to(x.dtype).view(-1, 1, 1)
         return torch._grouped_mm(h.reshape(rows * width, -1), b, offs=offsets).view(rows, width, -1)
-
-
-class LoraBank:
-    """Every wrapped projection's A and B for every slot, one contiguous row per slot, gradients alike."""
-
-    def __init__(self, model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
-        targets = _target_linears(model)
-        device = targets[0][2].weight.device
-        shapes = [shape for _, _, linear in targets
-                  for shape in ((max_rank, linear.in_features), (linear.out_features, max_rank))]
-        self.offsets = [0]
-        for shape in shapes:
-            self.offsets.append(self.offsets[-1] + math.prod(shape))
-        self.shapes = shapes
-        self.weights = slot_zeros((slots, self.offsets[-1]), dtype, device)
-        self.grads = slot_zeros((slots, self.offsets[-1]), dtype, device)
-        self.layers: dict[str, MultiLoRALinear] = {}
-        for n, (path, parent, linear) in enumerate(targets):
-            a, b = 2 * n, 2 * n + 1
-            layer = MultiLoRALinear(linear, self.view(self.weights, a), self.view(self.weights, b),
-                                    self.view(self.grads, a), self.view(self.grads, b))
-            setattr(parent, path.rsplit(".", 1)[-1], layer)
-            self.layers[path] = layer
-
-    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index`` (A and B of each layer in turn) as a (slots, ...) view of a (slots, D) tensor."""
-        start, end = self.offsets[index], self.offsets[index + 1]
-        return flat[:, start:end].view(flat.shape[0], *self.shapes[index])
-
-    @property
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
-
-    def route(self, slots: Sequence[int] | None, mode: str = BATCHED) -> None:
-        """Route batch rows to slots, the deltas run as ``mode`` says; a layer no routed adapter trains runs as the
-        bare base (and stays off the autograd graph)."""
-        rows = torch.tensor(list(slots)) if slots is not None else None
-        routing = Routing.of(rows, mode, self.weights.device) if rows is not None else None
-        for layer in self.layers.values():
-            active = routing is not None and bool(layer.trained[rows].any())
-            layer.routing = routing if active else None
-
-
-def _target_linears(model: nn.Module) -> list[tuple[str, nn.Module, nn.Linear]]:
-    """(path, parent module, linear) of every attention, MLP and output projection of ``model``."""
-    names = set(ATTENTION_PROJECTIONS + MLP_PROJECTIONS + (UNEMBED,))
-    found = []
-    for path, module in model.named_modules():
-        for child_name, child in module.named_children():
-            if child_name in names and isinstance(child, nn.Linear):
-                found.append((f"{path}.{child_name}" if path else child_name, module, child))
-    return found
 
 
 def target_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:

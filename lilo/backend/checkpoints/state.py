@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lilo.backend.checkpoints.paths import META_FILE, PEFT_CONFIG, PEFT_WEIGHTS, STATE_FILE
+from lilo.backend.adapters.experts import EXPERT_ORDER
 from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
@@ -61,20 +62,74 @@ def read_state(directory: Path) -> AdapterState:
 
 
 def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
-    """The adapter as PEFT saves one: keys ``base_model.model.<path>.lora_A.weight``, alpha and rank as trained."""
+    """The adapter as PEFT saves one: keys ``base_model.model.<path>.lora_A.weight``, alpha and rank as trained;
+    fused MoE experts' adapters as PEFT's ``target_parameters`` lay them out (``_peft_experts``)."""
     _start_writing(directory, PEFT_CONFIG)
-    weights = {f"base_model.model.{key}.weight": tensor.contiguous() for key, tensor in state.tensors.items()
-               if key.endswith((".lora_A", ".lora_B"))}
+    adapters = {key: tensor for key, tensor in state.tensors.items() if key.endswith((".lora_A", ".lora_B"))}
+    experts = _expert_parameters(adapters)
+    weights = {}
+    for key, tensor in adapters.items():
+        path, factor = key.rsplit(".", 1)
+        if path in experts:
+            module, depth = experts[path]
+            weights[f"base_model.model.{module}{'.base_layer' * depth}.{factor}.weight"] = _peft_experts(
+                factor, tensor)
+        else:
+            weights[f"base_model.model.{key}.weight"] = tensor.contiguous()
     save_file(weights, str(directory / PEFT_WEIGHTS))
-    targets = sorted({key.rsplit(".", 2)[-2] for key in state.tensors if key.endswith(".lora_A")})
+    targets = sorted({key.rsplit(".", 2)[-2] for key in adapters if key.endswith(".lora_A")
+                      and key.rsplit(".", 1)[0] not in experts})
     config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": state.spec.rank, "lora_alpha": state.spec.alpha or state.spec.rank, "lora_dropout": 0.0,
         "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True,
     }
+    if experts:
+        config["target_parameters"] = _expert_targets(experts)
     (directory / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     return directory
+
+
+def _expert_parameters(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[str, int]]:
+    """Per fused expert projection (``<experts path>.<name>``, its A 3-D), its module's path and how deep PEFT
+    nests its wrapper there: PEFT wraps a module once per targeted parameter, the first in ``target_parameters``
+    innermost (``base_layer`` of the next)."""
+    paths = [key.rsplit(".", 1)[0] for key, tensor in adapters.items() if key.endswith(".lora_A") and tensor.dim() == 3]
+    by_module: dict[str, list[str]] = {}
+    for path in paths:
+        module, name = path.rsplit(".", 1)
+        by_module.setdefault(module, []).append(name)
+    found = {}
+    for module, names in by_module.items():
+        ordered = sorted(names, key=EXPERT_ORDER.index)
+        found.update({f"{module}.{name}": (module, len(ordered) - 1 - i) for i, name in enumerate(ordered)})
+    return found
+
+
+def _expert_targets(experts: dict[str, tuple[str, int]]) -> list[str]:
+    """``target_parameters``: the fused projections' names under their module's (``experts.down_proj``), in the
+    order that nests them as ``_expert_parameters`` says."""
+    names = sorted({path.rsplit(".", 1)[1] for path in experts}, key=EXPERT_ORDER.index)
+    module = next(iter(experts.values()))[0].rsplit(".", 1)[-1]
+    return [f"{module}.{name}" for name in names]
+
+
+def _peft_experts(factor: str, tensor: torch.Tensor) -> torch.Tensor:
+    """lilo's A ``(experts, rank, in)`` or B ``(experts, out, rank)`` in PEFT's layout: A ``(experts x rank, in)``,
+    expert-major; B ``(out, rank x experts)``, expert-minor."""
+    count, first, second = tensor.shape
+    if factor == "lora_A":
+        return tensor.reshape(count * first, second).contiguous()
+    return tensor.permute(1, 2, 0).reshape(first, second * count).contiguous()
+
+
+def _lilo_experts(factor: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """The inverse of ``_peft_experts``."""
+    if factor == "lora_A":
+        return tensor.reshape(-1, rank, tensor.shape[1])
+    out = tensor.shape[0]
+    return tensor.reshape(out, rank, -1).permute(2, 0, 1).contiguous()
 
 
 def read_peft(directory: Path) -> AdapterState:
@@ -82,9 +137,25 @@ def read_peft(directory: Path) -> AdapterState:
     config = json.loads((directory / PEFT_CONFIG).read_text())
     weights = load_file(str(directory / PEFT_WEIGHTS))
     targets = set(config["target_modules"])
-    spec = LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+    expert_names = [target.rsplit(".", 1)[-1] for target in config.get("target_parameters", [])]
+    rank = int(config["r"])
+    spec = LoraSpec(rank=rank, alpha=float(config["lora_alpha"]),
                     train_attn=bool(targets & set(ATTENTION_PROJECTIONS)),
-                    train_mlp=bool(targets & set(MLP_PROJECTIONS)), train_unembed=UNEMBED in targets)
+                    train_mlp=bool(targets & set(MLP_PROJECTIONS) or expert_names), train_unembed=UNEMBED in targets)
     prefix, suffix = "base_model.model.", ".weight"
-    tensors = {key[len(prefix):-len(suffix)]: tensor for key, tensor in weights.items()}
+    tensors = {}
+    for key, tensor in weights.items():
+        path, factor = key[len(prefix):-len(suffix)].rsplit(".", 1)
+        if expert_names and (path.endswith(".base_layer") or path.rsplit(".", 1)[-1] == _expert_module(config)):
+            module = path.replace(".base_layer", "")
+            depth = path.count(".base_layer")
+            name = expert_names[len(expert_names) - 1 - depth]
+            tensors[f"{module}.{name}.{factor}"] = _lilo_experts(factor, tensor, rank)
+        else:
+            tensors[f"{path}.{factor}"] = tensor
     return AdapterState(spec, tensors)
+
+
+def _expert_module(config: dict[str, Any]) -> str:
+    """The name of the modules holding the fused experts the adapter targets (``experts``)."""
+    return config["target_parameters"][0].rsplit(".", 1)[0]

@@ -1,0 +1,99 @@
+"""The LoRA bank: every wrapped projection's A and B for every adapter slot, in one tensor.
+
+A ``(slots, D)`` tensor holds every projection's A and B of a slot in one contiguous row, and a gradient tensor is
+laid out alike. The layers' parameters are views into those rows, so the optimizer steps k adapters with a few ops
+over k rows, and a slot is reset, paged or copied as one row. The projections are a model's attention, MLP and
+output linears (``lilo.backend.adapters.lora``) and its fused MoE experts' projections
+(``lilo.backend.adapters.experts``: A and B with an expert axis).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lilo.backend.adapters.experts import expert_projections, is_fused_experts, projection_shape, wrap_experts
+from lilo.backend.adapters.lora import (
+    ATTENTION_PROJECTIONS, BATCHED, MLP_PROJECTIONS, UNEMBED, MultiLoRALinear, Routing, SlotAdapters,
+)
+from lilo.backend.adapters.slot_memory import slot_zeros
+
+
+class LoraBank:
+    """Every wrapped projection's A and B for every slot, one contiguous row per slot, gradients alike.
+    ``layers``: per projection path (``<module path>`` of a linear, ``<experts path>.<projection>`` of fused
+    experts) its adapters, A and B the parameters ``2 n`` and ``2 n + 1`` of ``view`` in that order."""
+
+    def __init__(self, model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
+        linears, experts = _targets(model)
+        device = next(model.parameters()).device
+        shapes = [shape for _, _, linear in linears
+                  for shape in ((max_rank, linear.in_features), (linear.out_features, max_rank))]
+        for _, _, module in experts:
+            for name in expert_projections(module):
+                count, fan_in, fan_out = projection_shape(module, name)
+                shapes += [(count, max_rank, fan_in), (count, fan_out, max_rank)]
+        self.offsets = [0]
+        for shape in shapes:
+            self.offsets.append(self.offsets[-1] + math.prod(shape))
+        self.shapes = shapes
+        self.weights = slot_zeros((slots, self.offsets[-1]), dtype, device)
+        self.grads = slot_zeros((slots, self.offsets[-1]), dtype, device)
+        self.layers: dict[str, SlotAdapters] = {}
+        views = (self._views(n) for n in range(len(shapes) // 2))
+        for path, parent, linear in linears:
+            layer = MultiLoRALinear(linear, *next(views))
+            setattr(parent, path.rsplit(".", 1)[-1], layer)
+            self.layers[path] = layer
+        for path, parent, module in experts:
+            wrapped = wrap_experts(module, [next(views) for _ in expert_projections(module)])
+            setattr(parent, path.rsplit(".", 1)[-1], wrapped)
+            self.layers.update({f"{path}.{name}": projection for name, projection in wrapped.projections.items()})
+
+    def _views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projection ``n``'s A, B, and their gradients."""
+        a, b = 2 * n, 2 * n + 1
+        return (self.view(self.weights, a), self.view(self.weights, b), self.view(self.grads, a),
+                self.view(self.grads, b))
+
+    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index`` (A and B of each layer in turn) as a (slots, ...) view of a (slots, D) tensor."""
+        start, end = self.offsets[index], self.offsets[index + 1]
+        return flat[:, start:end].view(flat.shape[0], *self.shapes[index])
+
+    def trained_index(self, index: int, rank: int) -> torch.Tensor:
+        """Where, in a slot's row, parameter ``index``'s entries of an adapter of ``rank`` lie: A's first ``rank``
+        rows, B's first ``rank`` columns (of every expert, for fused experts)."""
+        entries = torch.arange(self.offsets[index], self.offsets[index + 1]).view(self.shapes[index])
+        return (entries[..., :rank, :] if index % 2 == 0 else entries[..., :rank]).flatten()
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+
+    def route(self, slots: Sequence[int] | None, mode: str = BATCHED) -> None:
+        """Route batch rows to slots, the deltas run as ``mode`` says; a layer no routed adapter trains runs as the
+        bare base (and stays off the autograd graph)."""
+        rows = torch.tensor(list(slots)) if slots is not None else None
+        routing = Routing.of(rows, mode, self.weights.device) if rows is not None else None
+        for layer in self.layers.values():
+            active = routing is not None and bool(layer.trained[rows].any())
+            layer.routing = routing if active else None
+
+
+def _targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module, nn.Linear]], list[tuple[str, nn.Module, nn.Module]]]:
+    """(path, parent module, child) of every attention, MLP and output linear of ``model``, and of every fused
+    experts module."""
+    names = set(ATTENTION_PROJECTIONS + MLP_PROJECTIONS + (UNEMBED,))
+    linears, experts = [], []
+    for path, module in model.named_modules():
+        for child_name, child in module.named_children():
+            child_path = f"{path}.{child_name}" if path else child_name
+            if child_name in names and isinstance(child, nn.Linear):
+                linears.append((child_path, module, child))
+            elif is_fused_experts(child):
+                experts.append((child_path, module, child))
+    return linears, experts
