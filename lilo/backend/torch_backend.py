@@ -74,6 +74,8 @@ class TorchBackend:
         self.max_adapters = max_adapters
         self.bank = LoraBank(self.model, max_adapters + sampler_slots, max_rank)
         self.layers = self.bank.layers
+        # Projections of the model no adapter reaches, per target: an adapter asking to train them is refused.
+        self.uncovered = self.bank.uncovered(self.model)
         self.decoder_layers = list(self.decoder.layers)
         # Sharded over a rank group (lilo.backend.sharding): ``peers`` is rank 0's line to the followers, None on
         # a follower; ``exchanged`` counts the bytes a follower received or sent, by kind, and the group's passes.
@@ -111,6 +113,13 @@ class TorchBackend:
         (a tinker path), which may also take the slots reserved for those."""
         if not 1 <= spec.rank <= self.max_rank:
             raise InvalidRequestError(f"LoRA rank {spec.rank} is out of range; use 1 to {self.max_rank}.")
+        for target, asked in (("attn", spec.train_attn), ("mlp", spec.train_mlp)):
+            if asked and self.uncovered[target]:
+                family = getattr(self.model.config, "model_type", "this family")
+                raise InvalidRequestError(
+                    f"{self.base_model_name or 'This base model'} ({family}) has {target} projections lilo puts no "
+                    f"adapter on ({', '.join(self.uncovered[target])}), so train_{target}=True would train fewer "
+                    f"than asked; pass train_{target}=False to train the rest, or use a family lilo trains whole.")
         if not model_id.startswith(TINKER_SCHEME) and self.free_slots <= 0:
             raise SaturatedError(self._full_message())
         self._make_room()

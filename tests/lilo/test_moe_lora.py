@@ -1,7 +1,8 @@
-"""Multi-LoRA on fused MoE experts, on a real tiny Qwen3-MoE (8 experts, 2 a token) loaded through from_pretrained:
-the bank covers every expert projection, coalesced adapters of different ranks get their own passes' gradients, an
-adapter that does not train the MLP leaves every expert alone, and the PEFT export loads in peft with the service's
-logprobs."""
+"""Multi-LoRA on fused MoE experts, on each MoE family's tiny random model (8 experts, 2 a token) loaded through
+from_pretrained: Qwen3-MoE, GPT-OSS (transposed experts with biases, its own gate) and DeepSeek-V3 (multi-head
+latent attention, a shared expert, a dense first layer). The bank covers every expert projection, coalesced adapters
+of different ranks get their own passes' gradients, an adapter that does not train the MLP leaves every expert
+alone, and the PEFT export loads in peft with the service's logprobs."""
 
 import copy
 
@@ -11,7 +12,9 @@ import torch
 
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_peft
-from lilo.backend.models import build_tiny_qwen3_moe, load_base_model
+from lilo.backend.adapters.experts import expert_projections, is_fused_experts, projection_shape
+from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, projection_kind
+from lilo.backend.models import build_tiny, load_base_model
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
@@ -20,9 +23,9 @@ SPECS = {"r2": LoraSpec(rank=2, seed=1), "r8": LoraSpec(rank=8, seed=2, train_un
          "attn": LoraSpec(rank=4, seed=3, train_mlp=False)}
 
 
-@pytest.fixture(scope="module")
-def moe_directory(tmp_path_factory):
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+@pytest.fixture(scope="module", params=["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"])
+def moe_directory(request, tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +63,23 @@ def expert_grads(backend: TorchBackend, model_id: str) -> dict[str, torch.Tensor
 
 
 def test_the_bank_puts_adapters_on_every_expert_projection(moe):
+    fused = {path: module for path, module in moe.named_modules() if is_fused_experts(module)}
     backend = backend_of(moe, {})
-    experts = sorted(path for path in backend.layers if ".experts." in path)
-    assert experts == [f"model.layers.{n}.mlp.experts.{name}"
-                       for n in range(2) for name in ("down_proj", "gate_up_proj")]
-    # Per slot and expert: A (rank, hidden) and B (2 x the experts' width, rank) on the gate/up projection.
-    gate_up, slots = backend.layers["model.layers.0.mlp.experts.gate_up_proj"], backend.bank.weights.shape[0]
-    assert tuple(gate_up.lora_A.shape) == (slots, 8, 8, 128) and tuple(gate_up.lora_B.shape) == (slots, 8, 128, 8)
-    # The experts hold most of the model's weights; the router is not wrapped.
-    weights = dict(moe.named_parameters())
-    experts_weights = sum(p.numel() for name, p in weights.items() if ".experts." in name)
-    share = experts_weights / sum(p.numel() for p in weights.values())
-    assert share > 0.5
-    assert not any("mlp.gate" in path for path in backend.layers)
+    slots = backend.bank.weights.shape[0]
+    assert fused and sorted(path for path in backend.layers if ".experts." in path) == sorted(
+        f"{path}.{name}" for path, module in fused.items() for name in expert_projections(module))
+    for path, module in fused.items():
+        for name in expert_projections(module):
+            # Per slot and expert: A (max rank, in) and B (out, max rank).
+            experts, fan_in, fan_out = projection_shape(module, name)
+            layer = backend.layers[f"{path}.{name}"]
+            assert tuple(layer.lora_A.shape) == (slots, experts, 8, fan_in)
+            assert tuple(layer.lora_B.shape) == (slots, experts, fan_out, 8)
+    # The router is not wrapped; every attention projection the family has is.
+    assert not any(path.endswith((".gate", ".router")) for path in backend.layers)
+    attention = {name.rsplit(".", 1)[-1] for name, module in moe.named_modules() if isinstance(module, torch.nn.Linear)
+                 and ".self_attn." in name}
+    assert attention <= set(ATTENTION_PROJECTIONS)
 
 
 def test_fresh_adapters_leave_the_model_as_the_family_computes_it(moe, moe_directory):
@@ -110,12 +117,25 @@ def test_an_adapter_that_does_not_train_the_mlp_leaves_every_expert_untouched(mo
     for path, layer in backend.layers.items():
         if ".experts." in path:
             assert not layer.lora_A[slot].any() and not layer.lora_B[slot].any(), path
-    assert backend.layers["model.layers.0.self_attn.q_proj"].lora_B[slot].any()
+    assert any(layer.lora_B[slot].any() for path, layer in backend.layers.items()
+               if projection_kind(path) in ATTENTION_PROJECTIONS)
 
 
-def test_the_peft_export_loads_in_peft_with_the_services_logprobs(moe, moe_directory, tmp_path):
+# peft 0.21 rewrites the targets of an adapter for a DeepSeek-V3 (or Qwen2-MoE) model as if written for
+# transformers 4, where each expert's gate_proj, up_proj and down_proj were linears: its shared expert's and dense
+# layers' gate_proj / up_proj / down_proj become the fused experts' instead (peft's _convert_peft_config_moe), so
+# such an export, which trains both, does not load there. Strict: this fails once peft loads it.
+PEFT_REWRITES_ITS_TARGETS = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "peft reads a DeepSeek-V3 adapter's dense gate_proj/up_proj/down_proj as transformers 4's expert linears"))
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-gpt-oss",
+                                    pytest.param("tiny-deepseek-v3", marks=PEFT_REWRITES_ITS_TARGETS)])
+def test_the_peft_export_loads_in_peft_with_the_services_logprobs(family, tmp_path):
     from peft import PeftModel
 
+    moe_directory = build_tiny(tmp_path / family, family)
+    moe = load_base_model(moe_directory)
     backend = backend_of(moe, {"r8": SPECS["r8"]}, checkpoint_dir=tmp_path)
     for seq in (1, 3):
         backend.forward_backward([fb("r8", seq, [datum(seq)])], forward_only=False)

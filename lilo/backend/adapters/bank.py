@@ -15,11 +15,17 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lilo.backend.adapters.experts import expert_projections, is_fused_experts, projection_shape, wrap_experts
+from lilo.backend.adapters.experts import (
+    MultiLoRAExperts, expert_projections, is_fused_experts, projection_shape, wrap_experts,
+)
 from lilo.backend.adapters.lora import (
     ATTENTION_PROJECTIONS, BATCHED, MLP_PROJECTIONS, UNEMBED, MultiLoRALinear, Routing, SlotAdapters,
 )
 from lilo.backend.adapters.slot_memory import slot_zeros
+
+
+# A mixture-of-experts block's router (and a shared expert's gate): frozen, never given an adapter.
+ROUTERS = ("gate", "router", "shared_expert_gate")
 
 
 class LoraBank:
@@ -73,6 +79,24 @@ class LoraBank:
     @property
     def parameters(self) -> list[nn.Parameter]:
         return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+
+    def uncovered(self, model: nn.Module) -> dict[str, list[str]]:
+        """What of ``model``'s decoder layers no adapter of this bank reaches, by LoraConfig target (``attn``: the
+        attention's, ``mlp``: the rest of a layer): the names of the weight matrices (and fused expert stacks)
+        outside every wrapped projection, less the routers (frozen by design) and norms. Empty lists: every
+        projection a target asks for trains."""
+        wrapped = [path for path, module in model.named_modules()
+                   if isinstance(module, (SlotAdapters, MultiLoRAExperts))]
+        decoder = next(path for path, module in model.named_modules() if module is model.get_decoder())
+        found: dict[str, set[str]] = {"attn": set(), "mlp": set()}
+        for name, parameter in model.named_parameters():
+            owner = name.rsplit(".", 1)[0]
+            if (parameter.dim() < 2 or not name.startswith(f"{decoder}.layers.") or owner.rsplit(".", 1)[-1] in ROUTERS
+                    or any(owner == path or owner.startswith(f"{path}.") for path in wrapped)):
+                continue
+            relative = owner.split(".", 3)[-1]  # past "<decoder>.layers.<n>."
+            found["attn" if "attn" in relative else "mlp"].add(relative)
+        return {target: sorted(names) for target, names in found.items()}
 
     def route(self, slots: Sequence[int] | None, mode: str = BATCHED) -> None:
         """Route batch rows to slots, the deltas run as ``mode`` says; a layer no routed adapter trains runs as the

@@ -25,7 +25,10 @@ import torch
 from torch import nn
 
 
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Every attention projection of the families lilo trains: grouped-query attention's, and multi-head latent
+# attention's (DeepSeek-V3: queries and keys/values through low-rank down and up projections).
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                         "kv_b_proj")
 # A dense MLP's linears, and a mixture-of-experts block's fused expert projections (``gate_up_proj``, or
 # ``up_proj`` alone, and ``down_proj``: lilo.backend.adapters.experts).
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
@@ -123,10 +126,12 @@ class MultiLoRALinear(SlotAdapters):
             parameter.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         routing = self.routing
         if routing is None:
-            return out
+            return self.base(x)
+        if x.dim() > 3:  # (rows, ..., in), as multi-head latent attention's kv_b_proj sees its latents
+            return self.forward(x.reshape(x.shape[0], -1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        out = self.base(x)
         if routing.mode == GROUPED:
             return out + self._grouped_delta(x, routing)
         if routing.mode == RUNS:

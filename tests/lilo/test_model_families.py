@@ -1,0 +1,34 @@
+"""Every family lilo registers a tiny model of trains every projection Tinker's LoraConfig names, and a family with
+a projection lilo puts no adapter on is refused for that target, saying which, instead of training less."""
+
+import pytest
+import torch
+from transformers import Phi3Config, Phi3ForCausalLM
+
+from lilo.backend.models import TINY_MODELS, build_tiny, load_base_model
+from lilo.backend.torch_backend import TorchBackend
+from lilo.backend.types import LoraSpec
+from lilo.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("family", sorted(TINY_MODELS))
+def test_every_registered_family_trains_each_target_whole(family, tmp_path):
+    backend = TorchBackend(load_base_model(build_tiny(tmp_path, family)), max_adapters=2, max_rank=4)
+    assert backend.uncovered == {"attn": [], "mlp": []}
+    kinds = {path.rsplit(".", 1)[-1] for path in backend.layers}
+    assert "lm_head" in kinds and kinds & {"q_proj", "q_a_proj"} and kinds & {"down_proj"}
+    backend.add_adapter("all", LoraSpec(rank=4, train_unembed=True))
+
+
+def test_a_family_with_a_projection_lilo_cannot_adapt_is_refused_for_that_target_and_says_which():
+    # Phi-3 fuses its attention's query, key and value into one qkv_proj (its MLP's gate_up_proj lilo adapts).
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=100, pad_token_id=0))
+    backend = TorchBackend(model, max_adapters=2, max_rank=4, base_model_name="tiny-phi3")
+    assert backend.uncovered == {"attn": ["self_attn.qkv_proj"], "mlp": []}
+    with pytest.raises(InvalidRequestError, match=r"tiny-phi3 \(phi3\) has attn projections lilo puts no adapter "
+                                                  r"on \(self_attn.qkv_proj\).*pass train_attn=False"):
+        backend.add_adapter("whole", LoraSpec(rank=4))
+    backend.add_adapter("mlp", LoraSpec(rank=4, train_attn=False))
+    assert backend.free_slots == 1
