@@ -24,6 +24,20 @@ LILO = str(Path(sys.executable).parent / "lilo")
 LOOPBACK_IPS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 # The key the tests' own requests carry (the session cluster's keys file makes it the tenant "local").
 API_KEY = "tml-local-test"
+TINKER_CLI = str(Path(sys.executable).parent / "tinker")
+
+
+def tinker_cli(service, *args: str, api_key: str = API_KEY, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real ``tinker`` command, pointed at ``service`` (anything with an ``api_url``) the way its users point
+    it: the environment."""
+    env = {**os.environ, "TINKER_BASE_URL": service.api_url, "TINKER_API_KEY": api_key, "TINKER_TELEMETRY": "0"}
+    return subprocess.run([TINKER_CLI, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+
+def cli_json(service, *args: str, **options) -> dict:
+    done = tinker_cli(service, "-f", "json", *args, **options)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
 AUTH = {"X-API-Key": API_KEY}
 
 

@@ -4,9 +4,6 @@ TTLs and their expiry, publishing across tenants, weights info, copies, sessions
 service answers with a 404 that says why."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,13 +21,12 @@ from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.recovery import RECOVERY_ACTOR_NAME
 from conftest import TENANT_KEYS, TINY_DIRECTORY
-from helpers import API_KEY
+from helpers import API_KEY, cli_json, tinker_cli
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.signed_urls import SECRET_FILE, DownloadGrant, read_secret, signature
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
-TINKER_CLI = str(Path(sys.executable).parent / "tinker")
 ADAM = types.AdamParams(learning_rate=2e-2)
 
 
@@ -46,19 +42,6 @@ def trained(service, base_model: str = TINY, rank: int = 4):
         training.forward_backward([datum()], "cross_entropy").result(timeout=TIMEOUT_S)
         training.optim_step(ADAM).result(timeout=TIMEOUT_S)
     return training
-
-
-def tinker_cli(local_cluster, *args: str, api_key: str = API_KEY,
-               cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """The real ``tinker`` command, pointed at the session cluster the way its users point it: the environment."""
-    env = {**os.environ, "TINKER_BASE_URL": local_cluster.api_url, "TINKER_API_KEY": api_key, "TINKER_TELEMETRY": "0"}
-    return subprocess.run([TINKER_CLI, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
-
-
-def cli_json(local_cluster, *args: str, **options) -> dict:
-    done = tinker_cli(local_cluster, "-f", "json", *args, **options)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout)
 
 
 def rest_client(local_cluster, tenant: str | None = None) -> tinker.RestClient:

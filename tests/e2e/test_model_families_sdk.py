@@ -1,0 +1,90 @@
+"""Every model family lilo registers a tiny model of, through the official tinker SDK on a service of its own that
+serves them all (Qwen3 dense, Qwen3-MoE, GPT-OSS, DeepSeek-V3; Llama is the session cluster's): create a LoRA
+adapter training every target, train it, save it for sampling, and sample it, the sampler's logprobs those the
+trainer gives the same tokens; `tinker checkpoint download` of an MoE adapter is a PEFT directory that peft loads
+onto the base model with the service's logprobs."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from cluster.ports import free_ports
+from helpers import cli_json, lilo, short_home
+from lilo.backend.models import load_base_model, model_directory
+
+FAMILIES = ("lilo/tiny-qwen3", "lilo/tiny-qwen3-moe", "lilo/tiny-gpt-oss", "lilo/tiny-deepseek-v3")
+TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def families_service():
+    home = short_home()
+    port, dashboard = free_ports(2)
+    args = ["up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
+            "--num-cpus", "6", "--trainers", "1", "--sampler-slots", "2", "--timeout", "400"]
+    for family in FAMILIES:
+        args += ["--base-model", family]
+    started = lilo(*args, timeout_s=480)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        url = f"http://127.0.0.1:{port}"
+        with tinker.ServiceClient(base_url=url, api_key="tml-families") as client:
+            yield client, SimpleNamespace(api_url=url)
+    finally:
+        stopped = lilo("down", "--home", str(home))
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def trained(client: tinker.ServiceClient, family: str) -> tinker.TrainingClient:
+    training = client.create_lora_training_client(base_model=family, rank=4, train_unembed=True).result(
+        timeout=TIMEOUT_S)
+    tokens = np.random.default_rng(7).integers(3, 1000, 16).tolist()
+    losses = []
+    for _ in range(3):
+        losses.append(training.forward_backward([datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
+                      .metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=TIMEOUT_S)
+    assert losses[-1] < losses[0], (family, losses)
+    return training
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_trains_saves_and_samples_through_the_sdk(families_service, family):
+    client, _ = families_service
+    training = trained(client, family)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    prompt = [5, 6, 7, 8]
+    response = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                              sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3,
+                                                                   stop=[])).result(timeout=TIMEOUT_S)
+    (sequence,) = response.sequences
+    assert len(sequence.tokens) == 6
+    forward = training.forward([datum(prompt + sequence.tokens + [0])], "cross_entropy").result(timeout=TIMEOUT_S)
+    scored = forward.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:len(prompt) - 1 + 6]
+    np.testing.assert_allclose(sequence.logprobs, scored, atol=1e-4)
+
+
+def test_the_cli_download_of_an_moe_adapter_loads_in_peft_with_the_services_logprobs(families_service, tmp_path):
+    from peft import PeftModel
+
+    client, service = families_service
+    training = trained(client, "lilo/tiny-qwen3-moe")
+    saved = training.save_state("moe-download").result(timeout=TIMEOUT_S).path
+    directory = Path(cli_json(service, "checkpoint", "download", saved, "--output", str(tmp_path))["destination"])
+    adapted = PeftModel.from_pretrained(load_base_model(model_directory("lilo/tiny-qwen3-moe")), str(directory))
+    tokens = np.random.default_rng(11).integers(3, 1000, 12).tolist()
+    with torch.no_grad():
+        logits = adapted(input_ids=torch.as_tensor([tokens])).logits[0]
+    theirs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.as_tensor(tokens[1:])[:, None])[:, 0]
+    ours = training.forward([datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S).loss_fn_outputs[0]
+    np.testing.assert_allclose(ours["logprobs"].tolist(), theirs.numpy(), atol=1e-4)
