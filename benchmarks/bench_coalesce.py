@@ -5,7 +5,10 @@ For each N: (a) the engine coalescing all N adapters' steps, (b) the same engine
 after another, each with its own AdamW. A step is forward + backward + optimizer step, ``--rows`` sequences of
 ``--seq`` tokens per adapter. Each figure is the median of ``--steps`` timed steps; the three variants take turns
 ``--rounds`` times and each keeps its best round (the machine may be shared). MFU = 4 x (matmul weights, output
-head included) x tokens/s / the fp32 FLOP/s of a 2048x2048 matmul measured in the same run.
+head included; of fused MoE experts the share a token is routed to) x tokens/s / the fp32 FLOP/s of a 2048x2048
+matmul measured in the same run. ``--model`` takes the tiny families too (``tiny-qwen3-moe``...): for an MoE model
+peft also targets the experts (``target_parameters``), and ``experts_share`` is the part of a coalesced pass's
+forward and backward spent in the experts (their base matmuls and adapters, timed by module hooks).
 ``optim_fused_speedup``: one fused AdamW step for N adapters against N separate ones; ``optim_ms``: that fused
 step's time. ``base_only_tok_s``: forward + backward of the same tokens through the frozen base alone, the ceiling
 of any LoRA method here; ``of_base_only``: coalesced over it. Prints one JSON line:
@@ -30,7 +33,8 @@ import torch
 from torch import nn
 
 from engine_bench import batch, run_with_compute_lane
-from lilo.backend.models import build_tiny_llama, load_base_model, smollm2_directory
+from lilo.backend.adapters.experts import MultiLoRAExperts, expert_projections, is_fused_experts
+from lilo.backend.models import TINY_MODELS, build_tiny, load_base_model, smollm2_directory
 from lilo.backend.types import AdamParams, LoraSpec
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
@@ -61,7 +65,18 @@ def median_seconds(step, repeats: int) -> float:
 
 
 def matmul_parameters(model: nn.Module) -> int:
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    """Weights a token is multiplied by: every linear's, and of fused experts the routed share."""
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    routed = getattr(model.config, "num_experts_per_tok", 0)
+    experts = sum(getattr(m, name).numel() * routed / m.num_experts
+                  for m in model.modules() if is_fused_experts(m) for name in expert_projections(m))
+    return int(linears + experts)
+
+
+def fused_targets(model: nn.Module) -> list[str]:
+    """peft's ``target_parameters`` for the model's fused experts (none for a dense model)."""
+    return sorted({f"experts.{name}" for m in model.modules() if is_fused_experts(m) for name in expert_projections(m)},
+                  key=lambda target: target.endswith("down_proj"))
 
 
 def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int, coalesce: bool) -> float:
@@ -99,7 +114,8 @@ def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int
 def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) -> float:
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS, lora_dropout=0.0)
+    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS, lora_dropout=0.0,
+                        target_parameters=fused_targets(base) or None)
     model = get_peft_model(copy.deepcopy(base), config, adapter_name="a0")
     names = [f"a{i}" for i in range(adapters)]
     for name in names[1:]:
@@ -147,6 +163,39 @@ def base_only_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: 
     return adapters * rows * seq / median_seconds(one_step, steps)
 
 
+def experts_share(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) -> float:
+    """The part of coalesced forward_backward passes (``adapters`` models, one pass each step) spent in the fused
+    experts' forward and backward, base matmuls and adapters together, timed by hooks on their modules."""
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=adapters, max_rank=RANK)
+    models = [f"m{i}" for i in range(adapters)]
+    for model_id in models:
+        backend.add_adapter(model_id, LoraSpec(rank=RANK, seed=1))
+    spent, started = [0.0], {}
+
+    def begin(module, *_):
+        started[module] = time.perf_counter()
+
+    def end(module, *_):
+        spent[0] += time.perf_counter() - started.pop(module)
+
+    for module in backend.model.modules():
+        if isinstance(module, MultiLoRAExperts):
+            module.register_forward_pre_hook(begin)
+            module.register_forward_hook(end)
+            module.register_full_backward_pre_hook(begin)
+            module.register_full_backward_hook(end)
+    rng = np.random.default_rng(0)
+    passes = [[Command(m, 1, Kind.FORWARD_BACKWARD, f"{m}:1", payload=batch(rng, rows, seq, backend.vocab_size))
+               for m in models] for _ in range(steps + 1)]
+    backend.forward_backward(passes[0], forward_only=False)  # warm-up
+    spent[0], total = 0.0, 0.0
+    for commands in passes[1:]:
+        t0 = time.perf_counter()
+        backend.forward_backward(commands, forward_only=False)
+        total += time.perf_counter() - t0
+    return spent[0] / total
+
+
 def optim_fused(base: nn.Module, adapters: int, repeats: int = 30) -> tuple[float, float]:
     """(speedup, ms): the median time of N separate optim_step calls over that of one call stepping all N, and
     that one call's median time (fresh gradients before each call, not timed)."""
@@ -173,7 +222,7 @@ def optim_fused(base: nn.Module, adapters: int, repeats: int = 30) -> tuple[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "smollm2", *TINY_MODELS], default="tiny")
     parser.add_argument("--adapters", default="1,4,8,16")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
@@ -185,7 +234,8 @@ def main() -> None:
         base = load_base_model(smollm2_directory())
     else:
         with tempfile.TemporaryDirectory() as directory:
-            base = load_base_model(build_tiny_llama(Path(directory) / "tiny"))
+            family = "tiny-llama" if args.model == "tiny" else args.model
+            base = load_base_model(build_tiny(Path(directory) / "tiny", family))
     flops = gemm_gflops()
     weights = matmul_parameters(base)
     results = []
@@ -216,8 +266,12 @@ def main() -> None:
     backend = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=RANK, sampler_slots=0)
     per_adapter = sum(t.nbytes for t in (backend.bank.weights, backend.bank.grads, backend.optimizer.exp_avg,
                                          backend.optimizer.exp_avg_sq)) / 2**20
-    print(json.dumps({"bench": "coalesce", "model": args.model, "rows": args.rows, "seq": args.seq,
-                      "results": results, "gemm_gflops": round(flops, 1), "adapter_mb": round(per_adapter, 2)}))
+    line = {"bench": "coalesce", "model": args.model, "rows": args.rows, "seq": args.seq, "results": results,
+            "gemm_gflops": round(flops, 1), "adapter_mb": round(per_adapter, 2)}
+    if fused_targets(base):
+        line["experts_share"] = round(experts_share(base, max(int(n) for n in args.adapters.split(",")), args.rows,
+                                                    args.seq, args.steps), 3)
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":
