@@ -9,6 +9,7 @@ import torch
 
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_state
+from lilo.backend.models import build_tiny, load_base_model
 from lilo.backend.paging.files import delete_page_files, find_page_files
 from lilo.backend.paging.policy import Room, choose_victims, host_adapter_bytes, host_demotions, page_file_wins
 from lilo.backend.torch_backend import TorchBackend
@@ -108,9 +109,17 @@ def resident_and_paged(base, tmp_path, host_mb: int, disk_mb: int) -> tuple[Torc
     return resident, paged
 
 
+@pytest.fixture(scope="module")
+def moe_base(tmp_path_factory):
+    """A tiny Qwen3-MoE: its adapters' expert tensors page with the rest."""
+    return load_base_model(build_tiny(tmp_path_factory.mktemp("moe"), "tiny-qwen3-moe"))
+
+
 @pytest.mark.parametrize("host_mb, disk_mb", [(64, 0), (0, 64)], ids=["host", "disk"])
-def test_a_model_paged_out_after_every_step_trains_bit_for_bit_as_one_resident(base, tmp_path, host_mb, disk_mb):
-    resident, paged = resident_and_paged(base, tmp_path, host_mb, disk_mb)
+@pytest.mark.parametrize("model", ["base", "moe_base"])
+def test_a_model_paged_out_after_every_step_trains_bit_for_bit_as_one_resident(request, model, tmp_path, host_mb,
+                                                                               disk_mb):
+    resident, paged = resident_and_paged(request.getfixturevalue(model), tmp_path, host_mb, disk_mb)
     train(resident)
     timings = train(paged)[0].timings.snapshot("m")["phases"]
     assert {"forward_backward.page_in", "optim_step.page_in", "forward_backward.page_out"} <= set(timings)
