@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from ray.actor import ActorHandle
 
 from cluster.unloading import unload_model, unload_models
+from lilo.backend.registry import base_model_spec
 from lilo.backend.checkpoints.index import WEIGHTS
 from lilo.backend.checkpoints.paths import checked_client_name, parse_tinker_path, tinker_path
 from lilo.backend.training.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
@@ -102,7 +103,7 @@ class Training:
             raise unloaded_error(request.model_id, model["unloaded_reason"])
         base = model["base_model"]
         return {"model_id": request.model_id,
-                "model_data": {"arch": "llama", "model_name": base, "tokenizer_id": base},
+                "model_data": {"arch": base_model_spec(base).arch, "model_name": base, "tokenizer_id": base},
                 "is_lora": True, "lora_rank": model["lora_config"].get("rank"), "model_name": base,
                 "type": "get_info"}
 

