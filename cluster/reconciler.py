@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -106,6 +107,7 @@ class ReconcilerActor:
         self._next_index = 0
         self._gpus = 0
         self._joined_at: dict[str, float] = {}  # node -> when the reconciler first saw it (for the timeline)
+        self._ready_at: dict[str, float] = {}  # trainer -> when it became ready
         self.timeline: list[dict[str, Any]] = []
         self._adopted = asyncio.Event()
         self._futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
@@ -160,6 +162,7 @@ class ReconcilerActor:
         if name in self._seats:
             self._seats[name] = dataclasses.replace(self._seats[name], ready=True, idle_since=time.time())
             self._free_slots[name] = info["free_slots"]
+            self._ready_at[name] = time.monotonic()
             self._note("trainer_ready", name, self._seats[name].node_id)
             logger.warning("trainer %s is ready on node %s (%s)", name, info["node_id"], info["base_model"])
 
@@ -170,7 +173,7 @@ class ReconcilerActor:
         self._seats[name] = Seat(name, base_model, node_id, ready=False, gpu=gpu, ranks=ranks)
 
     def _forget(self, name: str) -> None:
-        for table in (self._seats, self._handles, self._free_slots):
+        for table in (self._seats, self._handles, self._free_slots, self._ready_at):
             table.pop(name, None)
         self._releasing.discard(name)
         self._pinned.discard(name)
@@ -316,6 +319,11 @@ class ReconcilerActor:
             return False
         seats = list(self._seats.values())
         if any(seat.base_model == base_model and not seat.ready for seat in seats):
+            return True
+        # One that got ready just now is not in every ingress's copy of the registry yet: that copy, not the
+        # cluster, is full (it refreshes within REGISTRY_REFRESH_S).
+        if any(seat.base_model == base_model and time.monotonic() - self._ready_at.get(seat.name, -math.inf)
+               < 2 * REGISTRY_REFRESH_S for seat in seats):
             return True
         if not may_request_trainer(base_model, seats, self._config.max_trainers):
             return False

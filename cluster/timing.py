@@ -19,7 +19,7 @@ from ray.util import metrics
 
 from cluster.local import NAMESPACE
 from lilo.timing.critical_path import LOG_EVENT, LOG_EVERY_S, CriticalPath
-from lilo.timing.phase_stats import ALL_MODELS, DEFAULT_READER, PhaseStats, Row, parts_of
+from lilo.timing.phase_stats import ALL_MODELS, DEFAULT_READER, HEADER, PhaseStats, Row, parts_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class TimingActor:
         self._seconds = metrics.Counter("lilo_phase_seconds", "Seconds spent per model and phase", METRIC_TAGS)
         self._count = metrics.Counter("lilo_phase_count", "Observations per model and phase", METRIC_TAGS)
         self._batch = metrics.Counter("lilo_phase_batch", "Summed batch sizes per model and phase", METRIC_TAGS)
+        self._ranks = metrics.Counter("lilo_phase_ranks", "Summed ranks (processes) that ran each model's phase",
+                                      METRIC_TAGS)
         self._max = metrics.Gauge("lilo_phase_max_seconds", "Longest observation in the last push", METRIC_TAGS)
         threading.Thread(target=self._log_periodically, name="lilo-timing-log", daemon=True).start()
 
@@ -63,10 +65,11 @@ class TimingActor:
         for i, suffix in enumerate(parts_of(phase)):
             tags = {"model_id": model_id, "phase": phase + suffix, "trainer": trainer}
             # Ray's counters take only positive increments; a part that took no time adds nothing anyway.
-            for counter, value in ((self._count, row[0]), (self._batch, row[1]), (self._seconds, row[2 + 2 * i])):
+            for counter, value in ((self._count, row[0]), (self._batch, row[1]), (self._ranks, row[2]),
+                                   (self._seconds, row[HEADER + 2 * i])):
                 if value > 0:
                     counter.inc(value, tags)
-            self._max.set(row[3 + 2 * i], tags)
+            self._max.set(row[HEADER + 1 + 2 * i], tags)
 
     def snapshot(self, model_id: str | None = None, reset: bool = False, reader: str = DEFAULT_READER,
                  trainer: str | None = None) -> dict[str, Any] | None:

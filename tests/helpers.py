@@ -240,11 +240,33 @@ def trainers_on(trainers: list[dict], node) -> list[dict]:
 
 def sdk_datum(seed: int, length: int = 17):
     """A tinker Datum of ``length`` random tokens (repeatable by seed), for cross_entropy."""
+    return tokens_datum(np.random.default_rng(seed).integers(0, 1000, length).tolist())
+
+
+def tokens_datum(tokens: list[int]):
+    """A tinker Datum that predicts each of ``tokens`` from those before it, for cross_entropy."""
     from tinker import types
 
-    tokens = np.random.default_rng(seed).integers(0, 1000, length).tolist()
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (length - 1)})
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+@contextlib.contextmanager
+def own_service(*up_args: str, timeout_s: float = 480) -> Iterator[tuple[str, str]]:
+    """A lilo service of a test module's own (``lilo up --detach`` with ``up_args``, on a private head in a fresh
+    home, on free ports), its API URL; ``lilo down`` after."""
+    from cluster.ports import free_ports  # here, not at the top: the library's tests import this module too
+
+    home = short_home()
+    port, dashboard = free_ports(2)
+    started = lilo("up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
+                   *up_args, timeout_s=timeout_s)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield f"http://127.0.0.1:{port}", started.stdout
+    finally:
+        stopped = lilo("down", "--home", str(home))
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
 
 
 def train_input(seed: int):

@@ -45,7 +45,7 @@ def test_timing_actor_outlives_its_creating_driver_and_is_found_by_name(local_cl
         connect_driver(load_settings(env={{}}, home={str(local_cluster.home)!r}))
         from cluster.timing import get_timing_actor
         actor = get_timing_actor({name!r})
-        row = [2, 4, 3.0, 2.0]
+        row = [2, 4, 2, 3.0, 2.0]  # count, batch, ranks, total, max
         ray.get(actor.push.remote("trainer-x", {{"m-outlive": {{"forward_backward.execute": row}}}}, {{}}))
     """)
     subprocess.run([sys.executable, "-c", creator], check=True, timeout=120, capture_output=True)
@@ -136,8 +136,8 @@ def test_timing_actor_prints_the_clusters_json_line_when_nobody_polls(local_clus
     model_id = f"m-{uuid.uuid4().hex[:8]}"
     actor = TimingActor.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(log_every_s=1.0)
     try:
-        ray.get(actor.push.remote("trainer-log", {model_id: {"forward_backward.execute": [1, 1, 0.5, 0.5]},
-                                                  "*": {"forward_backward.execute": [1, 1, 0.5, 0.5]}}, {}))
+        ray.get(actor.push.remote("trainer-log", {model_id: {"forward_backward.execute": [1, 1, 1, 0.5, 0.5]},
+                                                  "*": {"forward_backward.execute": [1, 1, 1, 0.5, 0.5]}}, {}))
         logs = local_cluster.settings.ray_temp_dir / "session_latest" / "logs"
         deadline = time.monotonic() + 60
         lines: list[dict] = []

@@ -13,8 +13,7 @@ import tinker
 import torch
 from tinker import types
 
-from cluster.ports import free_ports
-from helpers import cli_json, lilo, short_home
+from helpers import cli_json, own_service, tokens_datum
 from lilo.backend.models import load_base_model, model_directory
 
 # Each family's name, and the architecture get_info says it is.
@@ -25,26 +24,12 @@ TIMEOUT_S = 180
 
 @pytest.fixture(scope="module")
 def families_service():
-    home = short_home()
-    port, dashboard = free_ports(2)
-    args = ["up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
-            "--num-cpus", "6", "--trainers", "1", "--sampler-slots", "2", "--timeout", "400"]
+    args = ["--num-cpus", "6", "--trainers", "1", "--sampler-slots", "2", "--timeout", "400"]
     for family in FAMILIES:
         args += ["--base-model", family]
-    started = lilo(*args, timeout_s=480)
-    try:
-        assert started.returncode == 0, started.stdout + started.stderr
-        url = f"http://127.0.0.1:{port}"
+    with own_service(*args) as (url, _):
         with tinker.ServiceClient(base_url=url, api_key="tml-families") as client:
             yield client, SimpleNamespace(api_url=url)
-    finally:
-        stopped = lilo("down", "--home", str(home))
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-
-
-def datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
 
 
 def trained(client: tinker.ServiceClient, family: str) -> tinker.TrainingClient:
@@ -53,7 +38,7 @@ def trained(client: tinker.ServiceClient, family: str) -> tinker.TrainingClient:
     tokens = np.random.default_rng(7).integers(3, 1000, 16).tolist()
     losses = []
     for _ in range(3):
-        losses.append(training.forward_backward([datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
+        losses.append(training.forward_backward([tokens_datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
                       .metrics["loss:sum"])
         training.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=TIMEOUT_S)
     assert losses[-1] < losses[0], (family, losses)
@@ -72,7 +57,8 @@ def test_a_family_trains_saves_and_samples_through_the_sdk(families_service, fam
                                                                    stop=[])).result(timeout=TIMEOUT_S)
     (sequence,) = response.sequences
     assert len(sequence.tokens) == 6
-    forward = training.forward([datum(prompt + sequence.tokens + [0])], "cross_entropy").result(timeout=TIMEOUT_S)
+    forward = training.forward([tokens_datum(prompt + sequence.tokens + [0])], "cross_entropy").result(
+        timeout=TIMEOUT_S)
     scored = forward.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:len(prompt) - 1 + 6]
     np.testing.assert_allclose(sequence.logprobs, scored, atol=1e-4)
 
@@ -89,5 +75,5 @@ def test_the_cli_download_of_an_moe_adapter_loads_in_peft_with_the_services_logp
     with torch.no_grad():
         logits = adapted(input_ids=torch.as_tensor([tokens])).logits[0]
     theirs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.as_tensor(tokens[1:])[:, None])[:, 0]
-    ours = training.forward([datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S).loss_fn_outputs[0]
+    ours = training.forward([tokens_datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S).loss_fn_outputs[0]
     np.testing.assert_allclose(ours["logprobs"].tolist(), theirs.numpy(), atol=1e-4)

@@ -14,8 +14,7 @@ from tinker import types
 
 from cluster.sampler_actor import vllm_available
 from conftest import TINY_DIRECTORY
-from cluster.ports import free_ports
-from helpers import lilo, short_home
+from helpers import own_service, tokens_datum
 
 TIMEOUT_S = 180
 KEY = "tml-vllm-test"
@@ -30,32 +29,18 @@ def vllm_service(local_cluster):
     """Its own service (the session cluster has no samplers) on the tiny model with a tokenizer, which the session
     cluster's fixture builds, served as a base model too big for one device would be: its trainer sharded over two
     ranks, its one vLLM sampler tensor parallel over two workers."""
-    home = short_home()
-    port, dashboard = free_ports(2)
-    started = lilo("up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
-                   "--num-cpus", "6", "--samplers", "1", "--trainer-ranks", "2", "--base-model", str(TINY_DIRECTORY),
-                   "--timeout", "400",
-                   timeout_s=480)
-    try:
-        assert started.returncode == 0, started.stdout + started.stderr
-        assert "Sampler lilo-sampler-0 ready" in started.stdout, started.stdout
-        assert "tensor parallel over 2" in started.stdout, started.stdout
-        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY) as client:
-            yield client, f"http://127.0.0.1:{port}"
-    finally:
-        stopped = lilo("down", "--home", str(home))
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-
-
-def datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    with own_service("--num-cpus", "6", "--samplers", "1", "--trainer-ranks", "2", "--base-model",
+                     str(TINY_DIRECTORY), "--timeout", "400") as (url, printed):
+        assert "Sampler lilo-sampler-0 ready" in printed, printed
+        assert "tensor parallel over 2" in printed, printed
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as client:
+            yield client, url
 
 
 def train(training: tinker.TrainingClient, steps: int, learning_rate: float, seed: int = 3) -> None:
     tokens = np.random.default_rng(seed).integers(3, 1000, 16).tolist()
     for _ in range(steps):
-        training.forward_backward([datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
+        training.forward_backward([tokens_datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
         training.optim_step(types.AdamParams(learning_rate=learning_rate)).result(timeout=TIMEOUT_S)
 
 
@@ -68,7 +53,7 @@ def trained_checkpoint(service, name: str, steps: int, learning_rate: float, see
 
 def trainer_logprobs(training: tinker.TrainingClient, prompt: list[int], tokens: list[int]) -> list[float]:
     """The trainer's logprob of each of ``tokens`` after ``prompt`` (a forward pass, as the cookbook checks)."""
-    forward = training.forward([datum(prompt + tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
+    forward = training.forward([tokens_datum(prompt + tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
     return forward.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:]
 
 
