@@ -373,7 +373,7 @@ def scaling_config(settings: Settings, follow_gpus: bool) -> ScalingConfig:
     return ScalingConfig(tuple(settings.base_models), TrainerConfig.from_settings(settings), follow_gpus,
                          settings.min_trainers, settings.max_trainers, settings.trainer_idle_timeout_s,
                          sampler_share=share, sampler=sampler_config(settings) if share else None,
-                         ranks={model: settings.ranks_of(model) for model in settings.base_models})
+                         ranks=settings.model_ranks)
 
 
 def start_reconciler(config: ScalingConfig) -> ActorHandle:

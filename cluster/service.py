@@ -257,7 +257,7 @@ def sampler_seats(settings: Settings) -> list:
 
     served = [(trainer_name(index), model) for index, model in enumerate(trainer_layout(settings))]
     return sampler_layout(settings.samplers, served, bool(ray.cluster_resources().get("GPU", 0)),
-                          {model: settings.ranks_of(model) for model in settings.base_models})
+                          settings.model_ranks)
 
 
 def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:

@@ -154,9 +154,14 @@ class Settings:
         return overrides.get(base_model, default)
 
     @property
+    def model_ranks(self) -> dict[str, int]:
+        """Every served base model's ranks (``ranks_of``)."""
+        return {model: self.ranks_of(model) for model in self.base_models}
+
+    @property
     def most_ranks(self) -> int:
         """The most ranks any base model's trainers span."""
-        return max(map(self.ranks_of, self.base_models))
+        return max(self.model_ranks.values())
 
     def validate(self) -> "Settings":
         default, overrides = parse_trainer_ranks(self.trainer_ranks)

@@ -119,9 +119,9 @@ class PhaseStats:
         row[1] += batch
         row[2] += ranks
         if len(totals) == 1:  # the common case, unrolled: this runs on every span of the engine
-            row[3] += totals[0]
-            if maxes[0] > row[4]:
-                row[4] = maxes[0]
+            row[HEADER] += totals[0]
+            if maxes[0] > row[HEADER + 1]:
+                row[HEADER + 1] = maxes[0]
         else:
             for i, total in enumerate(totals):
                 row[HEADER + 2 * i] += total

@@ -6,9 +6,15 @@ import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
 from lilo.backend.models import TINY_MODELS, build_tiny, load_base_model
+from lilo.backend.registry import TINY_FAMILIES, TINY_PREFIX, is_servable
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
+
+
+def test_the_registry_serves_every_tiny_family_the_backend_builds():
+    assert set(TINY_FAMILIES) == set(TINY_MODELS)
+    assert all(is_servable(f"{TINY_PREFIX}{name}") for name in TINY_MODELS)
 
 
 @pytest.mark.parametrize("family", sorted(TINY_MODELS))

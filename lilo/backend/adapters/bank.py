@@ -88,13 +88,14 @@ class LoraBank:
         wrapped = [path for path, module in model.named_modules()
                    if isinstance(module, (SlotAdapters, MultiLoRAExperts))]
         decoder = next(path for path, module in model.named_modules() if module is model.get_decoder())
+        layers = f"{decoder}.layers."
         found: dict[str, set[str]] = {"attn": set(), "mlp": set()}
         for name, parameter in model.named_parameters():
             owner = name.rsplit(".", 1)[0]
-            if (parameter.dim() < 2 or not name.startswith(f"{decoder}.layers.") or owner.rsplit(".", 1)[-1] in ROUTERS
+            if (parameter.dim() < 2 or not name.startswith(layers) or owner.rsplit(".", 1)[-1] in ROUTERS
                     or any(owner == path or owner.startswith(f"{path}.") for path in wrapped)):
                 continue
-            relative = owner.split(".", 3)[-1]  # past "<decoder>.layers.<n>."
+            relative = owner[len(layers):].split(".", 1)[-1]  # past the layer's index
             found["attn" if "attn" in relative else "mlp"].add(relative)
         return {target: sorted(names) for target, names in found.items()}
 

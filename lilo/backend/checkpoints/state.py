@@ -143,10 +143,11 @@ def read_peft(directory: Path) -> AdapterState:
                     train_attn=bool(targets & set(ATTENTION_PROJECTIONS)),
                     train_mlp=bool(targets & set(MLP_PROJECTIONS) or expert_names), train_unembed=UNEMBED in targets)
     prefix, suffix = "base_model.model.", ".weight"
+    expert_module = _expert_module(config) if expert_names else None
     tensors = {}
     for key, tensor in weights.items():
         path, factor = key[len(prefix):-len(suffix)].rsplit(".", 1)
-        if expert_names and (path.endswith(".base_layer") or path.rsplit(".", 1)[-1] == _expert_module(config)):
+        if expert_names and (path.endswith(".base_layer") or path.rsplit(".", 1)[-1] == expert_module):
             module = path.replace(".base_layer", "")
             depth = path.count(".base_layer")
             name = expert_names[len(expert_names) - 1 - depth]
