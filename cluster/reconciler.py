@@ -68,8 +68,9 @@ REGISTRY_REFRESH_S = 1.0
 RELEASE_GRACE_S = 2 * REGISTRY_REFRESH_S + 1.0
 # How long a (re)started reconciler waits for a trainer it adopts to say what it serves.
 ADOPT_WITHIN_S = 10.0
-# How long `lilo status` waits for a trainer to say what its samplers answered (a dying one would hold it up).
-SAMPLING_WITHIN_S = 2.0
+# How long `lilo status` waits for a trainer to say what its samplers answered or where its ranks run (a dying one
+# would hold it up).
+STATUS_WITHIN_S = 2.0
 # Where `ray up` leaves the cluster's config on the head.
 RAY_UP_CONFIG = Path("~/ray_bootstrap_config.yaml")
 
@@ -335,7 +336,10 @@ class ReconcilerActor:
         (``lilo status``)."""
         await self._adopted.wait()
         nodes = {node["NodeID"]: node for node in await asyncio.to_thread(ray.nodes) if node.get("Alive")}
-        sampling = dict(await asyncio.gather(*(self._sampling_of(name) for name in self.ready_names())))
+        ready = self.ready_names()
+        sampling = dict(await asyncio.gather(*(self._ask(name, "sampling") for name in ready)))
+        sharded = [name for name in ready if self._seats[name].ranks > 1]
+        rank_places = dict(await asyncio.gather(*(self._ask(name, "rank_info") for name in sharded)))
         trainers = []
         for name, seat in sorted(self._seats.items()):
             state = ("leaving" if name in self._releasing else "pending" if seat.node_id is None
@@ -344,20 +348,31 @@ class ReconcilerActor:
             trainers.append({"name": name, "base_model": seat.base_model, "state": state, "gpu": seat.gpu,
                              "ranks": seat.ranks,
                              "node_id": seat.node_id, "node_ip": node.get("NodeManagerAddress"), "models": seat.models,
-                             "free_slots": self._free_slots.get(name), "sampling": sampling.get(name)})
+                             "free_slots": self._free_slots.get(name), "sampling": sampling.get(name),
+                             "rank_places": _places(rank_places.get(name), nodes)})
         return {"follow_gpus": self._config.follow_gpus, "gpus": self._gpus, "counts": self.counts(),
                 "trainers": trainers}
 
-    async def _sampling_of(self, name: str) -> tuple[str, dict | None]:
-        """A trainer's vLLM samplers and how many samples each engine answered (None: it did not say in time)."""
+    async def _ask(self, name: str, method: str) -> tuple[str, Any]:
+        """A ready trainer's answer to a status query (``sampling``, ``rank_info``); None when it did not say in
+        time."""
         try:
-            return name, await asyncio.wait_for(self._handles[name].sampling.remote(), SAMPLING_WITHIN_S)
+            return name, await asyncio.wait_for(getattr(self._handles[name], method).remote(), STATUS_WITHIN_S)
         except (asyncio.TimeoutError, ray.exceptions.RayActorError, KeyError):
             return name, None
 
     async def history(self) -> list[dict[str, Any]]:
         """Trainers started, ready, left and let go, with when, and how long after their node joined."""
         return self.timeline
+
+
+def _places(ranks: list[dict] | None, nodes: dict[str, dict]) -> list[dict] | None:
+    """Where each rank of a sharded trainer runs (rank, node address, pid, GPU ids) and the base bytes it holds."""
+    if ranks is None:
+        return None
+    return [{"rank": rank["rank"], "node_ip": nodes.get(rank["node_id"], {}).get("NodeManagerAddress"),
+             "node_id": rank["node_id"], "pid": rank["pid"], "gpu_ids": rank.get("gpu_ids", []),
+             "base_bytes": rank["base_bytes"]} for rank in ranks]
 
 
 def _kill_actor(name: str, handle: Callable[[], ActorHandle]) -> None:

@@ -205,7 +205,8 @@ class TrainerActor:
         room = backend.room_by_tier()
         return {"name": self.name, "base_model": self.base_model, "ranks": self.ranks,
                 "free_slots": room.total, "room": room._asdict(),
-                "vocab_size": backend.vocab_size, "node_id": ray.get_runtime_context().get_node_id(),
+                "vocab_size": backend.vocab_size, "projections": backend.projections,
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu": bool(ray.get_gpu_ids()), "pid": os.getpid(),
                 "backend_ready_s": loaded.engine.timings.gauges()[BACKEND_READY],
                 "eos_token_ids": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
@@ -213,11 +214,10 @@ class TrainerActor:
     async def rank_info(self) -> list[dict[str, Any]]:
         """Each rank of this trainer: where it runs (node, pid, GPU) and what it holds (``rank_memory``), rank 0
         first; with the bytes the group exchanged so far on rank 0's (``TorchBackend.exchanged``)."""
-        from cluster.trainer_ranks import rank_memory
+        from cluster.trainer_ranks import rank_memory, rank_place
 
         backend = (await self._loaded()).backend
-        own = {"rank": 0, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-               "gpu": bool(ray.get_gpu_ids()), **rank_memory(backend), "exchanged": dict(backend.exchanged)}
+        own = {**rank_place(0), **rank_memory(backend), "exchanged": dict(backend.exchanged)}
         followers = await asyncio.to_thread(self._peers.ready) if self._peers is not None else []
         return [own, *followers]
 

@@ -52,6 +52,13 @@ def rank_bundles(ranks: int, gpus: float) -> list[dict[str, float]]:
     return [{"CPU": 1.0, **({"GPU": gpus} if gpus else {})} for _ in range(ranks)]
 
 
+def rank_place(rank: int) -> dict[str, Any]:
+    """Where this process, rank ``rank`` of its trainer, runs: its node, pid and GPUs (their ids, none on CPU)."""
+    gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+    return {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+            "gpu": bool(gpu_ids), "gpu_ids": gpu_ids}
+
+
 def rank_memory(backend: Any) -> dict[str, int]:
     """What a rank holds: its base weights' bytes (its shards and the replicated rest) and its peak so far (the
     device's peak allocation on CUDA; on the CPU the process's peak resident size)."""
@@ -89,8 +96,7 @@ class RankActor:
     async def ready(self) -> dict[str, Any]:
         """Waits for its shard to load; says where it runs and what it holds."""
         follower = await asyncio.wrap_future(self._loading)
-        return {"rank": self._rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "gpu": bool(ray.get_gpu_ids()), **rank_memory(follower.backend)}
+        return {**rank_place(self._rank), **rank_memory(follower.backend)}
 
     async def run(self, plan: Plan) -> Any:
         follower = await asyncio.wrap_future(self._loading)

@@ -366,7 +366,15 @@ def trainer_lines(status: dict) -> list[str]:
                 device += f" over {trainer['ranks']} ranks ({'GPUs' if trainer['gpu'] else 'processes'})"
             lines.append(f"      {trainer['name']}: {trainer['base_model']}{device}, {trainer['state']}, "
                          f"{trainer['models']} model(s){slots}{sampler_note(trainer.get('sampling'))}")
+            lines.extend(rank_line(rank) for rank in trainer.get("rank_places") or [])
     return lines
+
+
+def rank_line(rank: dict) -> str:
+    """``rank 1: node 10.0.0.5, pid 4242, GPU 3, 8210.5 MB of base weights`` for one rank of a sharded trainer."""
+    gpus = f"GPU {','.join(rank['gpu_ids'])}" if rank["gpu_ids"] else "CPU"
+    return (f"        rank {rank['rank']}: node {rank['node_ip'] or rank['node_id'][:12]}, pid {rank['pid']}, {gpus}, "
+            f"{rank['base_bytes'] / 2**20:.1f} MB of base weights")
 
 
 def sampler_note(sampling: dict | None) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from ray.actor import ActorHandle
 
+from cluster.placement import trainer_facts
 from cluster.unloading import unload_model, unload_models
 from lilo.backend.registry import base_model_spec
 from lilo.backend.checkpoints.index import WEIGHTS
@@ -22,7 +23,7 @@ from lilo.errors import InvalidRequestError
 from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission, unloaded_error
 from lilo.protocol.proto import ForwardBackwardCall
-from serve.actors import Actors
+from serve.actors import ANSWER_WITHIN_S, Actors
 from serve.requests import (
     Body, CreateModelRequest, FinishSessionRequest, LoadWeightsRequest, ModelRequest, OptimStepRequest,
     SaveWeightsRequest,
@@ -102,10 +103,24 @@ class Training:
         if model["unloaded_at"] is not None:
             raise unloaded_error(request.model_id, model["unloaded_reason"])
         base = model["base_model"]
-        return {"model_id": request.model_id,
-                "model_data": {"arch": base_model_spec(base).arch, "model_name": base, "tokenizer_id": base},
+        data = {"arch": base_model_spec(base).arch, "model_name": base, "tokenizer_id": base}
+        trained = await self._trained_projections(model)
+        if trained is not None:
+            data["trained_projections"] = trained
+        return {"model_id": request.model_id, "model_data": data,
                 "is_lora": True, "lora_rank": model["lora_config"].get("rank"), "model_name": base,
                 "type": "get_info"}
+
+    async def _trained_projections(self, model: dict[str, Any]) -> list[str] | None:
+        """The projections a model's adapter trains (``LoraBank.projections`` of what its config asks for), as its
+        trainer says; None when the trainer does not answer within seconds (it is restarting, or its node left)."""
+        trainer = model["trainer"]
+        facts = await trainer_facts([trainer], ANSWER_WITHIN_S) if trainer else {}
+        if trainer not in facts:
+            return None
+        projections = facts[trainer]["projections"]
+        return sorted(name for target in LoraSpec.from_config(model["lora_config"]).targets()
+                      for name in projections[target])
 
     async def unload_model(self, request: ModelRequest, tenant: str) -> dict[str, str]:
         return await unload_model(self._futures, request.model_id, tenant)

@@ -76,6 +76,7 @@ class TorchBackend:
         self.layers = self.bank.layers
         # Projections of the model no adapter reaches, per target: an adapter asking to train them is refused.
         self.uncovered = self.bank.uncovered(self.model)
+        self.projections = self.bank.projections(self.model)
         self.decoder_layers = list(self.decoder.layers)
         # Sharded over a rank group (lilo.backend.sharding): ``peers`` is rank 0's line to the followers, None on
         # a follower; ``exchanged`` counts the bytes a follower received or sent, by kind, and the group's passes.

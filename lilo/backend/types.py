@@ -37,6 +37,11 @@ class LoraSpec:
         except (TypeError, ValueError):
             raise malformed from None
 
+    def targets(self) -> tuple[str, ...]:
+        """The LoraConfig targets it trains: ``attn``, ``mlp``, ``unembed``."""
+        return tuple(target for target, asked in (("attn", self.train_attn), ("mlp", self.train_mlp),
+                                                  ("unembed", self.train_unembed)) if asked)
+
 
 def is_int(value: Any) -> bool:
     """An integer as a client sent it: JSON's true and false are Python bools, which are ints too."""

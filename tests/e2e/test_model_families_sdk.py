@@ -7,6 +7,7 @@ onto the base model with the service's logprobs."""
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -61,6 +62,27 @@ def test_a_family_trains_saves_and_samples_through_the_sdk(families_service, fam
         timeout=TIMEOUT_S)
     scored = forward.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:len(prompt) - 1 + 6]
     np.testing.assert_allclose(sequence.logprobs, scored, atol=1e-4)
+
+
+def trained_projections(service: SimpleNamespace, model_id: str) -> list[str]:
+    """What get_info's model_data says the model trains (the SDK's GetInfoResponse drops fields it does not know, so
+    read the wire)."""
+    reply = httpx.post(f"{service.api_url}/api/v1/get_info", json={"model_id": model_id},
+                       headers={"X-API-Key": "tml-families"}, timeout=60)
+    reply.raise_for_status()
+    return reply.json()["model_data"]["trained_projections"]
+
+
+def test_get_info_names_the_projections_an_moe_adapter_trains(families_service):
+    client, service = families_service
+    everything = client.create_lora_training_client(base_model="lilo/tiny-qwen3-moe", rank=4).result(
+        timeout=TIMEOUT_S)
+    attention = client.create_lora_training_client(base_model="lilo/tiny-qwen3-moe", rank=4, train_mlp=False,
+                                                   train_unembed=False).result(timeout=TIMEOUT_S)
+    attention_only = ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    assert trained_projections(service, everything.model_id) == sorted(
+        attention_only + ["lm_head", "mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+    assert trained_projections(service, attention.model_id) == attention_only
 
 
 def test_the_cli_download_of_an_moe_adapter_loads_in_peft_with_the_services_logprobs(families_service, tmp_path):

@@ -26,6 +26,27 @@ def test_every_registered_family_trains_each_target_whole(family, tmp_path):
     backend.add_adapter("all", LoraSpec(rank=4, train_unembed=True))
 
 
+# What get_info says trains, per family and target: a decoder layer's projections (and the output head).
+PROJECTIONS = {
+    "tiny-llama": {"attn": ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"],
+                   "mlp": ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"]},
+    "tiny-qwen3-moe": {"attn": ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"],
+                       "mlp": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]},
+    "tiny-deepseek-v3": {"attn": ["self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj",
+                                  "self_attn.q_a_proj", "self_attn.q_b_proj"],
+                         # Its first layer is dense; the rest have routed and shared experts.
+                         "mlp": ["mlp.down_proj", "mlp.experts.down_proj", "mlp.experts.gate_up_proj",
+                                 "mlp.gate_proj", "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_proj",
+                                 "mlp.shared_experts.up_proj", "mlp.up_proj"]},
+}
+
+
+@pytest.mark.parametrize("family", sorted(PROJECTIONS))
+def test_the_backend_names_the_projections_each_target_trains(family, tmp_path):
+    backend = TorchBackend(load_base_model(build_tiny(tmp_path, family)), max_adapters=1, max_rank=4)
+    assert backend.projections == {**PROJECTIONS[family], "unembed": ["lm_head"]}
+
+
 def test_a_family_with_a_projection_lilo_cannot_adapt_is_refused_for_that_target_and_says_which():
     # Phi-3 fuses its attention's query, key and value into one qkv_proj (its MLP's gate_up_proj lilo adapts).
     torch.manual_seed(0)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -56,8 +57,17 @@ def test_status_reports_a_running_cluster(local_cluster):
     assert local_cluster.api_url in result.stdout
     assert "healthz: ok" in result.stdout
     assert "  Trainers:    " in result.stdout and "lilo-trainer-0: lilo/tiny-llama" in result.stdout
-    # The session cluster's sharded base model: each of its trainers says it spans two rank processes.
+    # The session cluster's sharded base model: each of its trainers says it spans two rank processes, and once
+    # ready, where each rank runs and the share of the base it holds.
     assert f"{SHARDED_BASE_MODEL} on CPU over 2 ranks (processes)" in result.stdout, result.stdout
+    rank_line = r"\n        rank {}: node 127\.0\.0\.1, pid \d+, CPU, [\d.]+ MB of base weights\n"
+    for _ in range(30):  # the sharded trainer may still be loading its ranks
+        if re.search(rank_line.format(1), result.stdout):
+            break
+        time.sleep(2)
+        result = lilo("status", "--home", str(local_cluster.home), timeout_s=60)
+    assert re.search(rank_line.format(0), result.stdout) and re.search(rank_line.format(1), result.stdout), \
+        result.stdout
 
 
 def test_the_lilo_command_imports_no_ray_before_it_prepares_rays_environment():

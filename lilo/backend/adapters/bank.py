@@ -87,16 +87,27 @@ class LoraBank:
         projection a target asks for trains."""
         wrapped = [path for path, module in model.named_modules()
                    if isinstance(module, (SlotAdapters, MultiLoRAExperts))]
-        decoder = next(path for path, module in model.named_modules() if module is model.get_decoder())
-        layers = f"{decoder}.layers."
+        layers = _layers_prefix(model)
         found: dict[str, set[str]] = {"attn": set(), "mlp": set()}
         for name, parameter in model.named_parameters():
             owner = name.rsplit(".", 1)[0]
             if (parameter.dim() < 2 or not name.startswith(layers) or owner.rsplit(".", 1)[-1] in ROUTERS
                     or any(owner == path or owner.startswith(f"{path}.") for path in wrapped)):
                 continue
-            relative = owner[len(layers):].split(".", 1)[-1]  # past the layer's index
+            relative = _in_layer(owner, layers)
             found["attn" if "attn" in relative else "mlp"].add(relative)
+        return {target: sorted(names) for target, names in found.items()}
+
+    def projections(self, model: nn.Module) -> dict[str, list[str]]:
+        """The projections this bank puts adapters on, by LoraConfig target (``attn``, ``mlp``, ``unembed``): their
+        paths within a decoder layer (``self_attn.q_proj``, ``mlp.experts.gate_up_proj``), or within the model
+        for those outside the layers (``lm_head``). What ``get_info`` says a model trains."""
+        layers = _layers_prefix(model)
+        found: dict[str, set[str]] = {"attn": set(), "mlp": set(), "unembed": set()}
+        for path in self.layers:
+            kind = path.rsplit(".", 1)[-1]
+            target = "attn" if kind in ATTENTION_PROJECTIONS else "mlp" if kind in MLP_PROJECTIONS else "unembed"
+            found[target].add(_in_layer(path, layers) if path.startswith(layers) else path)
         return {target: sorted(names) for target, names in found.items()}
 
     def route(self, slots: Sequence[int] | None, mode: str = BATCHED) -> None:
@@ -107,6 +118,17 @@ class LoraBank:
         for layer in self.layers.values():
             active = routing is not None and bool(layer.trained[rows].any())
             layer.routing = routing if active else None
+
+
+def _layers_prefix(model: nn.Module) -> str:
+    """The path prefix of ``model``'s decoder layers (``model.layers.``), wherever its decoder sits."""
+    decoder = next(path for path, module in model.named_modules() if module is model.get_decoder())
+    return f"{decoder}.layers."
+
+
+def _in_layer(path: str, layers: str) -> str:
+    """A module's path within its decoder layer: past ``layers`` and the layer's index."""
+    return path[len(layers):].split(".", 1)[-1]
 
 
 def _targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module, nn.Linear]], list[tuple[str, nn.Module, nn.Module]]]:
