@@ -108,6 +108,53 @@ def test_coalesced_adapters_of_different_ranks_get_the_gradients_of_their_own_pa
     assert all(grad.abs().max() > 0 for grad in expert_grads(coalesced, "r2").values())
 
 
+def merged_pass(moe, backend: TorchBackend, model_id: str, sample: Datum) -> tuple[float, dict[str, torch.Tensor]]:
+    """An independent reference: the family's own forward with one adapter merged into the base weights (each
+    projection's weight plus ``scale * B @ A``, per expert for fused experts), its weighted cross-entropy, and that
+    loss's gradients with respect to each A and B."""
+    slot = backend.adapters[model_id].slot
+    weights, merged, factors = dict(moe.named_parameters()), {}, {}
+    for path, layer in backend.layers.items():
+        rank = layer.ranks[slot]
+        if not rank:
+            continue
+        a = layer.lora_A[slot, ..., :rank, :].detach().clone().requires_grad_()
+        b = layer.lora_B[slot, ..., :rank].detach().clone().requires_grad_()
+        delta = layer.scales[slot] * (b @ a)  # (..., out, in)
+        if ".experts." in path:
+            name = path
+            if moe.get_submodule(path.rsplit(".", 1)[0]).is_transposed:  # GPT-OSS: (experts, in, out)
+                delta = delta.transpose(-1, -2)
+        else:
+            name = f"{path}.weight"
+        merged[name] = weights[name] + delta
+        factors[path] = (a, b)
+    logits = torch.func.functional_call(moe, merged, (torch.as_tensor([sample.tokens]),)).logits[0]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(sample.loss_inputs["target_tokens"])[:, None])
+    loss = -(logprobs[:, 0] * torch.as_tensor(sample.loss_inputs["weights"])).sum()
+    loss.backward()
+    return float(loss), {f"{path}.{factor}": tensor.grad for path, pair in factors.items()
+                         for factor, tensor in zip(("lora_A", "lora_B"), pair)}
+
+
+def test_an_adapters_loss_and_gradients_equal_the_familys_own_forward_with_it_merged(moe):
+    backend = backend_of(moe, SPECS)
+    for model_id in SPECS:  # one step first, so that B is not zero and A gets gradients too
+        backend.forward_backward([fb(model_id, 1, [datum(1)])], forward_only=False)
+        backend.optim_step([opt(model_id, 2)])
+    sample = datum(3)
+    ours = backend.forward_backward([fb("r8", 3, [sample])], forward_only=False)[0]["metrics"]["loss:sum"]
+    loss, theirs = merged_pass(moe, backend, "r8", sample)
+    assert ours == pytest.approx(loss, rel=1e-5)
+    slot, rank = backend.adapters["r8"].slot, SPECS["r8"].rank
+    assert any(".experts." in key for key in theirs)
+    for key, grad in theirs.items():
+        path, factor = key.rsplit(".", 1)
+        mine = getattr(backend.layers[path], factor).grad[slot]
+        mine = mine[..., :rank, :] if factor == "lora_A" else mine[..., :rank]
+        assert (mine - grad).abs().max().item() <= 1e-4 * (grad.abs().max().item() or 1.0), key
+
+
 def test_an_adapter_that_does_not_train_the_mlp_leaves_every_expert_untouched(moe):
     backend = backend_of(moe, SPECS)
     for seq in (1, 3):

@@ -4,24 +4,26 @@ transformers keeps a mixture-of-experts block's experts as 3-D parameters, one m
 (``Qwen3MoeExperts.gate_up_proj: (experts, 2 x inter, hidden)``, ``down_proj: (experts, hidden, inter)``; GPT-OSS
 stores them transposed, with biases), every family's marked by the same decorator (``use_experts_implementation``:
 ``is_transposed``, ``has_bias``, ``has_gate``, ``_apply_gate``). ``MultiLoRAExperts`` takes such a module's place
-and runs its experts as transformers' eager loop does, one expert at a time over the tokens routed to it, adding to
-each token the delta of its own row's adapter for that expert: ``scale[slot] * (x @ A[slot, e].T) @ B[slot, e].T``
-on the gate/up projection's output (before the gate) and on the down projection's. So rows of different adapters
-(and ranks) share one pass over the experts, the router stays frozen (its weights are not wrapped), and a row's
-gradients reach only its own adapter's slot, for the experts its tokens were routed to.
+and adds to each routed token, on the gate/up projection's output (before the gate) and on the down projection's,
+the delta of its own row's adapter for the expert it went to: ``scale[slot] * (x @ A[slot, e].T) @ B[slot, e].T``.
+So rows of different adapters (and ranks) share one pass over the experts, the router stays frozen (its weights are
+not wrapped), and a row's gradients reach only its own adapter's slot, for the experts its tokens were routed to.
 
-Each (expert, slot) pair is one pair of GEMMs over that expert's tokens of that slot's rows (found from the
-routing's runs of rows, on the CPU: no device sync); a slot not training a projection (rank 0) adds nothing.
+Every routed (token, choice) is sorted by (expert, slot), and each projection is one grouped GEMM over the experts
+for the base weights and two over the (expert, slot) groups for the deltas (torch's ``grouped_mm``, a grouped GEMM
+kernel on CUDA), with no device sync and no loop in Python. On the CPU the same op beats transformers' eager loop
+with a pair of GEMMs per (expert, slot) by 1.3x to 2.5x a pass, training and sampling alike (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from lilo.backend.adapters.lora import Routing, SlotAdapters
+from lilo.backend.adapters.lora import SlotAdapters
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -50,26 +52,6 @@ class ExpertProjection(SlotAdapters):
     """One fused projection's adapters: ``lora_A (slots, experts, max_rank, in)``, ``lora_B (slots, experts, out,
     max_rank)``."""
 
-    def delta(self, x: torch.Tensor, tokens: torch.Tensor, expert: int, routing: Routing,
-              tokens_per_row: int) -> torch.Tensor | None:
-        """The adapters' delta on this projection's output for ``x``, the inputs of ``tokens`` (indices into the
-        flattened batch) routed to ``expert``; None when no adapter of theirs trains it."""
-        delta = None
-        for slot, first_row, end_row in routing.runs:
-            rank = self.ranks[slot]
-            if not rank:
-                continue
-            rows = ((tokens >= first_row * tokens_per_row) & (tokens < end_row * tokens_per_row)).nonzero().squeeze(1)
-            if not len(rows):
-                continue
-            a = self.lora_A[slot, expert, :rank].to(x.dtype)  # (r, in)
-            b = self.lora_B[slot, expert, :, :rank].to(x.dtype)  # (out, r)
-            part = (x[rows] @ a.T) @ b.T * self.scales[slot]
-            if delta is None:
-                delta = x.new_zeros(x.shape[0], b.shape[0])
-            delta = delta.index_add(0, rows, part)
-        return delta
-
 
 class MultiLoRAExperts(nn.Module):
     """A fused experts module with every slot's adapters on its projections (the module's docstring)."""
@@ -86,34 +68,65 @@ class MultiLoRAExperts(nn.Module):
         routing = next((p.routing for p in self.projections.values() if p.routing is not None), None)
         if routing is None:  # no routed adapter trains these experts: the family's own implementation
             return self.base(hidden_states, top_k_index, top_k_weights)
-        tokens_per_row = hidden_states.shape[0] // len(routing.row_slots)
+        # The experts as grouped GEMMs over every routed token at once, sorted by (expert, slot).
         base = self.base
+        count, (tokens, k) = base.num_experts, top_k_index.shape
+        slots = sorted({slot for slot, _, _ in routing.runs})
+        # Each row's slot as its index among ``slots`` (from the runs, on the CPU), then each token's.
+        row_group = torch.empty(len(routing.row_slots), dtype=torch.long)
+        for slot, first_row, end_row in routing.runs:
+            row_group[first_row:end_row] = slots.index(slot)
+        per_row = tokens // len(routing.row_slots)
+        token_group = row_group.to(hidden_states.device).repeat_interleave(per_row)
+        token_slot = routing.row_slots.repeat_interleave(per_row)
+        # A choice marked unused (expert index num_experts) runs through the last expert with weight zero: dropping
+        # it would need a sync.
+        expert = top_k_index.reshape(-1)
+        weight = top_k_weights.reshape(-1) * (expert < count)
+        expert = expert.clamp(max=count - 1)
+        token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)
+        group = expert * len(slots) + token_group[token]
+        order = torch.argsort(group, stable=True)
+        token, expert, weight = token[order], expert[order], weight[order]
+        groups = Groups(
+            experts=torch.bincount(expert, minlength=count).cumsum(0).to(torch.int32), expert=expert,
+            slots=torch.bincount(group[order], minlength=count * len(slots)).cumsum(0).to(torch.int32),
+            slot=token_slot[token], slot_ids=torch.tensor(slots, device=hidden_states.device), slot_list=tuple(slots))
         first, down = expert_projections(base)
-        out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            # (experts + 1) classes: a family may mark a token's unused choice with num_experts.
-            hits = nn.functional.one_hot(top_k_index, num_classes=base.num_experts + 1).permute(2, 1, 0)
-            experts = [int(e) for e in torch.greater(hits.sum(dim=(-1, -2)), 0).nonzero()[:, 0]
-                       if int(e) < base.num_experts]
-        for expert in experts:
-            choice, tokens = torch.where(hits[expert])
-            x = hidden_states[tokens]
-            h = self._project(first, x, tokens, expert, routing, tokens_per_row)
-            h = base._apply_gate(h) if base.has_gate else base.act_fn(h)
-            y = self._project(down, h, tokens, expert, routing, tokens_per_row)
-            y = y * top_k_weights[tokens, choice, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        h = self._project(first, hidden_states[token], groups)
+        h = base._apply_gate(h) if base.has_gate else base.act_fn(h)
+        y = self._project(down, h, groups) * weight[:, None].to(h.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype))
 
-    def _project(self, name: str, x: torch.Tensor, tokens: torch.Tensor, expert: int, routing: Routing,
-                 tokens_per_row: int) -> torch.Tensor:
-        base = self.base
-        weight = getattr(base, name)[expert]
-        y = x @ weight if base.is_transposed else x @ weight.T
+    def _project(self, name: str, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
+        """One fused projection of tokens sorted by (expert, slot): a grouped GEMM over the experts, and the deltas'
+        two over the (expert, slot) groups (A and B at max_rank; an adapter's padding is zero)."""
+        base, projection = self.base, self.projections[name]
+        weight = getattr(base, name)
+        weight = weight if base.is_transposed else weight.transpose(1, 2)  # (E, in, out)
+        y = nn.functional.grouped_mm(x, weight.to(x.dtype), offs=groups.experts)
         if base.has_bias:
-            y = y + getattr(base, f"{name}_bias")[expert]
-        delta = self.projections[name].delta(x, tokens, expert, routing, tokens_per_row)
-        return y if delta is None else y + delta
+            y = y + getattr(base, f"{name}_bias")[groups.expert].to(y.dtype)
+        if not any(projection.ranks[slot] for slot in groups.slot_list):
+            return y
+        # (slots, E, ...) to expert-major groups (E * slots, ...), as the tokens are sorted.
+        a = projection.lora_A[groups.slot_ids].transpose(0, 1).flatten(0, 1).to(x.dtype)  # (G, r, in)
+        b = projection.lora_B[groups.slot_ids].transpose(0, 1).flatten(0, 1).to(x.dtype)  # (G, out, r)
+        h = nn.functional.grouped_mm(x, a.transpose(1, 2), offs=groups.slots)
+        h = h * projection.scale[groups.slot].to(x.dtype)[:, None]
+        return y + nn.functional.grouped_mm(h, b.transpose(1, 2), offs=groups.slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """Routed tokens sorted by (expert, slot): the end offsets of each expert's tokens and of each (expert, slot)
+    group's, each token's expert and slot, and the slots in group order (the grouped GEMMs' arguments)."""
+    experts: torch.Tensor
+    expert: torch.Tensor
+    slots: torch.Tensor
+    slot: torch.Tensor
+    slot_ids: torch.Tensor
+    slot_list: tuple[int, ...]  # slot_ids on the CPU
 
 
 def wrap_experts(experts: nn.Module, views: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
