@@ -117,8 +117,9 @@ def sequence_of(completion: Any, topk: int) -> SampledSequence:
 
 def peft_rank(peft_dir: Path) -> int:
     """The rank of the PEFT adapter in ``peft_dir``; InvalidRequestError when it holds none, or one that trains
-    fused MoE experts (PEFT's ``target_parameters``), which lilo does not hand to vLLM: the trainer's torch sampler
-    answers its samples."""
+    fused MoE experts (PEFT's ``target_parameters``), which lilo does not hand to vLLM (vLLM 0.32's MoE LoRA layers
+    are Triton kernels, and on the CPU the first step with one kills the engine; docs/design.md): the trainer's
+    torch sampler answers its samples."""
     try:
         config = json.loads((peft_dir / PEFT_CONFIG).read_text())
         rank = int(config["r"])
