@@ -41,8 +41,9 @@ def _trainers(tmp_path_factory, base_model, ranks):
     return start_trainer(index, base_model, config, num_cpus=1, ranks=ranks), config, trainer_name(index)
 
 
-# The tiny model, and the demo's real one (SmolLM2-135M: 30 layers, tied embeddings, 49k vocabulary).
-@pytest.fixture(scope="module", params=["lilo/tiny-llama", DEFAULT_BASE_MODEL])
+# The tiny model, the tiny MoE one (its fused experts sharded with their layers), and the demo's real one
+# (SmolLM2-135M: 30 layers, tied embeddings, 49k vocabulary).
+@pytest.fixture(scope="module", params=["lilo/tiny-llama", "lilo/tiny-qwen3-moe", DEFAULT_BASE_MODEL])
 def pair(request, ray_driver, tmp_path_factory):
     started = [_trainers(tmp_path_factory, request.param, ranks) for ranks in (1, 2)]
     infos = ray.get([actor.ready.remote() for actor, _, _ in started], timeout=300)
