@@ -10,6 +10,7 @@ it acknowledged is lost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.local import NAMESPACE
 from cluster.worker_setup import freeze_startup
+from lilo.errors import QuotaExceededError
+from lilo.futures.admission import Admission
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.schema import PENDING
 from lilo.backend.provenance import RecordedSequence
@@ -28,6 +31,8 @@ from lilo.futures.store import (
     merge_heartbeats, parse_request_id,
 )
 from lilo.futures.waiter import FutureWaiter
+from lilo.tenant_policy import PolicyFile
+from lilo.tenants import tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,8 @@ ORPHAN_MESSAGE = ("The service stopped before this request finished, so it did n
 class FuturesActor:
     def __init__(self, db_path: str, retention_s: float = DEFAULT_RETENTION_S) -> None:
         self._store = FuturesStore(db_path, retention_s=retention_s)
+        self._policy = PolicyFile(None)  # the tenants file's (use_tenants_file)
+        self._admission = Admission()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lilo-futures-db")
         self._waiter = FutureWaiter(lambda ids: self._run(self._store.states, ids),
                                     missing=lambda request_id: self._run(self._store.missing_error, request_id))
@@ -71,6 +78,7 @@ class FuturesActor:
                 if self._store.outbox_size:
                     await loop.run_in_executor(self._db, self._store.flush_outbox)
                 await loop.run_in_executor(self._db, self._store.record_heartbeats, self._take_heartbeats())
+                self._admission.recount(await loop.run_in_executor(self._db, self._store.pending_by_tenant))
                 if since_prune >= PRUNE_EVERY_S:
                     since_prune = 0.0
                     pruned = await loop.run_in_executor(self._db, self._store.prune)
@@ -90,17 +98,52 @@ class FuturesActor:
         return (await self.submit_once(submission)).request_id  # type: ignore[return-value]
 
     async def submit_once(self, submission: Submission) -> SubmitOutcome:
-        """Like ``submit``, also saying whether it was a retry of a request already recorded (not to run again)."""
+        """Like ``submit``, also saying whether it was a retry of a request already recorded (not to run again), and
+        its tenant's weight. A tenant over a rate limit is refused first (429, lilo.futures.admission)."""
+        tenant = tenant_of(submission.tenant)
+        limits = self._policy.current().of(tenant)
+        self._admission.check(tenant, limits, submission.kind, submission.tokens)
         outcome: SubmitOutcome = await self._committer.submit(submission)
         if outcome.error is not None:
             raise outcome.error
-        return outcome
+        if not outcome.duplicate:
+            self._admission.admitted(tenant, submission.kind, submission.tokens)
+        return dataclasses.replace(outcome, weight=limits.weight)
+
+    # --- tenants -------------------------------------------------------------------------------------------
+    async def use_tenants_file(self, path: str | None) -> None:
+        """Take each tenant's share and limits from ``path`` (None: all weight 1, unlimited), re-read as it
+        changes; raises TenantsFileError, saying what to fix, when it does not parse."""
+        self._policy = PolicyFile(path)
+
+    async def reload_tenants(self) -> str | None:
+        """Re-read the tenants file now (``lilo up`` on SIGHUP); the error that kept its new version out, or None."""
+        return None if self._policy.reload() else self._policy.error
+
+    async def check_new_model(self, tenant: str, base_model: str, rank: int) -> None:
+        """Raises QuotaExceededError when ``tenant`` may not create a model of ``base_model`` at ``rank``: a base
+        model its table does not allow, a rank over its max_rank, or max_models models held already."""
+        limits = self._policy.current().of(tenant)
+        if limits.base_models is not None and base_model not in limits.base_models:
+            allowed = ", ".join(limits.base_models) or "none"
+            raise QuotaExceededError(f"Tenant {tenant!r} may not train {base_model!r} (base_models in the tenants "
+                                     f"file allows {allowed}); create the model on one of those.")
+        if limits.max_rank is not None and rank > limits.max_rank:
+            raise QuotaExceededError(f"Tenant {tenant!r} may create LoRA models up to rank {limits.max_rank} "
+                                     f"(max_rank in the tenants file), not {rank}; ask for a lower rank.")
+        if limits.max_models is not None:
+            held = await self._run(self._store.loaded_models, tenant)
+            if held >= limits.max_models:
+                raise QuotaExceededError(
+                    f"Tenant {tenant!r} may hold {limits.max_models} models (max_models in the tenants file) and "
+                    f"holds {held}; unload one it no longer trains (unload_model) before creating another.")
 
     async def complete(self, completions: Sequence[Completion]) -> bool:
         """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox."""
         tenants = await self._run(self._complete_many, list(completions))
         if tenants is None:
             return False
+        self._admission.finished({request_id: tenant_of(tenant) for request_id, tenant in tenants.items()})
         for completion in completions:
             if completion.request_id not in tenants:
                 continue  # it had failed already (its trainer evacuated): the write kept that, and so do its waiters

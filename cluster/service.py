@@ -115,8 +115,13 @@ def supervise(settings: Settings, serve_app: Callable[[], ServeApp], progress: P
         start_service(settings, serve_app, progress)
         write_state(settings, dataclasses.replace(state, status="ready", gcs_address=gcs_address))
         on_ready()
+        hangups: list[int] = []
+        signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
         while True:
             signal.pause()
+            while hangups:
+                hangups.pop()
+                reload_tenants(settings, progress)
     except StopRequested as stop:
         progress(f"{stop} received; stopping")
         return True
@@ -131,6 +136,19 @@ def supervise(settings: Settings, serve_app: Callable[[], ServeApp], progress: P
             stop_service(settings, serve_app, progress)
         settings.state_file.unlink(missing_ok=True)
         lock.release()
+
+
+def reload_tenants(settings: Settings, progress: Progress) -> None:
+    """SIGHUP: the futures DB actor re-reads the tenants file now (it also does whenever the file changes)."""
+    import ray
+
+    from cluster.futures_actor import get_futures_actor
+
+    if settings.tenants_file is None:
+        progress("SIGHUP received; no tenants file to re-read (start with --tenants-file)")
+        return
+    error = ray.get(get_futures_actor(str(settings.futures_db)).reload_tenants.remote(), timeout=30)
+    progress(f"SIGHUP received; {error or f're-read the tenants file {settings.tenants_file}'}")
 
 
 def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progress: Progress) -> None:
@@ -156,7 +174,9 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     serve_starting.shutdown(wait=False)
     # Detached: they outlive this driver and every redeploy of the Serve app.
     get_timing_actor()
-    orphans = get_futures_actor(str(settings.futures_db)).fail_orphans.remote()
+    futures_db = get_futures_actor(str(settings.futures_db))
+    ray.get(futures_db.use_tenants_file.remote(str(settings.tenants_file) if settings.tenants_file else None))
+    orphans = futures_db.fail_orphans.remote()
     follow = follows_gpus(settings)
     if follow and settings.samplers >= 1:
         raise ClusterError(f"Trainers that follow the GPUs take samplers beside them, on a share of each one's GPU: "

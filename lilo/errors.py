@@ -34,6 +34,23 @@ class SaturatedError(LiloError):
     """The service is full right now; retry later (HTTP 429)."""
 
 
+class RateLimitedError(SaturatedError):
+    """A tenant over one of its rate limits (the tenants file): HTTP 429 with ``Retry-After``, which the SDK waits
+    out before it sends the same request again."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # crosses Ray (pickled) with its wait
+        return type(self), (str(self), self.retry_after_s)
+
+
+class QuotaExceededError(LiloError):
+    """A tenant at one of its limits on amounts (models, rank, base models, storage): HTTP 403, which the SDK does not
+    retry; the message names the limit, its value and what is in use."""
+
+
 class UnavailableError(LiloError):
     """Something it needs is being restored (a trainer's models after the trainer failed); retry shortly (HTTP
     503, which the SDK retries by itself)."""

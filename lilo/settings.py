@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 from lilo.api_keys import ApiKeyConfigError, load_key_digests
 from lilo.backend.registry import DEFAULT_BASE_MODEL, is_servable, unservable_message
 from lilo.futures.paths import default_db_path
+from lilo.tenant_policy import TenantsFileError, read_tenants_file
 
 # Ray puts unix sockets under <temp dir>/session_<timestamp>_<pid>/sockets/..., and a unix socket path may not
 # exceed 107 bytes; this leaves room for Ray's own part of the path.
@@ -96,6 +97,8 @@ class Settings:
     # mode, which accepts any ``tml-`` key and listens on loopback only.
     api_keys: str | None = dataclasses.field(default=None, repr=False)
     api_keys_file: Path | None = None
+    # Each tenant's share and limits (lilo.tenant_policy, TOML); None: every tenant weight 1, unlimited.
+    tenants_file: Path | None = None
     # Trainers follow the cluster's GPUs (cluster.reconciler): one per GPU on every GPU node, as nodes join; one
     # more asked of the autoscaler when every trainer of a base model is full; idle ones let go. None: on an
     # existing cluster (--address) unless --trainers or whole-GPU --samplers fix the layout, with CPU trainers
@@ -170,6 +173,11 @@ class Settings:
                                 "trainer, which would hold a whole base model that --trainer-ranks shards over "
                                 "several; give the samplers GPUs of their own (--samplers N) or leave sampling to "
                                 "the trainers (--samplers 0).")
+        if self.tenants_file is not None:
+            try:
+                read_tenants_file(self.tenants_file)
+            except TenantsFileError as error:
+                raise SettingsError(str(error)) from None
         strangers = sorted(set(overrides) - set(self.base_models))
         if strangers:
             raise SettingsError(f"--trainer-ranks names {', '.join(strangers)}, which no --base-model serves; name "
@@ -313,6 +321,7 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_STOP_SAVE_TIMEOUT_S": ("stop_save_timeout_s", float),
     "LILO_API_KEYS": ("api_keys", str),
     "LILO_API_KEYS_FILE": ("api_keys_file", Path),
+    "LILO_TENANTS_FILE": ("tenants_file", Path),
     "LILO_FOLLOW_GPUS": ("follow_gpus", flag),
     "LILO_MIN_TRAINERS": ("min_trainers", int),
     "LILO_MAX_TRAINERS": ("max_trainers", int),
@@ -336,7 +345,7 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
     if env.get("LILO_BASE_MODELS"):
         values["base_models"] = tuple(name.strip() for name in env["LILO_BASE_MODELS"].split(",") if name.strip())
     values.update({key: value for key, value in overrides.items() if value is not None})
-    for field in ("home", "api_keys_file"):
+    for field in ("home", "api_keys_file", "tenants_file"):
         if field in values:
             values[field] = Path(values[field]).expanduser().absolute()
     if "base_models" in values:

@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--api-keys-file", type=Path, metavar="PATH",
                     help="file of API keys, one `tml-key[=tenant]` per line (default: $LILO_API_KEYS_FILE; none and "
                          "no $LILO_API_KEYS: local mode, any tml- key)")
+    up.add_argument("--tenants-file", type=Path, metavar="PATH",
+                    help="TOML file of each tenant's share (weight) and limits, re-read when it changes or on SIGHUP "
+                         "(default: $LILO_TENANTS_FILE; none: every tenant weight 1, unlimited; docs/operations.md)")
     up.add_argument("--timeout", dest="startup_timeout_s", type=float, help="seconds to wait for readiness")
     up.add_argument("--detach", action="store_true", help="return once the service answers; stop with `lilo down`")
     up.add_argument(DETACHED_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
@@ -162,7 +165,7 @@ def _settings(args: argparse.Namespace) -> Settings:
               "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "max_batch_tokens", "coalesce_window_ms",
               "trainer_memory_gb", "host_adapter_mb", "disk_adapter_gb",
               "base_models",
-              "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file",
+              "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file", "tenants_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",
               "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})

@@ -5,6 +5,7 @@ object whose ``detail`` is a sentence saying what to change (``ErrorBody``, docu
 from __future__ import annotations
 
 import http
+import math
 from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
@@ -16,14 +17,15 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lilo.errors import (
-    ConflictError, ForbiddenError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError,
-    TooLargeError, UnavailableError,
+    ConflictError, ForbiddenError, GoneError, InvalidRequestError, LiloError, NotFoundError, QuotaExceededError,
+    SaturatedError, TooLargeError, UnavailableError,
 )
 
 STATUS_BY_ERROR: dict[type[LiloError], int] = {
     InvalidRequestError: 422,
     NotFoundError: 404,
     ForbiddenError: 403,
+    QuotaExceededError: 403,
     GoneError: 410,
     ConflictError: 409,
     SaturatedError: 429,
@@ -85,8 +87,10 @@ def install_error_handlers(api: FastAPI) -> None:
     @api.exception_handler(LiloError)
     async def lilo_error(_request: Request, error: LiloError) -> JSONResponse:
         # Errors raised inside a Ray actor arrive wrapped; the client gets the sentence, not the traceback.
-        message = str(getattr(error, "cause", None) or error)
-        return JSONResponse(status_code=status_for(error), content={"detail": message})
+        cause = getattr(error, "cause", None) or error
+        retry_after = getattr(cause, "retry_after_s", None)  # a rate limit: the SDK waits this long, then retries
+        headers = {"Retry-After": f"{max(1, math.ceil(retry_after))}"} if retry_after is not None else None
+        return JSONResponse(status_code=status_for(error), content={"detail": str(cause)}, headers=headers)
 
     @api.exception_handler(RayActorError)
     async def actor_gone(_request: Request, error: RayActorError) -> JSONResponse:

@@ -15,6 +15,7 @@ from cluster.unloading import failing_future
 from lilo.engine.commands import Command, Kind
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError
 from lilo.futures.store import Submission
+from lilo.tenants import tenant_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,12 @@ class Submissions:
         """Record ``submission`` (durably, deduplicated by its seq) and, unless it is a retry of a recorded one that
         has finished, hand ``command`` under its request id to its trainer (``submission.trainer``, or for a routed
         one the model's). Returns the request id."""
-        submission = submission.prepared()
+        submission = dataclasses.replace(submission, tokens=command.tokens).prepared()
         outcome = await self._futures.submit_once.remote(submission)
         if not outcome.duplicate or outcome.pending:
             command = dataclasses.replace(command, request_id=str(outcome.request_id),
-                                          fingerprint=submission.payload_sha256)
+                                          fingerprint=submission.payload_sha256, tenant=tenant_of(submission.tenant),
+                                          weight=outcome.weight)
             # A refusal by the trainer (or its failure) also fails the recorded future.
             async with failing_future(self._futures, outcome.request_id, command.kind):
                 await named_actor(outcome.trainer).submit.remote(command)

@@ -6,6 +6,8 @@ import dataclasses
 from enum import StrEnum
 from typing import Generic, Hashable, TypeVar
 
+from lilo.tenants import LOCAL_TENANT
+
 
 class Kind(StrEnum):
     """What a request asks for. A member equals its string, which is what the futures DB stores (its
@@ -54,6 +56,10 @@ class Command(Generic[Payload]):
     # the batch's token budget.
     batch_key: Hashable = ()
     tokens: int = 0
+    # Whose it is, and that tenant's share of a trainer whose passes cannot hold every ready command (the tenants
+    # file's weight, as the futures DB said when it recorded the command): the scheduler's fair share.
+    tenant: str = LOCAL_TENANT
+    weight: float = 1.0
 
     @property
     def coalesce_key(self) -> tuple:

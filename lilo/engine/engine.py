@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 from lilo.backend.types import LoraSpec
 from lilo.engine.commands import SAVING_KINDS, Command, Kind
 from lilo.engine.contract import Backend
+from lilo.engine.fair_share import FairShare
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
 from lilo.engine.window import DEFAULT_WINDOW_CAP_MS, WINDOW_KINDS, Rhythm, awaited, window_s
@@ -88,6 +89,7 @@ class Engine:
         self._samples: deque[tuple[Command, Future]] = deque()
         self._sample_futures: OrderedDict[str, Future] = OrderedDict()  # request id -> future, the latest ones
         self._rotation: list[str] = [SAMPLING_TURN]
+        self._fair = FairShare(clock)  # each tenant's service, for its share of full passes
         self._lifecycle: deque[Callable[[], None]] = deque()
         self._unloading: dict[str, Future] = {}  # model -> its unload, waiting for the model's queue to run dry
         # Models unloaded lately: a client still sending to one is told so, not that it never existed.
@@ -265,7 +267,8 @@ class Engine:
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
         if self._samples:
             heads[SAMPLING_TURN] = self._samples[0][0]
-        batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce)
+        service = self._fair.service(head.tenant for head in heads.values())
+        batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce, service)
         if not batch:
             self._window = None
             return None, None
@@ -277,6 +280,7 @@ class Engine:
             anchor, taken = SAMPLING_TURN, self._take_samples()
         else:
             anchor, taken = batch[0].model_id, [self._queues[command.model_id].take_head() for command in batch]
+        self._fair.charge(command for command, _ in taken)
         # The anchor goes to the back of the rotation: the next turn starts with somebody else.
         self._rotation.remove(anchor)
         self._rotation.append(anchor)

@@ -68,6 +68,9 @@ class Submission:
     # ...or True: the store routes it, to the trainer its model is placed on (refusing an unknown, unloaded or
     # displaced model), in the transaction that records it, so no failure recovery can slip in between.
     routed: bool = False
+    # What it counts against its tenant's tokens per minute (a forward pass's tokens; a sample's prompt and
+    # completions).
+    tokens: int = 0
     # Set by ``prepared()``, which drops the payload: its fingerprint, computed wherever the submission was built (an
     # ingress replica) rather than on the one writer's thread.
     payload_sha256: str | None = None
@@ -89,6 +92,7 @@ class SubmitOutcome:
     duplicate: bool = False
     error: LiloError | None = None
     trainer: str | None = None  # for a retry, set only while the first is pending
+    weight: float = 1.0  # its tenant's share of a busy trainer (the tenants file), for the trainer's scheduler
 
     @property
     def pending(self) -> bool:
@@ -443,6 +447,20 @@ class FuturesStore:
         for chunk in chunks(list(request_ids)):
             found.update(self._read(query.format(marks=",".join("?" * len(chunk))), tuple(chunk)))
         return found
+
+    def pending_by_tenant(self) -> dict[str, int]:
+        """How many requests of each tenant are pending."""
+        rows = self._read(f"SELECT tenant, COUNT(*) FROM futures WHERE status = '{PENDING}' GROUP BY tenant", ())
+        counts: dict[str, int] = {}
+        for tenant, count in rows:
+            counts[tenant_of(tenant)] = counts.get(tenant_of(tenant), 0) + count
+        return counts
+
+    def loaded_models(self, tenant: str) -> int:
+        """How many models ``tenant`` holds (created and not unloaded)."""
+        with self.engine.connect() as connection:
+            return connection.execute(select(func.count()).select_from(models).where(
+                models.c.unloaded_at.is_(None), _owned_by(models, tenant))).scalar_one()
 
     def missing_error(self, request_id: int) -> NotFoundError | GoneError:
         """What a request without a row (or another tenant's) answers."""
