@@ -80,17 +80,17 @@ class Training:
                             f"session {session_id} finished")
 
     async def create_model(self, request: CreateModelRequest, tenant: str) -> dict[str, str]:
+        model_id = model_id_for(request.session_id, request.model_seq_id)
+        spec = LoraSpec.from_config(request.lora_config or {})
+        exists = await self._futures.trainer_of.remote(model_id, tenant)
+        if not exists:  # the tenant's limits first: a base model it may not train is refused as that
+            await self._futures.check_new_model.remote(tenant, request.base_model, spec.rank)
         if request.base_model not in self._base_models:
             raise InvalidRequestError(f"base_model {request.base_model!r} is not served here; use one of "
                                       f"{', '.join(self._base_models)}.")
-        model_id = model_id_for(request.session_id, request.model_seq_id)
-        spec = LoraSpec.from_config(request.lora_config or {})
         await self._futures.check_session.remote(request.session_id, tenant)  # model ids are named after their session
         # A full cluster is a 429 the client may retry, with nothing recorded; a retry of a model already created
         # skips placement and finds its first future.
-        exists = await self._futures.trainer_of.remote(model_id, tenant)
-        if not exists:
-            await self._futures.check_new_model.remote(tenant, request.base_model, spec.rank)
         trainer = None if exists else await self._actors.place(request.base_model)
         submission = Submission(model_id, Kind.CREATE_MODEL,
                                 {"base_model": request.base_model, "lora": request.lora_config},

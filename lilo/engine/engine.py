@@ -90,6 +90,7 @@ class Engine:
         self._sample_futures: OrderedDict[str, Future] = OrderedDict()  # request id -> future, the latest ones
         self._rotation: list[str] = [SAMPLING_TURN]
         self._fair = FairShare(clock)  # each tenant's service, for its share of full passes
+        self._tenants: dict[str, str] = {}  # model -> its tenant, as its latest command said
         self._lifecycle: deque[Callable[[], None]] = deque()
         self._unloading: dict[str, Future] = {}  # model -> its unload, waiting for the model's queue to run dry
         # Models unloaded lately: a client still sending to one is told so, not that it never existed.
@@ -196,6 +197,7 @@ class Engine:
 
     def _forget(self, model_id: str) -> list[tuple[Command, Future]]:
         model_queue = self._queues.pop(model_id)
+        self._tenants.pop(model_id, None)
         self._rotation.remove(model_id)
         self._rhythm.forget(model_id)
         return model_queue.drain()
@@ -226,6 +228,7 @@ class Engine:
                         self._sample_futures.popitem(last=False)
             else:
                 model_queue = self._model_queue(command.model_id)
+                self._tenants[command.model_id] = command.tenant
                 idle_since = None if model_queue.has_work else model_queue.idle_since_s
                 accepted = model_queue.offer(command, future)
                 if accepted is future and idle_since is not None:
@@ -309,12 +312,23 @@ class Engine:
                 for model, model_queue in self._queues.items()
                 if model not in in_batch and model not in self._unloading and model_queue.ready
                 and not model_queue.has_work and model_queue.idle_since_s is not None}
-        budgeted = anchor.kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD)
-        room = self._token_budget - sum(command.tokens for command in batch) if budgeted else None
-        if not awaited(idle, now, window.deadline_s, room):
+        if anchor.kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
+            idle = {model: beat for model, beat in idle.items()
+                    if beat is not None and beat.tokens <= self._room_for(model, batch)}
+        if not awaited(idle, now, window.deadline_s, None):
             return 0.0
         self._window = window
         return window.deadline_s - now
+
+    def _room_for(self, model_id: str, batch: Sequence[Command]) -> int:
+        """The tokens a command of ``model_id`` could have in ``batch``'s pass: what the batch leaves of the budget,
+        plus what its members of tenants served more than the model's own take (the scheduler puts that model's
+        command before theirs: lilo.engine.fair_share). So a pass full of one tenant's steps still waits, within its
+        window, for a less served tenant's lockstep client."""
+        tenant = self._tenants.get(model_id)
+        own = self._fair.of(tenant) if tenant is not None else float("inf")
+        room = self._token_budget - sum(command.tokens for command in batch)
+        return room + sum(command.tokens for command in batch[1:] if self._fair.of(command.tenant) > own)
 
     def _close_window(self, batch: Sequence[Command]) -> None:
         """``batch`` runs now: if it held a window open, that wait is a ``coalesce_wait:<kind>`` span of every

@@ -47,6 +47,10 @@ class FairShare:
             self._seen[tenant] = now
         return self._served
 
+    def of(self, tenant: str) -> float:
+        """``tenant``'s service so far (0 for one never served)."""
+        return self._served.get(tenant, 0.0)
+
     def charge(self, commands: Iterable[Command]) -> None:
         """``commands`` were given their turn."""
         now = self._clock()
