@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import ray
+from ray.util import metrics
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.local import NAMESPACE
@@ -31,7 +32,7 @@ from lilo.futures.store import (
     merge_heartbeats, parse_request_id,
 )
 from lilo.futures.waiter import FutureWaiter
-from lilo.tenant_policy import PolicyFile
+from lilo.tenant_policy import PolicyFile, TenantLimits
 from lilo.tenants import tenant_of
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ RETRIEVE_TIMEOUT_S = 40.0
 # Outbox retries, heartbeat writes and (every PRUNE_EVERY_S) pruning run this often.
 MAINTAIN_EVERY_S = 5.0
 PRUNE_EVERY_S = 600.0
+# Each tenant's counts exported as Ray metrics, lilo_tenant_<name>.
+USAGE_METRICS = {"train_tokens": "Tokens of forward and forward_backward requests recorded",
+                 "sample_tokens": "Tokens of sample requests recorded (prompt and completions)",
+                 "requests": "Requests recorded", "models": "Models held", "inflight": "Requests not yet finished"}
 ORPHAN_MESSAGE = ("The service stopped before this request finished, so it did not take effect; send it again to the "
                   "running service.")
 
@@ -52,6 +57,7 @@ class FuturesActor:
         self._store = FuturesStore(db_path, retention_s=retention_s)
         self._policy = PolicyFile(None)  # the tenants file's (use_tenants_file)
         self._admission = Admission()
+        self._usage_gauges: dict[str, Any] | None = None
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lilo-futures-db")
         self._waiter = FutureWaiter(lambda ids: self._run(self._store.states, ids),
                                     missing=lambda request_id: self._run(self._store.missing_error, request_id))
@@ -79,6 +85,8 @@ class FuturesActor:
                     await loop.run_in_executor(self._db, self._store.flush_outbox)
                 await loop.run_in_executor(self._db, self._store.record_heartbeats, self._take_heartbeats())
                 self._admission.recount(await loop.run_in_executor(self._db, self._store.pending_by_tenant))
+                await loop.run_in_executor(self._db, self._store.add_usage, self._admission.take_usage())
+                self._export_usage(await self.usage())
                 if since_prune >= PRUNE_EVERY_S:
                     since_prune = 0.0
                     pruned = await loop.run_in_executor(self._db, self._store.prune)
@@ -119,6 +127,33 @@ class FuturesActor:
     async def reload_tenants(self) -> str | None:
         """Re-read the tenants file now (``lilo up`` on SIGHUP); the error that kept its new version out, or None."""
         return None if self._policy.reload() else self._policy.error
+
+    async def usage(self, tenant: str | None = None) -> dict[str, dict[str, Any]]:
+        """Each tenant's usage (only ``tenant``'s when given): tokens trained and sampled and requests since the file
+        was made, models held, requests in flight, and its limits."""
+        found = await self._run(self._store.usage, tenant)
+        for owner, counts in self._admission.unwritten().items():
+            if tenant is None or owner == tenant:
+                row = found.setdefault(owner, {"train_tokens": 0, "sample_tokens": 0, "requests": 0, "models": 0})
+                for column, count in counts.items():
+                    row[column] += count
+        policy = self._policy.current()
+        if tenant is not None:
+            found.setdefault(tenant, {"train_tokens": 0, "sample_tokens": 0, "requests": 0, "models": 0})
+        return {owner: {**row, "inflight": self._admission.inflight[owner],
+                        "limits": dataclasses.asdict(policy.of(owner))} for owner, row in found.items()}
+
+    def _export_usage(self, usage: dict[str, dict[str, Any]]) -> None:
+        """Each tenant's counts as Ray metrics (``lilo_tenant_<count>{tenant}``), for Prometheus and the dashboard."""
+        if self._usage_gauges is None:
+            self._usage_gauges = {name: metrics.Gauge(f"lilo_tenant_{name}", description, ("tenant",))
+                                  for name, description in USAGE_METRICS.items()}
+        for tenant, row in usage.items():
+            for name, gauge in self._usage_gauges.items():
+                gauge.set(row[name], tags={"tenant": tenant})
+
+    async def limits_of(self, tenant: str) -> TenantLimits:
+        return self._policy.current().of(tenant)
 
     async def check_new_model(self, tenant: str, base_model: str, rank: int) -> None:
         """Raises QuotaExceededError when ``tenant`` may not create a model of ``base_model`` at ``rank``: a base

@@ -20,6 +20,7 @@ from ray.util import metrics
 from cluster.local import NAMESPACE
 from lilo.timing.critical_path import LOG_EVENT, LOG_EVERY_S, CriticalPath
 from lilo.timing.phase_stats import ALL_MODELS, DEFAULT_READER, HEADER, PhaseStats, Row, parts_of
+from lilo.timing.tenant_usage import TenantUsage
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +134,12 @@ class TimingPublisher:
     """
 
     def __init__(self, timings: CriticalPath, trainer: str, actor: ray.actor.ActorHandle,
-                 every_s: float = PUSH_EVERY_S) -> None:
+                 every_s: float = PUSH_EVERY_S, usage: TenantUsage | None = None) -> None:
         self._timings = timings
+        self._usage = usage  # exported as lilo_tenant_execute_seconds{tenant, trainer} with each push
+        self._execute_gauge = (metrics.Gauge("lilo_tenant_execute_seconds", "Each tenant's share of a trainer's "
+                                             "execute seconds since it started", ("tenant", "trainer"))
+                               if usage is not None else None)
         self._trainer = trainer
         self._actor = actor
         self._every_s = every_s
@@ -159,6 +164,9 @@ class TimingPublisher:
             self._unsent.append(interval)
             del self._unsent[:-MAX_UNSENT_PUSHES]
         gauges = self._timings.gauges()
+        if self._usage is not None:
+            for tenant, share in self._usage.snapshot().items():
+                self._execute_gauge.set(share["execute_s"], tags={"tenant": tenant, "trainer": self._trainer})
         try:
             if not self._unsent:  # nothing new: still refresh the gauges and show the trainer is alive
                 ray.get(self._actor.push.remote(self._trainer, {}, gauges), timeout=PUSH_TIMEOUT_S)

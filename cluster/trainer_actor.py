@@ -157,7 +157,7 @@ class TrainerActor:
                 self._peers.on_failure = engine.stop
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
-            publisher = TimingPublisher(engine.timings, self.name, get_timing_actor()).start()
+            publisher = TimingPublisher(engine.timings, self.name, get_timing_actor(), usage=engine.usage).start()
             freeze_startup()
             self._loading.set_result(Loaded(engine, backend, publisher))
         except BaseException as error:
@@ -220,6 +220,10 @@ class TrainerActor:
         own = {**rank_place(0), **rank_memory(backend), "exchanged": dict(backend.exchanged)}
         followers = await asyncio.to_thread(self._peers.ready) if self._peers is not None else []
         return [own, *followers]
+
+    async def tenant_usage(self) -> dict[str, dict[str, float]]:
+        """Per tenant, its share of this trainer's execute seconds and its commands run (``TenantUsage``)."""
+        return (await self._loaded()).engine.usage.snapshot()
 
     async def sampling(self) -> dict[str, Any]:
         """Its vLLM samplers (which are ready, what each has loaded) and how many samples each engine answered,

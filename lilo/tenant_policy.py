@@ -14,7 +14,7 @@ every tenant it does not name; a key a table leaves out is unlimited (``weight``
     max_inflight = 64             # requests recorded and not yet finished
     train_tokens_per_min = 2_000_000
     sample_tokens_per_min = 500_000
-    storage_gb = 50               # (reserved: not enforced yet)
+    storage_gb = 50               # checkpoints kept (a save over it is refused)
 
 Limits on amounts are refused for good (a 4xx the SDK does not retry); limits on rates are 429s with Retry-After,
 which the SDK waits out. ``PolicyFile`` re-reads the file when it changes (and on ``reload``), keeping the last good

@@ -281,6 +281,12 @@ class LiloIngress:
         raise NotFoundError("lilo is self-hosted and bills nobody, so it keeps no billing usage; the tokens each "
                             "model trained on are in GET /api/v1/timing.")
 
+    @api.get("/api/v1/usage")
+    async def usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:
+        """The caller's usage: tokens trained and sampled, requests, execute seconds on the trainers (its share of
+        coalesced passes), models held, requests in flight, checkpoint bytes, and its limits (docs/operations.md)."""
+        return await self._control.runs.usage(tenant)
+
     @api.get("/api/v1/billing/usage/checkpoints/current")
     async def checkpoint_storage_usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:
         return await self._control.runs.storage_usage(tenant)

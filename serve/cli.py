@@ -141,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="report the running cluster")
     add_home(status)
     status.add_argument("--json", action="store_true", help="print the state as JSON")
+    status.add_argument("--tenants", action="store_true",
+                        help="also each tenant's usage (tokens, execute seconds, models, in flight) and limits")
     status.add_argument(TRAINERS_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
 
     down = commands.add_parser("down", help="stop the running cluster and every process it started")
@@ -290,10 +292,10 @@ def cmd_up(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return _supervise(settings, detached=args.detached_child)
 
 
-def _print_trainer_status(settings: Settings) -> int:
+def _print_trainer_status(settings: Settings, tenants: bool) -> int:
     """`lilo status`'s child: connect as a Ray driver and print, as one JSON line, the reconciler's view of the
-    trainers (``ReconcilerActor.status``; null when it cannot be asked), or the error that kept it from connecting
-    (exit 3)."""
+    trainers (``ReconcilerActor.status``; null when it cannot be asked) and with ``tenants`` every tenant's usage
+    (``cluster.usage``), or the error that kept it from connecting (exit 3)."""
     import ray
 
     from cluster.local import NAMESPACE
@@ -312,6 +314,8 @@ def _print_trainer_status(settings: Settings) -> int:
                 answer = {"trainers": ray.get(reconciler.status.remote(), timeout=10)}
             except Exception:  # the cluster is starting or stopping: status says what it can without the trainers
                 answer = {"trainers": None}
+            if tenants:
+                answer["tenants"] = _tenant_usage(answer["trainers"])
             code = EXIT_OK
         finally:
             ray.shutdown()
@@ -319,11 +323,49 @@ def _print_trainer_status(settings: Settings) -> int:
     return code
 
 
-def _trainer_status(settings: Settings, state: ClusterState) -> dict | None:
-    """The reconciler's view of the trainers, or None when it cannot be asked, from a child process that this one
-    kills if it takes too long (this process never imports Ray); raises ClusterError, saying so, when the cluster
-    does not answer."""
-    command = [sys.executable, "-m", "serve.cli", "status", "--home", str(settings.home), TRAINERS_CHILD_FLAG]
+def _tenant_usage(trainers: dict | None) -> dict | None:
+    """Every tenant's usage, from the futures DB actor and the ready trainers (on the child's Ray connection); None
+    when the futures DB does not answer."""
+    import ray
+
+    from cluster.futures_actor import FUTURES_ACTOR_NAME
+    from cluster.local import NAMESPACE
+    from cluster.usage import TRAINER_ANSWER_S, merge_usage
+
+    try:
+        counted = ray.get(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE).usage.remote(), timeout=10)
+    except Exception:
+        return None
+    shares = []
+    for trainer in (trainers or {}).get("trainers", []):
+        if trainer["state"] in ("ready", "idle"):
+            try:
+                actor = ray.get_actor(trainer["name"], namespace=NAMESPACE)
+                shares.append(ray.get(actor.tenant_usage.remote(), timeout=TRAINER_ANSWER_S))
+            except Exception:  # gone or slow: its share is left out
+                shares.append(None)
+    return merge_usage(counted, shares)
+
+
+def tenant_lines(tenants: dict) -> list[str]:
+    """``lilo status --tenants``: per tenant its models, requests in flight, tokens, execute seconds and limits."""
+    lines = [f"  Tenants:     {len(tenants)}"]
+    for name, row in sorted(tenants.items()):
+        limits = {key: value for key, value in (row.get("limits") or {}).items()
+                  if value is not None and not (key == "weight" and value == 1)}
+        said = ", ".join(f"{key} {value}" for key, value in limits.items()) or "no limits"
+        lines.append(f"    {name}: {row.get('models', 0)} model(s), {row.get('inflight', 0)} in flight, "
+                     f"{row.get('train_tokens', 0)} tokens trained, {row.get('sample_tokens', 0)} sampled, "
+                     f"{row['execute_s']:.1f} s on trainers; {said}")
+    return lines
+
+
+def _trainer_status(settings: Settings, state: ClusterState, tenants: bool = False) -> dict:
+    """``{"trainers": the reconciler's view of the trainers (None when it cannot be asked), "tenants": with
+    ``tenants``, every tenant's usage}``, from a child process that this one kills if it takes too long (this process
+    never imports Ray); raises ClusterError, saying so, when the cluster does not answer."""
+    command = [sys.executable, "-m", "serve.cli", "status", "--home", str(settings.home), TRAINERS_CHILD_FLAG,
+               *(["--tenants"] if tenants else [])]
     try:
         child = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                timeout=TRAINER_QUERY_TIMEOUT_S)
@@ -333,20 +375,21 @@ def _trainer_status(settings: Settings, state: ClusterState) -> dict | None:
     try:
         answer = json.loads(child.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        return None  # a child that died: status says what it can without the trainers
+        return {"trainers": None}  # a child that died: status says what it can without the trainers
     if "error" in answer:
         raise ClusterError(f"its Ray cluster (GCS {state.gcs_address}) refused a driver ({answer['error']})")
-    return answer["trainers"]
+    return answer
 
 
-def _cluster_view(settings: Settings, state: ClusterState) -> tuple[bool, dict | None]:
-    """Whether a running cluster's API answers healthz, and its trainers (None when they cannot be asked or the API
-    does not answer); raises ClusterError, saying so, when its Ray cluster does not answer, within seconds."""
+def _cluster_view(settings: Settings, state: ClusterState, tenants: bool) -> tuple[bool, dict]:
+    """Whether a running cluster's API answers healthz, and ``_trainer_status``'s answer (trainers None when they
+    cannot be asked or the API does not answer); raises ClusterError, saying so, when its Ray cluster does not
+    answer, within seconds."""
     if state.gcs_address is not None and not answers(state.gcs_address):
         raise ClusterError(f"its Ray cluster (GCS {state.gcs_address}) does not answer: its head is gone or hangs")
     if not healthz(state.api_url):
-        return False, None
-    return True, _trainer_status(settings, state)
+        return False, {"trainers": None}
+    return True, _trainer_status(settings, state, tenants)
 
 
 def trainer_lines(status: dict) -> list[str]:
@@ -394,19 +437,21 @@ def sampler_note(sampling: dict | None) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if args.trainers_child:
-        return _print_trainer_status(settings)
+        return _print_trainer_status(settings, args.tenants)
     state = running_state(settings)
-    healthy, trainers, silence = False, None, None
+    healthy, view, silence = False, {"trainers": None}, None
     if state is not None:
         try:
-            healthy, trainers = _cluster_view(settings, state)
+            healthy, view = _cluster_view(settings, state, args.tenants)
         except ClusterError as error:
             silence = str(error)
     answering = state is not None and silence is None
+    trainers, tenants = view["trainers"], view.get("tenants")
     if args.json:
         details = dataclasses.asdict(state) if state else {}
         print(json.dumps({"running": state is not None, "answering": answering, "healthy": healthy, **details,
-                          "trainers": trainers, "error": silence}))
+                          "trainers": trainers, **({"tenants": tenants} if args.tenants else {}),
+                          "error": silence}))
     elif state is None:
         print(f"lilo is not running (home {settings.home}). Start it with `lilo up`.")
     elif silence is not None:
@@ -419,6 +464,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  Dashboard:   {state.dashboard_url}")
         print(f"  Home:        {state.home}")
         for line in trainer_lines(trainers) if trainers else []:
+            print(line)
+        for line in tenant_lines(tenants) if tenants else []:
             print(line)
     return EXIT_OK if answering else EXIT_NOT_RUNNING
 

@@ -64,9 +64,9 @@ class ControlPlane:
         submissions = Submissions(futures)
         self._futures = futures
         self.capabilities = server_capabilities(base_models)
-        self.training = Training(actors, submissions, base_models)
-        self.sampling = Sampling(actors, submissions)
         self.runs = Runs(actors)
+        self.training = Training(actors, submissions, base_models, self.runs.storage_bytes)
+        self.sampling = Sampling(actors, submissions)
         self.checkpoints = Checkpoints(actors, url_secret)
         self.sessions = Sessions(actors, self.runs)
         self.heartbeats = SessionBeats(futures)

@@ -16,6 +16,9 @@ import datetime
 import time
 from typing import Any, Iterable
 
+from ray.exceptions import RayActorError
+
+from cluster.usage import TRAINER_ANSWER_S, merge_usage
 from lilo.backend.checkpoints.index import (
     EXTERNAL_WEIGHTS, SAMPLER_WEIGHTS, WEIGHTS, CheckpointEntry, checkpoint_path,
 )
@@ -71,6 +74,32 @@ class Runs:
         self._actors = actors
         self._futures = actors.futures
 
+    async def usage(self, tenant: str) -> dict[str, Any]:
+        """The caller's usage (``GET /api/v1/usage``): tokens trained and sampled and requests since the service's
+        futures file was made, its share of the trainers' execute seconds (since each started), models held,
+        requests in flight, checkpoint bytes (measured now), and the limits the tenants file gives it."""
+        trainers = await self._actors.trainers()
+
+        async def share_of(name: str) -> dict | None:
+            try:
+                return await asyncio.wait_for(self._actors.trainer(name).tenant_usage.remote(), TRAINER_ANSWER_S)
+            except (asyncio.TimeoutError, RayActorError):
+                return None
+
+        counted, storage, *shares = await asyncio.gather(
+            self._futures.usage.remote(tenant), self.storage_bytes(tenant), *(share_of(name) for name in trainers))
+        return {"tenant": tenant, **merge_usage(counted, shares, tenant)[tenant], "storage_bytes": storage}
+
+    async def storage_bytes(self, tenant: str) -> int:
+        """The bytes of ``tenant``'s unexpired checkpoints, measured now (its ``storage_gb`` limit's use)."""
+        return (await self._held(tenant))[1]
+
+    async def _held(self, tenant: str) -> tuple[int, int]:
+        """How many unexpired checkpoints ``tenant`` holds, and their bytes."""
+        runs, _ = await self._futures.training_runs.remote(None, 0, tenant)
+        held = [listed for found in (await self.checkpoints_of(runs)).values() for listed in found]
+        return len(held), sum(entry.size_bytes for entry, _ in held)
+
     async def checkpoints_of(self, runs: Iterable[dict[str, Any]]) -> dict[str, list[Listed]]:
         """The unexpired checkpoints of these runs (model rows), each asked of the trainer that keeps its files, all
         at once, with their records."""
@@ -120,9 +149,7 @@ class Runs:
     async def storage_usage(self, tenant: str) -> dict[str, Any]:
         """The SDK's ``CurrentCheckpointStorageUsageResponse`` for the caller: its unexpired checkpoints' count and
         bytes, measured now, as one row (lilo has no projects, and puts no price on storage)."""
-        runs, _ = await self._futures.training_runs.remote(None, 0, tenant)
-        held = [listed for found in (await self.checkpoints_of(runs)).values() for listed in found]
-        size = sum(entry.size_bytes for entry, _ in held)
+        count, size = await self._held(tenant)
         return {"effective_rate_usd_per_gigabyte_month": None,
-                "data": [{"project_id": None, "org_user_urn": user_urn(tenant), "checkpoint_count": len(held),
+                "data": [{"project_id": None, "org_user_urn": user_urn(tenant), "checkpoint_count": count,
                           "size_bytes": size, "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None}]}

@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError
 from cluster.placement import named_actor
 from cluster.unloading import failing_future
 from lilo.engine.commands import Command, Kind
-from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError
+from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, QuotaExceededError
 from lilo.futures.store import Submission
 from lilo.tenants import tenant_of
 
@@ -72,7 +72,7 @@ class Submissions:
         unloaded.)"""
         try:
             yield
-        except (InvalidRequestError, NotFoundError, GoneError) as refusal:
+        except (InvalidRequestError, NotFoundError, GoneError, QuotaExceededError) as refusal:
             with contextlib.suppress(LiloError, RayActorError):
                 await self.submit_to(Submission(model_id, Kind.REFUSED, {"refused": str(refusal)}, seq_id=seq_id,
                                                 tenant=tenant, routed=True),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from ray.actor import ActorHandle
 
@@ -19,7 +19,7 @@ from lilo.backend.training.loss_inputs import NEEDS_PROVENANCE, check_train_inpu
 from lilo.backend.provenance import named_sequences
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
-from lilo.errors import InvalidRequestError
+from lilo.errors import InvalidRequestError, QuotaExceededError
 from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission, unloaded_error
 from lilo.protocol.proto import ForwardBackwardCall
@@ -55,11 +55,13 @@ def adam_params(raw: dict[str, Any]) -> AdamParams:
 class Training:
     """Sessions, models and training steps of the caller's tenant (another tenant's answer 404 like unknown ones)."""
 
-    def __init__(self, actors: Actors, submissions: Submissions, base_models: Sequence[str]) -> None:
+    def __init__(self, actors: Actors, submissions: Submissions, base_models: Sequence[str],
+                 storage_bytes: Callable[[str], Awaitable[int]]) -> None:
         self._actors = actors
         self._futures = actors.futures
         self._submissions = submissions
         self._base_models = list(base_models)
+        self._storage_bytes = storage_bytes  # a tenant's checkpoints' bytes (Runs.storage_bytes)
 
     async def create_session(self, request: Body, tenant: str) -> dict[str, Any]:
         session_id = new_session_id()
@@ -185,6 +187,19 @@ class Training:
             Command(request.model_id, request.seq_id, Kind.LOAD_WEIGHTS, "", payload=load),
             {"path": load.path, "optimizer": load.optimizer}, tenant)
 
+    async def _check_storage(self, tenant: str) -> None:
+        """Raises QuotaExceededError when ``tenant``'s checkpoints already take its ``storage_gb`` (the tenants file),
+        measured now (checkpoints only: page files are lilo's own, and go when their model does)."""
+        limit_gb = (await self._futures.limits_of.remote(tenant)).storage_gb
+        if limit_gb is None:
+            return
+        used = await self._storage_bytes(tenant)
+        if used >= limit_gb * 1e9:
+            raise QuotaExceededError(
+                f"Tenant {tenant!r} may keep {limit_gb:g} GB of checkpoints (storage_gb in the tenants file) and "
+                f"keeps {used / 1e9:.3g} GB; delete some (tinker checkpoint delete) or let their TTL expire, then save "
+                "again.")
+
     async def _checkpoint_run(self, path: str, tenant: str) -> dict[str, Any]:
         run, _, _ = parse_tinker_path(path)
         return await self._actors.readable_run(path, tenant, f"No training run {run!r} here, so no checkpoint "
@@ -224,6 +239,7 @@ class Training:
                 raise InvalidRequestError(f"{kind} needs a path (the checkpoint's name).")
             # Refused now: no name that could escape the checkpoint directory reaches a trainer.
             checked_client_name(name, kind)
+            await self._check_storage(tenant)
             expires_at = expiry_for(request.ttl_seconds, time.time())
             if request.age_encryption_recipients:
                 raise InvalidRequestError("lilo does not encrypt exported weights (its links are signed and expire); "

@@ -12,7 +12,8 @@ physical batch with every model, ``request_ids``, ``n`` and ``ok``; ``capture:<k
 their lanes; ``accept`` for a new model; ``page_in:<kind>`` / ``page_out:<kind>`` on the model whose command
 needed a model paged back into a slot, or a slot freed, before it ran; ``coalesce_wait:<kind>`` for a pass that
 held its coalescing window open, with the request ids of every command it ran). Whatever observer it is given is
-composed with its own CriticalPath, ``engine.timings``, so timing cannot be switched off.
+composed with its own CriticalPath, ``engine.timings``, so timing cannot be switched off, and its TenantUsage,
+``engine.usage`` (each tenant's share of the passes' execute time).
 
 The coalescing window (``lilo.engine.window``): a forward, forward_backward or optim_step pass that could start
 while other models stepping in rhythm with it have no command queued yet waits a bounded time for theirs, then
@@ -39,6 +40,7 @@ from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
 from lilo.engine.window import DEFAULT_WINDOW_CAP_MS, WINDOW_KINDS, Rhythm, awaited, window_s
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
 from lilo.timing.critical_path import CriticalPath, Observer, Observers, Operation
+from lilo.timing.tenant_usage import TenantUsage
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ class Engine:
         self._window: _Window | None = None
         self._first_seq = first_seq
         self.timings = CriticalPath(clock=clock)
-        self.observer = Observers(*([observer] if observer is not None else []), self.timings)
+        self.usage = TenantUsage()
+        self.observer = Observers(*([observer] if observer is not None else []), self.timings, self.usage)
         self._rhythm = Rhythm()  # the models' think times and the passes' durations, for the window
         self._queues: dict[str, ModelQueue] = {}
         # Samples are independent of each other and of training, so no model queue orders them: a client's
@@ -234,7 +237,8 @@ class Engine:
                 if accepted is future and idle_since is not None:
                     self._rhythm.learn(command.model_id, command.kind, self._clock() - idle_since, command.tokens)
             if accepted is future:
-                self.observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock()))
+                self.observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock(),
+                                              command.tenant, command.tokens))
                 self._cv.notify_all()
             return accepted
 

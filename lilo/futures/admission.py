@@ -56,6 +56,7 @@ class Admission:
         self._clock = clock
         self.inflight: Counter[str] = Counter()
         self._windows: dict[tuple[str, str], TokenWindow] = {}
+        self._usage: dict[str, Counter] = {}  # admitted since the last take_usage
 
     def check(self, tenant: str, limits: TenantLimits, kind: str, tokens: int) -> None:
         """Raises RateLimitedError when a new request of ``kind`` with ``tokens`` would put ``tenant`` over a rate
@@ -85,9 +86,21 @@ class Admission:
     def admitted(self, tenant: str, kind: str, tokens: int) -> None:
         """A new request of ``tenant`` was recorded (not a retry of one already recorded)."""
         self.inflight[tenant] += 1
+        usage = self._usage.setdefault(tenant, Counter())
+        usage["requests"] += 1
         rate, _ = self._rate(kind, None)
         if rate is not None and tokens:
             self._window(tenant, rate).add(self._clock(), tokens)
+            usage["train_tokens" if rate == "train_tokens_per_min" else "sample_tokens"] += tokens
+
+    def take_usage(self) -> dict[str, dict[str, int]]:
+        """What was admitted since the last call, per tenant (tokens of each rate, requests), to add to the file."""
+        taken, self._usage = self._usage, {}
+        return {tenant: dict(counts) for tenant, counts in taken.items()}
+
+    def unwritten(self) -> dict[str, Counter]:
+        """What ``take_usage`` would give now, left in place."""
+        return self._usage
 
     def finished(self, tenants: Mapping[int, str | None]) -> None:
         """Requests that were pending finished (request id -> tenant)."""

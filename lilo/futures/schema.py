@@ -105,6 +105,17 @@ sampled_sequences = Table(
 )
 SEQUENCES_EXPIRY_INDEX = Index("ix_sampled_sequences_expires_at", sampled_sequences.c.expires_at)
 
+# What each tenant's requests counted against its rates (lilo.futures.admission), summed since the file was made:
+# the futures DB actor adds what it admitted every few seconds.
+tenant_usage = Table(
+    "tenant_usage",
+    metadata,
+    Column("tenant", String, primary_key=True),
+    Column("train_tokens", Integer, nullable=False, default=0),
+    Column("sample_tokens", Integer, nullable=False, default=0),
+    Column("requests", Integer, nullable=False, default=0),
+)
+
 # What lilo keeps about a checkpoint beside its files (which the trainer of its run keeps): when it expires, whether
 # it is public, and for one the expiry sweep deleted, when (so a later request says it expired, not that it never
 # was). A row is written by every named save; a checkpoint without one never expires and is private.

@@ -41,13 +41,14 @@ from lilo.futures.session_queries import SessionQueries, unknown_session_error
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
     COMPLETED, FAILED, PENDING, RENAMED_COLUMNS, RETIRED_INDEXES, futures, metadata, models, sampling_sessions,
-    sessions,
+    sessions, tenant_usage,
 )
 from lilo.tenants import LOCAL_TENANT, may_see, tenant_of
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_S = 24 * 3600.0
+USAGE_COLUMNS = ("train_tokens", "sample_tokens", "requests")
 RETRY_ATTEMPTS = 6
 RETRY_BASE_S = 1.0  # 1 + 2 + 4 + 8 + 16 + 32: about a minute before a batch goes to the outbox
 OUTBOX_LIMIT = 100_000
@@ -455,6 +456,35 @@ class FuturesStore:
         for tenant, count in rows:
             counts[tenant_of(tenant)] = counts.get(tenant_of(tenant), 0) + count
         return counts
+
+    def add_usage(self, added: dict[str, dict[str, int]]) -> None:
+        """Add tokens and requests to tenants' usage (``{tenant: {"train_tokens": .., "sample_tokens": ..,
+        "requests": ..}}``)."""
+        if not added:
+            return
+        rows = [{"tenant": tenant, **{column: counts.get(column, 0) for column in USAGE_COLUMNS}}
+                for tenant, counts in added.items()]
+        insert = sqlite_insert(tenant_usage)
+        with self.engine.begin() as connection:
+            connection.execute(insert.on_conflict_do_update(index_elements=["tenant"], set_={
+                column: tenant_usage.c[column] + insert.excluded[column] for column in USAGE_COLUMNS}), rows)
+
+    def usage(self, tenant: str | None = None) -> dict[str, dict[str, int]]:
+        """Each tenant's usage (only ``tenant``'s when given): tokens, requests, and the models it holds."""
+        with self.engine.connect() as connection:
+            query = select(tenant_usage)
+            if tenant is not None:
+                query = query.where(tenant_usage.c.tenant == tenant)
+            found = {row["tenant"]: {column: row[column] for column in USAGE_COLUMNS}
+                     for row in connection.execute(query).mappings()}
+            held = connection.execute(select(func.coalesce(models.c.tenant, LOCAL_TENANT), func.count())
+                                      .where(models.c.unloaded_at.is_(None), _owned_by(models, tenant))
+                                      .group_by(func.coalesce(models.c.tenant, LOCAL_TENANT))).all()
+        for owner, count in held:
+            found.setdefault(owner, dict.fromkeys(USAGE_COLUMNS, 0))["models"] = count
+        for counts in found.values():
+            counts.setdefault("models", 0)
+        return found
 
     def loaded_models(self, tenant: str) -> int:
         """How many models ``tenant`` holds (created and not unloaded)."""

@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol, Sequence
 import orjson
 import psutil
 
+from lilo.tenants import LOCAL_TENANT
 from lilo.timing.phase_stats import ALL_MODELS, DEFAULT_READER, QUEUE_WAIT, PhaseStats
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Operation:
     request_id: str
     kind: str
     submitted_s: float
+    tenant: str = LOCAL_TENANT
+    tokens: int = 0
 
 
 class Observer(Protocol):

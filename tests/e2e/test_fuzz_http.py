@@ -90,6 +90,7 @@ OPERATIONS = [
     "GET /api/v1/audit",
     "GET /api/v1/billing/usage/events",
     "GET /api/v1/billing/usage/checkpoints/current",
+    "GET /api/v1/usage",
     "POST /api/v1/unload_model",
     "POST /api/v1/retrieve_future",
     "GET /api/v1/timing",
@@ -112,7 +113,7 @@ NO_INVALID = {"GET /api/v1/healthz", "POST /api/v1/client/config", "GET /api/v1/
               f"DELETE {CHECKPOINT}/publish", "GET /api/v1/sessions/{session_id}",
               "PUT /api/v1/sessions/{session_id}/project", "GET /api/v1/sessions/{session_id}/trace_export",
               "GET /api/v1/audit", "GET /api/v1/billing/usage/events", "GET /api/v1/billing/usage/checkpoints/current",
-              "GET /oai/api/v1/models"}
+              "GET /api/v1/usage", "GET /oai/api/v1/models"}
 RUNS = [(label, mode) for label in OPERATIONS for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
         if not (mode is GenerationMode.POSITIVE and label in INVALID_ONLY)
         and not (mode is GenerationMode.NEGATIVE and label in NO_INVALID)]

@@ -4,22 +4,24 @@ tenant, not by model); limits on amounts refuse at once with a sentence the SDK 
 slows a client with 429s and every step still completes in order; the file is re-read when it changes and on
 SIGHUP, without a restart."""
 
+import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
 from cluster.local import read_state
-from helpers import own_service, tokens_datum
+from helpers import lilo, own_service, tokens_datum
 from lilo.settings import load_settings
 
-KEYS = "tml-alpha-key=alpha\ntml-beta-key=beta\ntml-gamma-key=gamma\n"
+KEYS = "tml-alpha-key=alpha\ntml-beta-key=beta\ntml-gamma-key=gamma\ntml-delta-key=delta\n"
 STEP_TOKENS = 1024
 TENANTS = f"""
 [tenants.gamma]
@@ -27,6 +29,9 @@ max_models = 1
 max_rank = 8
 base_models = ["lilo/tiny-llama"]
 train_tokens_per_min = {3 * STEP_TOKENS}
+
+[tenants.delta]
+storage_gb = 1e-9
 """
 TIMEOUT_S = 240
 
@@ -43,13 +48,13 @@ def tenants_service(tmp_path_factory):
             "--api-keys-file", str(directory / "keys"), "--tenants-file", str(tenants_file), "--max-adapters", "12"]
     with own_service(*args) as (url, banner):
         home = next(line.split(":", 1)[1].strip() for line in banner.splitlines() if line.strip().startswith("Home:"))
-        yield url, tenants_file, read_state(load_settings(env={}, home=Path(home))).pid
+        yield url, tenants_file, read_state(load_settings(env={}, home=Path(home))).pid, home
 
 
 @pytest.fixture(scope="module")
 def gamma(tenants_service):
     """Tenant gamma's client and its one model (max_models 1)."""
-    url, _, _ = tenants_service
+    url, *_ = tenants_service
     with client(url, "gamma") as service:
         yield service, service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(
             timeout=TIMEOUT_S)
@@ -70,7 +75,7 @@ def step(training: tinker.TrainingClient, seed: int) -> float:
 
 
 def test_one_model_of_a_tenant_gets_about_the_steps_of_another_tenants_six(tenants_service):
-    url, _, _ = tenants_service
+    url, *_ = tenants_service
     with client(url, "alpha") as alpha, client(url, "beta") as beta:
         six = [alpha.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=TIMEOUT_S)
                for _ in range(6)]
@@ -107,6 +112,33 @@ def test_one_model_of_a_tenant_gets_about_the_steps_of_another_tenants_six(tenan
     assert ratio >= 0.35, (beta_steps, alpha_steps)
 
 
+def test_usage_says_what_each_tenant_used_to_it_and_to_the_operator(tenants_service):
+    url, _, _, home = tenants_service  # after the fair share test: alpha stepped six models, beta one
+    mine = httpx.get(f"{url}/api/v1/usage", headers={"X-API-Key": "tml-alpha-key"}, timeout=60).json()
+    assert mine["tenant"] == "alpha" and mine["models"] == 6 and mine["inflight"] == 0
+    assert mine["train_tokens"] >= 6 * STEP_TOKENS and mine["requests"] >= 6 + 12  # creations and steps
+    assert mine["execute_s"] > 0 and mine["commands"] >= 12 and mine["limits"]["weight"] == 1
+    status = lilo("status", "--home", home, "--tenants", "--json", timeout_s=60)
+    tenants = json.loads(status.stdout)["tenants"]
+    assert tenants["alpha"]["models"] == 6 and tenants["beta"]["models"] >= 1
+    assert tenants["alpha"]["train_tokens"] >= mine["train_tokens"]
+    assert tenants["gamma"]["limits"]["max_models"] == 1
+    shown = lilo("status", "--home", home, "--tenants", timeout_s=60).stdout
+    assert "    alpha: 6 model(s), " in shown and "max_models 1, max_rank 8" in shown, shown
+
+
+def test_a_save_over_the_tenants_storage_is_refused_and_the_model_trains_on(tenants_service):
+    url, *_ = tenants_service
+    with client(url, "delta") as delta:
+        training = delta.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=TIMEOUT_S)
+        step(training, 1)
+        training.save_state("first").result(timeout=TIMEOUT_S)  # nothing kept yet: allowed
+        with pytest.raises(tinker.PermissionDeniedError, match=r"'delta' may keep 1e-09 GB of checkpoints \(storage_gb"
+                                                               r" in the tenants file\) and keeps"):
+            training.save_state("second").result(timeout=TIMEOUT_S)
+        step(training, 2)  # the refused save's seq does not hold the model's next requests
+
+
 def test_limits_on_amounts_refuse_at_once_and_say_which(gamma):
     service, _ = gamma
     started = time.monotonic()
@@ -133,7 +165,7 @@ def test_a_tenant_over_its_tokens_per_minute_is_slowed_and_completes_every_step_
 
 
 def test_the_tenants_file_is_re_read_on_change_and_on_sighup_without_a_restart(tenants_service):
-    url, tenants_file, supervisor = tenants_service
+    url, tenants_file, supervisor, _ = tenants_service
     with client(url, "beta") as beta:
         beta.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=TIMEOUT_S)
         # Changed: beta may hold one model, and holds one already.

@@ -112,3 +112,29 @@ def test_a_rate_limit_crosses_processes_with_its_wait():
 
     error = pickle.loads(pickle.dumps(RateLimitedError("slow down", 12.5)))
     assert str(error) == "slow down" and error.retry_after_s == 12.5
+
+
+def test_a_coalesced_pass_is_charged_to_its_tenants_by_tokens():
+    from lilo.timing.critical_path import Operation
+    from lilo.timing.tenant_usage import TenantUsage
+
+    usage = TenantUsage()
+    for request_id, tenant, tokens in (("1", "a", 300), ("2", "b", 100), ("3", "a", 0)):
+        usage.begin(Operation("m", request_id, Kind.FORWARD_BACKWARD, 0.0, tenant, tokens))
+    usage.span(["m1", "m2"], "forward_backward", "compute", 10.0, 14.0, request_ids=["1", "2"])
+    usage.span(["m1"], "page_in:optim_step", "compute", 14.0, 15.0, request_ids=["3"])  # not work for a request
+    usage.span(["m1"], "optim_step", "compute", 15.0, 16.0, request_ids=["3"])
+    assert usage.snapshot() == {"a": {"execute_s": 3.0 + 1.0, "commands": 2}, "b": {"execute_s": 1.0, "commands": 1}}
+
+
+def test_the_futures_file_adds_up_each_tenants_usage(tmp_path):
+    from lilo.futures.store import FuturesStore
+
+    store = FuturesStore(str(tmp_path / "futures.db"))
+    store.add_usage({"a": {"train_tokens": 100, "requests": 2}, "b": {"sample_tokens": 7, "requests": 1}})
+    store.add_usage({"a": {"train_tokens": 50, "requests": 1}})
+    store.add_model("m", "base", {"rank": 4}, tenant="a")
+    assert store.usage() == {"a": {"train_tokens": 150, "sample_tokens": 0, "requests": 3, "models": 1},
+                             "b": {"train_tokens": 0, "sample_tokens": 7, "requests": 1, "models": 0}}
+    assert store.usage("b") == {"b": {"train_tokens": 0, "sample_tokens": 7, "requests": 1, "models": 0}}
+    assert store.loaded_models("a") == 1 and store.loaded_models("b") == 0
