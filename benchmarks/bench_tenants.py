@@ -1,8 +1,8 @@
 """Tenants sharing one trainer whose passes hold two steps (``--max-batch-tokens`` = 2 x ``--seq``): the shares the
 scheduler gives them, through the tinker SDK with two API keys, on a private local lilo with a tenants file.
 
-Every client steps its own model in lockstep (forward_backward of ``--seq`` tokens, then optim_step, each waited
-for). Three phases of ``--seconds`` each, the tenants file rewritten between them (lilo re-reads it on change):
+Every client steps its own model as the cookbook does (forward_backward of ``--seq`` tokens and optim_step sent
+together, both waited for, then the next step). Three phases of ``--seconds`` each, the tenants file rewritten between them (lilo re-reads it on change):
 - ``one_vs_six``: tenant a steps six models, tenant b one, equal weights; ``ratio``: b's steps over a's (1.0 is a
   fair share by tenant; by model it would be 1/6);
 - ``weights_2_1``: a (weight 2) and b (weight 1) step three models each; ``ratio``: a's steps over b's (2.0);
@@ -56,8 +56,10 @@ class Tenant:
                             loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * self.seq})
         while True:
             self.running.wait()
-            training.forward_backward([datum], "cross_entropy").result()
-            training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+            passed = training.forward_backward([datum], "cross_entropy")
+            stepped = training.optim_step(types.AdamParams(learning_rate=1e-4))
+            passed.result()
+            stepped.result()
             with self._lock:
                 self.steps += 1
 

@@ -37,7 +37,9 @@ from lilo.engine.contract import Backend
 from lilo.engine.fair_share import FairShare
 from lilo.engine.queues import ModelQueue
 from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
-from lilo.engine.window import DEFAULT_WINDOW_CAP_MS, WINDOW_KINDS, Rhythm, awaited, window_s
+from lilo.engine.window import (
+    DEFAULT_WINDOW_CAP_MS, FAIR_WINDOW_CAP_S, FAIR_WINDOW_SHARE_OF_PASS, WINDOW_KINDS, Rhythm, awaited, window_s,
+)
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
 from lilo.timing.critical_path import CriticalPath, Observer, Observers, Operation
 from lilo.timing.tenant_usage import TenantUsage
@@ -305,20 +307,25 @@ class Engine:
         if self._window_cap_s <= 0 or anchor.kind not in WINDOW_KINDS:
             return 0.0
         now = self._clock()
-        window = self._window
-        if window is None or window.request_id != anchor.request_id:
-            window = _Window(anchor.request_id, now, now + window_s(self._rhythm.pass_s(anchor.kind),
-                                                                    self._window_cap_s))
-        if now >= window.deadline_s:
-            return 0.0
         in_batch = {command.model_id for command in batch}
         idle = {model: self._rhythm.expected(model, anchor.kind, model_queue.idle_since_s)
                 for model, model_queue in self._queues.items()
                 if model not in in_batch and model not in self._unloading and model_queue.ready
                 and not model_queue.has_work and model_queue.idle_since_s is not None}
+        claims = False  # a less served tenant's model due, that fits only in place of others' commands
         if anchor.kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
             idle = {model: beat for model, beat in idle.items()
                     if beat is not None and beat.tokens <= self._room_for(model, batch)}
+            spare = self._token_budget - sum(command.tokens for command in batch)
+            claims = any(beat.tokens > spare for beat in idle.values())
+        window = self._window
+        if window is None or window.request_id != anchor.request_id:
+            pass_s = self._rhythm.pass_s(anchor.kind)
+            length = (window_s(pass_s, max(self._window_cap_s, FAIR_WINDOW_CAP_S), FAIR_WINDOW_SHARE_OF_PASS)
+                      if claims else window_s(pass_s, self._window_cap_s))
+            window = _Window(anchor.request_id, now, now + length)
+        if now >= window.deadline_s:
+            return 0.0
         if not awaited(idle, now, window.deadline_s, None):
             return 0.0
         self._window = window

@@ -10,7 +10,10 @@ the decision, pure functions of that data. The rules (``tests/lilo/test_window.p
 - a model is waited for only while idle, with its next command due (idle since + think time) by the window's end;
 - a model later than its think time again is not in rhythm any more (it stopped, or is doing something else);
 - a model whose last command would not fit the pass's token budget is not waited for;
-- with no other model in rhythm (a lone client) there is no window at all, so it costs nothing.
+- with no other model in rhythm (a lone client) there is no window at all, so it costs nothing;
+- a pass full of commands of tenants served more than another (``lilo.engine.fair_share``) whose model is due
+  waits longer, up to ``FAIR_WINDOW_SHARE_OF_PASS`` of a pass (at most ``FAIR_WINDOW_CAP_S``): that model's command
+  takes a place of theirs, so a lockstep client of a tenant with few models still gets its tenant's share.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ WINDOW_KINDS = frozenset({Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.OPTIM_STEP})
 # costs little more than one, so a wait this short for the rest of a lockstep round pays for itself many times.
 WINDOW_SHARE_OF_PASS = 0.25
 DEFAULT_WINDOW_CAP_MS = 100.0
+# The window of a full pass that a less served tenant's due command would take a place in (the last rule above).
+FAIR_WINDOW_SHARE_OF_PASS = 1.0
+FAIR_WINDOW_CAP_S = 1.0
 # Think times remembered per model and kind; their median is the model's rhythm, so one pause (an evaluation
 # between steps) does not throw it off.
 THINKS_KEPT = 5
@@ -83,11 +89,11 @@ class Rhythm:
             del self._thinks[key], self._tokens[key]
 
 
-def window_s(pass_s: float | None, cap_s: float) -> float:
+def window_s(pass_s: float | None, cap_s: float, share: float = WINDOW_SHARE_OF_PASS) -> float:
     """The longest a pass of a kind whose recent passes took ``pass_s`` may wait (0: it runs at once)."""
     if pass_s is None or cap_s <= 0:
         return 0.0
-    return min(cap_s, WINDOW_SHARE_OF_PASS * pass_s)
+    return min(cap_s, share * pass_s)
 
 
 def awaited(expected: Mapping[str, Expected | None], now_s: float, deadline_s: float,

@@ -69,8 +69,12 @@ def datum(seed: int) -> types.Datum:
 
 
 def step(training: tinker.TrainingClient, seed: int) -> float:
-    loss = training.forward_backward([datum(seed)], "cross_entropy").result(timeout=TIMEOUT_S).metrics["loss:sum"]
-    training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=TIMEOUT_S)
+    """One training step as the cookbook takes it: forward_backward and optim_step sent together, then both
+    awaited."""
+    passed = training.forward_backward([datum(seed)], "cross_entropy")
+    stepped = training.optim_step(types.AdamParams(learning_rate=1e-3))
+    loss = passed.result(timeout=TIMEOUT_S).metrics["loss:sum"]
+    stepped.result(timeout=TIMEOUT_S)
     return loss
 
 

@@ -141,3 +141,40 @@ def test_a_client_that_stopped_is_waited_for_at_most_once_and_never_holds_the_ot
     assert len(windows(recorder)) - held <= 1
     assert passes(backend)[-3:] == [["a:6"], ["a:7"], ["a:8"]]
     engine.stop()
+
+
+def test_a_full_pass_of_one_tenant_waits_for_a_less_served_tenants_lockstep_client():
+    """Tenant a keeps three models' steps queued; tenant b's one client steps in lockstep, thinking 60 ms between
+    steps (beyond a plain window of a 0.2 s pass, 50 ms). Passes hold two steps: b's step takes one of a's places
+    in nearly every pass, so b gets its tenant's half of the trainer."""
+    import dataclasses
+
+    backend = SlowBackend(pass_s=0.2)
+    engine = Engine(backend, token_budget=256)
+    for model in ("a0", "a1", "a2", "b0"):
+        engine.create_model(model, spec={"rank": 8}).result(timeout=10)
+    stop = threading.Event()
+
+    def tenant_a(model):
+        seq, pending = 1, []
+        while not stop.is_set():
+            pending.append(engine.submit(dataclasses.replace(command(model, seq), tenant="a")))
+            seq += 1
+            if len(pending) > 2:
+                pending.pop(0).result(timeout=30)
+
+    threads = [threading.Thread(target=tenant_a, args=(m,), daemon=True) for m in ("a0", "a1", "a2")]
+    for thread in threads:
+        thread.start()
+    for seq in range(1, 16):
+        engine.submit(dataclasses.replace(command("b0", seq), tenant="b")).result(timeout=30)
+        time.sleep(0.06)
+    stop.set()
+    everything = passes(backend)
+    with_b = [ids for ids in everything if any(request.startswith("b0:") for request in ids)]
+    assert len(with_b) == 15
+    # Once b's rhythm is learnt (its first steps), a pass that would start while b thinks waits for it: between
+    # b's fifth pass and its last, (nearly) every pass has b's step. Without the wait, every other one would not.
+    between = everything[everything.index(with_b[4]):everything.index(with_b[-1]) + 1]
+    assert len([ids for ids in between if ids not in with_b]) <= 2, between
+    engine.stop()
