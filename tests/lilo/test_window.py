@@ -170,6 +170,8 @@ def test_a_full_pass_of_one_tenant_waits_for_a_less_served_tenants_lockstep_clie
         engine.submit(dataclasses.replace(command("b0", seq), tenant="b")).result(timeout=30)
         time.sleep(0.06)
     stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
     everything = passes(backend)
     with_b = [ids for ids in everything if any(request.startswith("b0:") for request in ids)]
     assert len(with_b) == 15
