@@ -2,7 +2,8 @@
 scheduler gives them, through the tinker SDK with two API keys, on a private local lilo with a tenants file.
 
 Every client steps its own model as the cookbook does (forward_backward of ``--seq`` tokens and optim_step sent
-together, both waited for, then the next step). Three phases of ``--seconds`` each, the tenants file rewritten between them (lilo re-reads it on change):
+together, both waited for, then the next step). Three phases of ``--seconds`` each, the tenants file rewritten
+between them (lilo re-reads it on change):
 - ``one_vs_six``: tenant a steps six models, tenant b one, equal weights; ``ratio``: b's steps over a's (1.0 is a
   fair share by tenant; by model it would be 1/6);
 - ``weights_2_1``: a (weight 2) and b (weight 1) step three models each; ``ratio``: a's steps over b's (2.0);

@@ -218,8 +218,8 @@ class FuturesActor:
     async def place_model(self, model_id: str, trainer: str) -> None:
         await self._run(self._store.place_model, model_id, trainer)
 
-    async def placement(self) -> dict[str, str | None]:
-        return await self._run(self._store.placement)
+    async def placement(self, tenant: str | None = None) -> dict[str, str | None]:
+        return await self._run(self._store.placement, tenant)
 
     # ``tenant``: the caller's; another tenant's record answers as one that does not exist. None: lilo itself.
     async def trainer_of(self, model_id: str, tenant: str | None = None) -> str | None:

@@ -54,10 +54,10 @@ async def trainer_facts(trainers: Sequence[str], answer_within_s: float | None =
     return {info["name"]: info for info in answers if info is not None}
 
 
-async def models_placed(futures: ActorHandle) -> dict[str, int]:
-    """How many models each trainer holds, per the futures DB's placement."""
+async def models_placed(futures: ActorHandle, tenant: str | None = None) -> dict[str, int]:
+    """How many models each trainer holds (only ``tenant``'s when given), per the futures DB's placement."""
     placed: dict[str, int] = {}
-    for trainer in (await futures.placement.remote()).values():
+    for trainer in (await futures.placement.remote(tenant)).values():
         if trainer is not None:
             placed[trainer] = placed.get(trainer, 0) + 1
     return placed
@@ -74,19 +74,29 @@ def free_slots(facts: Mapping[str, dict], base_model: str) -> dict[str, Room]:
     return {name: Room(**info["room"]) for name, info in serving.items()}
 
 
-def choose_trainer(room: Mapping[str, Room], models_placed: Mapping[str, int]) -> str:
-    """The trainer with the most room for a new model: the most free device slots first (a model there trains
-    without paging anyone out), then the most host-memory room (whom it pushes out comes back with a copy, not a
-    file read), then the most disk room; ties go to the fewest models, then the lowest name (repeatable). Not the
-    sum over tiers: a trainer's disk holds hundreds of models, so a sum would send every new model to the trainer
-    with the largest disk while another's slots stand empty. A trainer is full when every tier is."""
+def choose_trainer(room: Mapping[str, Room], models_placed: Mapping[str, int],
+                   tenant_placed: Mapping[str, int] | None = None) -> str:
+    """The trainer with the most room for a new model: one with a free device slot first (a model there trains
+    without paging anyone out), then one with host-memory room (whom it pushes out comes back with a copy, not a
+    file read), then disk room; within that, the fewest models of the new model's tenant (``tenant_placed``: so a
+    tenant's models spread over the trainers and its share of each busy one adds up), then the most room in those
+    tiers in that order; ties go to the fewest models, then the lowest name (repeatable). Not the sum over tiers: a
+    trainer's disk holds hundreds of models, so a sum would send every new model to the trainer with the largest
+    disk while another's slots stand empty. A trainer is full when every tier is."""
     candidates = [name for name, free in room.items() if free.total > 0]
     if not candidates:
         raise SaturatedError(
             f"Every trainer is full ({len(room)} trainer(s), no free adapter slot nor room to page one out); unload "
             "a model or retry later.")
-    return min(candidates, key=lambda name: (-room[name].device, -room[name].host, -room[name].disk,
-                                             models_placed.get(name, 0), name))
+    tenant_placed = tenant_placed or {}
+
+    def preference(name: str) -> tuple:
+        free = room[name]
+        tier = 0 if free.device > 0 else 1 if free.host > 0 else 2
+        return (tier, tenant_placed.get(name, 0), -free.device, -free.host, -free.disk, models_placed.get(name, 0),
+                name)
+
+    return min(candidates, key=preference)
 
 
 def choose_sampling_trainer(sampling_session_id: str, base_model: str, served: Mapping[str, str],

@@ -40,10 +40,11 @@ class Actors:
         """The ready trainers (the registry, at most REGISTRY_REFRESH_S old)."""
         return await self.directory.names()
 
-    async def place(self, base_model: str) -> str:
-        """A trainer for a new model of ``base_model``: the least loaded with a free slot (cluster.placement). When
-        every one is full, a 429; following the GPUs, one more trainer is asked for first and waited for up to
-        ``trainer_wait_s``, and while none serves the base model yet (they are starting) a 503."""
+    async def place(self, base_model: str, tenant: str) -> str:
+        """A trainer for a new model of ``base_model`` (of ``tenant``, whose models it spreads): the least loaded with
+        a free slot (cluster.placement). When every one is full, a 429; following the GPUs, one more trainer is asked
+        for first and waited for up to ``trainer_wait_s``, and while none serves the base model yet (they are
+        starting) a 503."""
         deadline = time.monotonic() + self.trainer_wait_s
         while True:
             registry = await self.directory.registry()
@@ -51,7 +52,9 @@ class Actors:
             facts = await trainer_facts(registry["trainers"], ANSWER_WITHIN_S if follow else None)
             slots = free_slots(facts, base_model)
             try:
-                return choose_trainer(slots, await models_placed(self.futures))
+                placed, of_tenant = await asyncio.gather(models_placed(self.futures),
+                                                         models_placed(self.futures, tenant))
+                return choose_trainer(slots, placed, of_tenant)
             except SaturatedError as full:
                 if not follow:
                     raise

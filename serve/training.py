@@ -93,7 +93,7 @@ class Training:
         await self._futures.check_session.remote(request.session_id, tenant)  # model ids are named after their session
         # A full cluster is a 429 the client may retry, with nothing recorded; a retry of a model already created
         # skips placement and finds its first future.
-        trainer = None if exists else await self._actors.place(request.base_model)
+        trainer = None if exists else await self._actors.place(request.base_model, tenant)
         submission = Submission(model_id, Kind.CREATE_MODEL,
                                 {"base_model": request.base_model, "lora": request.lora_config},
                                 seq_id=0, tenant=tenant, trainer=trainer)
@@ -162,7 +162,7 @@ class Training:
         if not await self._futures.trainer_of.remote(model_id):
             # Placed and checked before anything is recorded: a full cluster or a missing checkpoint is a plain 4xx.
             await self._futures.check_new_model.remote(tenant, base_model, 0)  # its rank: checked once read
-            trainer = await self._actors.place(base_model)
+            trainer = await self._actors.place(base_model, tenant)
             spec = await self._actors.trainer(trainer).weights_spec.remote(path)
             await self._futures.check_new_model.remote(tenant, base_model, spec.rank)
         submission = Submission(model_id, Kind.LOAD_WEIGHTS, {"path": path, "optimizer": load.optimizer,

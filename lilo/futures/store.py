@@ -551,11 +551,12 @@ class FuturesStore:
             if placed.rowcount == 0:
                 raise NotFoundError(f"Unknown model_id {model_id!r}; create the model first.")
 
-    def placement(self) -> dict[str, str | None]:
-        """model_id -> the trainer it lives on (None while unplaced), for every model not unloaded."""
+    def placement(self, tenant: str | None = None) -> dict[str, str | None]:
+        """model_id -> the trainer it lives on (None while unplaced), for every model not unloaded (``tenant``'s
+        only, when given)."""
         with self.engine.connect() as connection:
-            return dict(connection.execute(
-                select(models.c.model_id, models.c.trainer).where(models.c.unloaded_at.is_(None))).all())
+            return dict(connection.execute(select(models.c.model_id, models.c.trainer).where(
+                models.c.unloaded_at.is_(None), _owned_by(models, tenant))).all())
 
     def trainer_of(self, model_id: str, tenant: str | None = None) -> str | None:
         """The trainer one model lives on (None: unknown, unplaced or another tenant's): one row."""

@@ -75,3 +75,10 @@ def test_sampling_sessions_spread_over_the_trainers_and_each_stays_on_one():
 def test_a_base_model_no_trainer_serves_is_refused_with_the_ones_served():
     with pytest.raises(InvalidRequestError, match="No trainer serves base model 'big'; sample from one of small, tiny"):
         choose_sampling_trainer("s:sample:0", "big", SERVED)
+
+
+def test_a_tenants_new_model_goes_where_it_has_the_fewest_models_among_trainers_with_a_free_slot():
+    room = {"t0": Room(3, 0, 0), "t1": Room(1, 0, 0), "t2": Room(0, 8, 0)}
+    assert choose_trainer(room, {"t0": 1, "t1": 7}, {"t0": 1}) == "t1"  # spread, though t0 has more room
+    assert choose_trainer(room, {"t0": 1, "t1": 7}, {"t0": 1, "t1": 1}) == "t0"  # equal: the most room
+    assert choose_trainer(room, {}, {"t0": 2, "t1": 2}) == "t0"  # never to paging while a device slot is free
