@@ -10,6 +10,9 @@ Phases per model (and for ``ALL_MODELS``), each with ``count, total_s, mean_s, m
 - ``<kind>.queue_wait``: submission to the start of the command's first span, split into ``queue_wait_self``
   (the lane ran batches holding an earlier command of this model), ``queue_wait_others`` (it ran batches holding
   none of this model's commands) and ``queue_wait_idle`` (it ran nothing: pure service overhead); the three add up.
+  ``queue_wait_other_tenants``: the part of ``queue_wait_others`` behind batches holding no model of this model's
+  tenant (the rest of it, its own tenant's other models), so a model shows whether it waited behind its own
+  tenant's load or another tenant's.
 - ``<kind>.coalesce_wait``: the pass that ran the command held its coalescing window open (``lilo.engine.window``)
   for other models in rhythm with it; from the window's opening, or the command's arrival if later. Counted apart
   from the queue wait (which ends where the window opened), so what the window bought can be weighed against it.
@@ -113,16 +116,18 @@ def phase_of(span_name: str) -> str:
     return f"{kind}.{stage}" if sep else f"{span_name}.execute"
 
 
-def split_wait(history: Sequence[tuple[float, float, tuple[str, ...]]], model_id: str, submitted: float,
-               started: float) -> tuple[float, float, float, float]:
-    """(wait, self, others, idle) of a command of ``model_id`` waiting on a lane from ``submitted`` to ``started``.
+def split_wait(history: Sequence[tuple[float, float, tuple[str, ...], frozenset[str]]], model_id: str,
+               submitted: float, started: float, tenant: str = LOCAL_TENANT) -> tuple[float, float, float, float, float]:
+    """(wait, self, others, idle, other tenants) of a command of ``model_id`` (of ``tenant``) waiting on a lane from
+    ``submitted`` to ``started``: the last is the part of ``others`` spent behind passes holding no model of its
+    own tenant (so whether it waited behind its tenant's own load or someone else's).
 
-    ``history`` holds the lane's executions as (t0, t1, models) in the order they ended; executions are serialized
-    on a lane, so the overlaps never count the same second twice.
+    ``history`` holds the lane's executions as (t0, t1, models, their tenants) in the order they ended; executions
+    are serialized on a lane, so the overlaps never count the same second twice.
     """
     wait = max(0.0, started - submitted)
-    own = others = 0.0
-    for t0, t1, models in reversed(history):
+    own = others = strangers = 0.0
+    for t0, t1, models, tenants in reversed(history):
         if t1 <= submitted:
             break
         overlap = min(t1, started) - max(t0, submitted)
@@ -131,9 +136,11 @@ def split_wait(history: Sequence[tuple[float, float, tuple[str, ...]]], model_id
                 own += overlap
             else:
                 others += overlap
+                if tenant not in tenants:
+                    strangers += overlap
     own = min(own, wait)
     others = min(others, wait - own)
-    return wait, own, others, wait - own - others
+    return wait, own, others, wait - own - others, min(strangers, others)
 
 
 def _process_start_wall_s() -> float:
@@ -160,6 +167,7 @@ class CriticalPath:
         self._events: deque = deque()
         self._pending: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
         self._accepts: dict[str, float] = {}
+        self._tenants: dict[str, str] = {}  # model -> its tenant, as its latest command said (for the wait split)
         self._lanes: dict[str, deque] = {}
         self._gauges: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -196,6 +204,7 @@ class CriticalPath:
                 elif kind is _BEGIN:
                     operation = event[1]
                     self._pending[operation.request_id] = (operation.model_id, operation.kind, operation.submitted_s)
+                    self._tenants[operation.model_id] = operation.tenant
                     if len(self._pending) > MAX_PENDING:
                         self._pending.popitem(last=False)
                 elif kind is _REGISTER:
@@ -226,21 +235,26 @@ class CriticalPath:
                 model_id, kind, submitted = entry
                 starts[model_id] = max(t0, submitted)
                 wait_phase = _WAIT_PHASES.get(kind) or _WAIT_PHASES.setdefault(kind, f"{kind}.{QUEUE_WAIT}")
-                observations.append((model_id, wait_phase, split_wait(history, model_id, submitted, t0), batch, 1))
+                split = split_wait(history, model_id, submitted, t0, self._tenant_of(model_id))
+                observations.append((model_id, wait_phase, split, batch, 1))
         observations += [(model_id, phase, (t1 - starts.get(model_id, t0),), batch, ranks) for model_id in models]
         if name == "accept":
             for model_id in models:
                 registered = self._accepts.pop(model_id, None)
                 if registered is not None:
-                    split = split_wait(history, model_id, registered, t0)
+                    split = split_wait(history, model_id, registered, t0, self._tenant_of(model_id))
                     observations.append((model_id, f"accept.{QUEUE_WAIT}", split, batch, 1))
             if attrs.get("ok", True) and FIRST_MODEL_READY not in self._gauges:
                 self._gauges[FIRST_MODEL_READY] = wall_now - self._process_start
-        history.append((t0, t1, models))
+        history.append((t0, t1, models, frozenset(self._tenant_of(model_id) for model_id in models)))
         self.stats.record_many(observations)
+
+    def _tenant_of(self, model_id: str) -> str:
+        return self._tenants.get(model_id, LOCAL_TENANT)
 
     def _fold_forget(self, model_id: str) -> None:
         self._accepts.pop(model_id, None)
+        self._tenants.pop(model_id, None)
         for request_id in [rid for rid, entry in self._pending.items() if entry[0] == model_id]:
             del self._pending[request_id]
         self.stats.forget(model_id)

@@ -2,8 +2,8 @@
 
 Each series row holds ``count``, the summed batch size, the summed ranks (how many processes ran it: more than one
 on a trainer that spans several devices) and, per *part*, a total and a max. Most phases have one
-part; a ``<kind>.queue_wait`` phase has four (the wait and its self / others / idle split), kept in one row so a
-queue wait costs one update instead of four. Rows expand into one phase per part when read.
+part; a ``<kind>.queue_wait`` phase has five (the wait, its self / others / idle split, and the part of others that
+other tenants' passes took), kept in one row so a queue wait costs one update instead of five. Rows expand into one phase per part when read.
 
 Readers: ``stats(model, reader=r, reset=True)`` returns the interval since reader ``r`` last reset that model, so two
 readers never split each other's interval. A reader that never reset a model sees everything since the start.
@@ -23,7 +23,9 @@ MAX_SERIES = 512
 MAX_READERS = 16
 
 QUEUE_WAIT = "queue_wait"
-QUEUE_WAIT_PARTS = ("", "_self", "_others", "_idle")
+# The wait, its split (behind the model's own earlier commands, behind other models' passes, idle), and of the part
+# behind others, what passes holding no model of its own tenant took (lilo.timing.critical_path.split_wait).
+QUEUE_WAIT_PARTS = ("", "_self", "_others", "_idle", "_other_tenants")
 SINGLE_PART = ("",)
 
 Row = list  # [count, batch_total, ranks_total, total_0, max_0, total_1, max_1, ...]

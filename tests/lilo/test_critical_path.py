@@ -102,9 +102,23 @@ def test_queue_wait_splits_into_self_others_and_idle_that_add_up(timings):
     timings.span(["b", "c"], "forward_backward", "gpu", 3.0, 4.0, request_ids=["b:1", "c:2"])
     timings.span("b", "forward_backward", "gpu", 5.0, 6.0, request_ids=["b:2"])
     phases = timings.snapshot("b")["phases"]
-    wait = {part: phases[f"forward_backward.queue_wait{part}"]["total_s"] for part in ("", "_self", "_others", "_idle")}
-    assert wait == pytest.approx({"": 5.0, "_self": 1.0, "_others": 2.0, "_idle": 2.0})
+    wait = {part: phases[f"forward_backward.queue_wait{part}"]["total_s"]
+            for part in ("", "_self", "_others", "_idle", "_other_tenants")}
+    assert wait == pytest.approx({"": 5.0, "_self": 1.0, "_others": 2.0, "_idle": 2.0, "_other_tenants": 0.0})
     assert wait["_self"] + wait["_others"] + wait["_idle"] == pytest.approx(wait[""])
+
+
+def test_a_models_wait_behind_others_says_how_much_was_behind_other_tenants(timings):
+    # b (tenant t) waits 0-4: 1-2 behind a (tenant u), 2-3 behind c (its own tenant t), 3-4 behind a and c together.
+    for model, request, tenant in (("a", "a:1", "u"), ("c", "c:1", "t"), ("b", "b:1", "t")):
+        timings.begin(Operation(model, request, "forward_backward", 0.0, tenant, 10))
+    timings.span("a", "forward_backward", "gpu", 1.0, 2.0, request_ids=["a:1"])
+    timings.span("c", "forward_backward", "gpu", 2.0, 3.0, request_ids=["c:1"])
+    timings.span(["a", "c"], "forward_backward", "gpu", 3.0, 4.0)
+    timings.span("b", "forward_backward", "gpu", 4.0, 5.0, request_ids=["b:1"])
+    phases = timings.snapshot("b")["phases"]
+    assert phases["forward_backward.queue_wait_others"]["total_s"] == pytest.approx(3.0)
+    assert phases["forward_backward.queue_wait_other_tenants"]["total_s"] == pytest.approx(1.0)
 
 
 def test_other_lanes_do_not_count_as_busy_for_the_compute_lane(timings):
@@ -119,15 +133,16 @@ def test_other_lanes_do_not_count_as_busy_for_the_compute_lane(timings):
 @pytest.mark.parametrize(
     ("history", "submitted", "started", "expected"),
     [
-        ([], 0.0, 2.0, (2.0, 0.0, 0.0, 2.0)),
-        ([(0.0, 2.0, ("m",))], 0.0, 2.0, (2.0, 2.0, 0.0, 0.0)),
-        ([(-5.0, 1.0, ("x",))], 0.0, 2.0, (2.0, 0.0, 1.0, 1.0)),
-        ([(-5.0, -1.0, ("x",))], 0.0, 2.0, (2.0, 0.0, 0.0, 2.0)),
-        ([(0.5, 1.0, ("x",)), (1.0, 3.0, ("m", "x",))], 0.0, 2.0, (2.0, 1.0, 0.5, 0.5)),
+        ([], 0.0, 2.0, (2.0, 0.0, 0.0, 2.0, 0.0)),
+        ([(0.0, 2.0, ("m",), {"t"})], 0.0, 2.0, (2.0, 2.0, 0.0, 0.0, 0.0)),
+        ([(-5.0, 1.0, ("x",), {"t"})], 0.0, 2.0, (2.0, 0.0, 1.0, 1.0, 0.0)),  # behind its own tenant's x
+        ([(-5.0, 1.0, ("y",), {"u"})], 0.0, 2.0, (2.0, 0.0, 1.0, 1.0, 1.0)),  # behind another tenant's y
+        ([(-5.0, -1.0, ("x",), {"t"})], 0.0, 2.0, (2.0, 0.0, 0.0, 2.0, 0.0)),
+        ([(0.5, 1.0, ("y",), {"u"}), (1.0, 3.0, ("m", "x",), {"t"})], 0.0, 2.0, (2.0, 1.0, 0.5, 0.5, 0.5)),
     ],
 )
 def test_split_wait_table(history, submitted, started, expected):
-    assert split_wait(history, "m", submitted, started) == pytest.approx(expected)
+    assert split_wait(history, "m", submitted, started, "t") == pytest.approx(expected)
 
 
 def test_accept_records_its_wait_and_sets_first_model_ready_once(timings, clock):
