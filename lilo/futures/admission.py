@@ -22,6 +22,9 @@ WINDOW_S = 60.0
 TRAINING_KINDS = frozenset({Kind.FORWARD_BACKWARD, Kind.FORWARD})
 # How long a tenant at its in-flight limit is told to wait: about one step of a small model.
 INFLIGHT_RETRY_S = 1.0
+# What lilo records itself, never refused: a refusal holding a spent seq's place (refusing it would leave the model's
+# next request waiting for that seq), and unloads.
+NEVER_LIMITED = frozenset({Kind.REFUSED, Kind.UNLOAD_MODEL})
 
 
 class TokenWindow:
@@ -61,6 +64,8 @@ class Admission:
     def check(self, tenant: str, limits: TenantLimits, kind: str, tokens: int) -> None:
         """Raises RateLimitedError when a new request of ``kind`` with ``tokens`` would put ``tenant`` over a rate
         limit (InvalidRequestError when it alone is over one: waiting would not help)."""
+        if kind in NEVER_LIMITED:
+            return
         if limits.max_inflight is not None and self.inflight[tenant] >= limits.max_inflight:
             raise RateLimitedError(
                 f"Tenant {tenant!r} has {self.inflight[tenant]} requests in flight, its limit (max_inflight "

@@ -80,6 +80,7 @@ def test_in_flight_requests_over_the_limit_wait_until_some_finish():
         admission.check("a", limits, Kind.OPTIM_STEP, 0)
     assert refused.value.retry_after_s > 0
     admission.check("b", limits, Kind.OPTIM_STEP, 0)  # another tenant's count
+    admission.check("a", limits, Kind.REFUSED, 0)  # lilo's own record of a spent seq is never refused
     admission.finished({1: "a"})
     admission.check("a", limits, Kind.OPTIM_STEP, 0)
     admission.recount({"a": 2})
