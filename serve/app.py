@@ -278,8 +278,8 @@ class LiloIngress:
 
     @api.get("/api/v1/billing/usage/events")
     async def billing_usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:
-        raise NotFoundError("lilo is self-hosted and bills nobody, so it keeps no billing usage; the tokens each "
-                            "model trained on are in GET /api/v1/timing.")
+        raise NotFoundError("lilo is self-hosted and bills nobody, so it keeps no billing usage; each tenant's "
+                            "usage (tokens, execute seconds, models, storage) is at GET /api/v1/usage.")
 
     @api.get("/api/v1/usage")
     async def usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:
