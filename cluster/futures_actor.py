@@ -129,8 +129,9 @@ class FuturesActor:
         return None if self._policy.reload() else self._policy.error
 
     async def usage(self, tenant: str | None = None) -> dict[str, dict[str, Any]]:
-        """Each tenant's usage (only ``tenant``'s when given): tokens trained and sampled and requests since the file
-        was made, models held, requests in flight, and its limits."""
+        """Each tenant's usage (only ``tenant``'s when given; else every tenant with records or named in the tenants
+        file): tokens trained and sampled and requests since the file was made, models held, requests in flight, and
+        its limits."""
         found = await self._run(self._store.usage, tenant)
         for owner, counts in self._admission.unwritten().items():
             if tenant is None or owner == tenant:
@@ -138,8 +139,8 @@ class FuturesActor:
                 for column, count in counts.items():
                     row[column] += count
         policy = self._policy.current()
-        if tenant is not None:
-            found.setdefault(tenant, {"train_tokens": 0, "sample_tokens": 0, "requests": 0, "models": 0})
+        for named in [tenant] if tenant is not None else policy.tenants:  # the file's tenants, used or not
+            found.setdefault(named, {"train_tokens": 0, "sample_tokens": 0, "requests": 0, "models": 0})
         return {owner: {**row, "inflight": self._admission.inflight[owner],
                         "limits": dataclasses.asdict(policy.of(owner))} for owner, row in found.items()}
 

@@ -117,18 +117,30 @@ def test_one_model_of_a_tenant_gets_about_the_steps_of_another_tenants_six(tenan
 
 
 def test_usage_says_what_each_tenant_used_to_it_and_to_the_operator(tenants_service):
-    url, _, _, home = tenants_service  # after the fair share test: alpha stepped six models, beta one
-    mine = httpx.get(f"{url}/api/v1/usage", headers={"X-API-Key": "tml-alpha-key"}, timeout=60).json()
-    assert mine["tenant"] == "alpha" and mine["models"] == 6 and mine["inflight"] == 0
-    assert mine["train_tokens"] >= 6 * STEP_TOKENS and mine["requests"] >= 6 + 12  # creations and steps
-    assert mine["execute_s"] > 0 and mine["commands"] >= 12 and mine["limits"]["weight"] == 1
-    status = lilo("status", "--home", home, "--tenants", "--json", timeout_s=60)
-    tenants = json.loads(status.stdout)["tenants"]
-    assert tenants["alpha"]["models"] == 6 and tenants["beta"]["models"] >= 1
-    assert tenants["alpha"]["train_tokens"] >= mine["train_tokens"]
-    assert tenants["gamma"]["limits"]["max_models"] == 1
-    shown = lilo("status", "--home", home, "--tenants", timeout_s=60).stdout
-    assert "    alpha: 6 model(s), " in shown and "max_models 1, max_rank 8" in shown, shown
+    url, _, _, home = tenants_service  # after the fair share test: alpha stepped six models (unloaded with its session)
+
+    def usage(tenant: str) -> dict:
+        return httpx.get(f"{url}/api/v1/usage", headers={"X-API-Key": f"tml-{tenant}-key"}, timeout=60).json()
+
+    alpha = usage("alpha")
+    assert alpha["tenant"] == "alpha" and alpha["models"] == 0 and alpha["inflight"] == 0, alpha
+    assert alpha["train_tokens"] >= 6 * STEP_TOKENS and alpha["requests"] >= 6 + 12, alpha  # creations and steps
+    assert alpha["execute_s"] > 0 and alpha["commands"] >= 12 and alpha["limits"]["weight"] == 1, alpha
+    with client(url, "beta") as beta:
+        training = beta.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=TIMEOUT_S)
+        before = usage("beta")
+        step(training, 3)
+        after = usage("beta")
+        assert after["models"] == before["models"] >= 1 and after["tenant"] == "beta"
+        assert after["train_tokens"] - before["train_tokens"] == STEP_TOKENS
+        assert after["requests"] - before["requests"] == 2 and after["execute_s"] > before["execute_s"]
+        status = lilo("status", "--home", home, "--tenants", "--json", timeout_s=60)
+        tenants = json.loads(status.stdout)["tenants"]
+        assert tenants["beta"]["models"] == after["models"]
+        assert tenants["alpha"]["train_tokens"] >= alpha["train_tokens"]
+        assert tenants["gamma"]["limits"]["max_models"] == 1
+        shown = lilo("status", "--home", home, "--tenants", timeout_s=60).stdout
+        assert f"    beta: {after['models']} model(s), " in shown and "max_models 1, max_rank 8" in shown, shown
 
 
 def test_a_save_over_the_tenants_storage_is_refused_and_the_model_trains_on(tenants_service):
