@@ -117,7 +117,8 @@ def phase_of(span_name: str) -> str:
 
 
 def split_wait(history: Sequence[tuple[float, float, tuple[str, ...], frozenset[str]]], model_id: str,
-               submitted: float, started: float, tenant: str = LOCAL_TENANT) -> tuple[float, float, float, float, float]:
+               submitted: float, started: float,
+               tenant: str = LOCAL_TENANT) -> tuple[float, float, float, float, float]:
     """(wait, self, others, idle, other tenants) of a command of ``model_id`` (of ``tenant``) waiting on a lane from
     ``submitted`` to ``started``: the last is the part of ``others`` spent behind passes holding no model of its
     own tenant (so whether it waited behind its tenant's own load or someone else's).

@@ -1,9 +1,10 @@
 """A bounded accumulator of per-(model, phase) durations with per-reader intervals.
 
 Each series row holds ``count``, the summed batch size, the summed ranks (how many processes ran it: more than one
-on a trainer that spans several devices) and, per *part*, a total and a max. Most phases have one
-part; a ``<kind>.queue_wait`` phase has five (the wait, its self / others / idle split, and the part of others that
-other tenants' passes took), kept in one row so a queue wait costs one update instead of five. Rows expand into one phase per part when read.
+on a trainer that spans several devices) and, per *part*, a total and a max. Most phases have one part; a
+``<kind>.queue_wait`` phase has five (the wait, its self / others / idle split, and the part of others that other
+tenants' passes took), kept in one row so a queue wait costs one update instead of five. Rows expand into one phase
+per part when read.
 
 Readers: ``stats(model, reader=r, reset=True)`` returns the interval since reader ``r`` last reset that model, so two
 readers never split each other's interval. A reader that never reset a model sees everything since the start.
