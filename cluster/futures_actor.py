@@ -29,7 +29,7 @@ from lilo.futures.schema import PENDING
 from lilo.backend.provenance import RecordedSequence
 from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
-    merge_heartbeats, parse_request_id,
+    merge_heartbeats, no_usage, parse_request_id,
 )
 from lilo.futures.waiter import FutureWaiter
 from lilo.tenant_policy import PolicyFile, TenantLimits
@@ -135,12 +135,12 @@ class FuturesActor:
         found = await self._run(self._store.usage, tenant)
         for owner, counts in self._admission.unwritten().items():
             if tenant is None or owner == tenant:
-                row = found.setdefault(owner, {"train_tokens": 0, "sample_tokens": 0, "requests": 0, "models": 0})
+                row = found.setdefault(owner, no_usage())
                 for column, count in counts.items():
                     row[column] += count
         policy = self._policy.current()
         for named in [tenant] if tenant is not None else policy.tenants:  # the file's tenants, used or not
-            found.setdefault(named, {"train_tokens": 0, "sample_tokens": 0, "requests": 0, "models": 0})
+            found.setdefault(named, no_usage())
         return {owner: {**row, "inflight": self._admission.inflight[owner],
                         "limits": dataclasses.asdict(policy.of(owner))} for owner, row in found.items()}
 

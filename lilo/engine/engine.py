@@ -314,9 +314,9 @@ class Engine:
                 and not model_queue.has_work and model_queue.idle_since_s is not None}
         claims = False  # a less served tenant's model due, that fits only in place of others' commands
         if anchor.kind in (Kind.FORWARD_BACKWARD, Kind.FORWARD):
-            idle = {model: beat for model, beat in idle.items()
-                    if beat is not None and beat.tokens <= self._room_for(model, batch)}
             spare = self._token_budget - sum(command.tokens for command in batch)
+            idle = {model: beat for model, beat in idle.items()
+                    if beat is not None and beat.tokens <= spare + self._displaceable(model, batch)}
             claims = any(beat.tokens > spare for beat in idle.values())
         window = self._window
         if window is None or window.request_id != anchor.request_id:
@@ -331,15 +331,14 @@ class Engine:
         self._window = window
         return window.deadline_s - now
 
-    def _room_for(self, model_id: str, batch: Sequence[Command]) -> int:
-        """The tokens a command of ``model_id`` could have in ``batch``'s pass: what the batch leaves of the budget,
-        plus what its members of tenants served more than the model's own take (the scheduler puts that model's
-        command before theirs: lilo.engine.fair_share). So a pass full of one tenant's steps still waits, within its
-        window, for a less served tenant's lockstep client."""
+    def _displaceable(self, model_id: str, batch: Sequence[Command]) -> int:
+        """The tokens of ``batch``'s commands a command of ``model_id`` would take the place of, beyond what the batch
+        leaves of the budget: those of tenants served more than the model's own (the scheduler puts its command
+        before theirs: lilo.engine.fair_share). So a pass full of one tenant's steps still waits, within its window,
+        for a less served tenant's lockstep client."""
         tenant = self._tenants.get(model_id)
         own = self._fair.of(tenant) if tenant is not None else float("inf")
-        room = self._token_budget - sum(command.tokens for command in batch)
-        return room + sum(command.tokens for command in batch[1:] if self._fair.of(command.tenant) > own)
+        return sum(command.tokens for command in batch[1:] if self._fair.of(command.tenant) > own)
 
     def _close_window(self, batch: Sequence[Command]) -> None:
         """``batch`` runs now: if it held a window open, that wait is a ``coalesce_wait:<kind>`` span of every

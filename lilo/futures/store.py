@@ -481,7 +481,7 @@ class FuturesStore:
                                       .where(models.c.unloaded_at.is_(None), _owned_by(models, tenant))
                                       .group_by(func.coalesce(models.c.tenant, LOCAL_TENANT))).all()
         for owner, count in held:
-            found.setdefault(owner, dict.fromkeys(USAGE_COLUMNS, 0))["models"] = count
+            found.setdefault(owner, no_usage())["models"] = count
         for counts in found.values():
             counts.setdefault("models", 0)
         return found
@@ -773,6 +773,11 @@ def unknown_model_error(model_id: str) -> NotFoundError:
 
 def unknown_sampling_session_error(sampling_session_id: str) -> NotFoundError:
     return NotFoundError(f"Unknown sampling session {sampling_session_id!r}; create it first.")
+
+
+def no_usage() -> dict[str, int]:
+    """A tenant's usage before it used anything: every count of ``FuturesStore.usage`` at 0."""
+    return dict.fromkeys((*USAGE_COLUMNS, "models"), 0)
 
 
 def _owned_by(table: Any, tenant: str | None) -> Any:
