@@ -155,6 +155,7 @@ class TrainerActor:
                             window_cap_ms=config.coalesce_window_ms, start=False)
             if self._peers is not None:
                 self._peers.on_failure = engine.stop
+                self._peers.watch()
             engine.timings.mark(BACKEND_READY)
             engine.start(compute_thread=False)
             publisher = TimingPublisher(engine.timings, self.name, get_timing_actor(), usage=engine.usage).start()

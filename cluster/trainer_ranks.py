@@ -3,10 +3,10 @@
 A trainer of N ranks is its ``TrainerActor`` (rank 0) and N - 1 ``RankActor``s, one per further bundle of the
 placement group ``start_trainer`` made for it (one GPU each, packed on one node; on CPU one CPU each). Rank 0
 starts them as it starts: they are its own actors, so they die with its process, and a restarted rank 0 starts a
-fresh group. A pass that fails on any rank (one died, a collective timed out) leaves the group out of step, so
-rank 0 then stops its engine (what is queued fails), exits after a moment (the failures' results written first),
-Ray restarts it in its bundle, and the recovery actor restores its models as after any trainer restart
-(``cluster.recovery``).
+fresh group. A pass that fails on any rank (one died, a collective timed out) leaves the group out of step, and so
+does a follower's death at any time (rank 0 holds a call open on each: ``RankPeers.watch``). Rank 0 then stops its
+engine (what is queued fails), exits after a moment (the failures' results written first), Ray restarts it in its
+bundle, and the recovery actor restores its models as after any trainer restart (``cluster.recovery``).
 """
 
 from __future__ import annotations
@@ -98,6 +98,10 @@ class RankActor:
         follower = await asyncio.wrap_future(self._loading)
         return {**rank_place(self._rank), **rank_memory(follower.backend)}
 
+    async def alive(self) -> None:
+        """Never returns: rank 0 holds this call open, and it fails the moment this process dies."""
+        await asyncio.Event().wait()
+
     async def run(self, plan: Plan) -> Any:
         follower = await asyncio.wrap_future(self._loading)
         return await asyncio.get_running_loop().run_in_executor(self._torch, follower.run, plan)
@@ -127,6 +131,20 @@ class RankPeers:
 
     def ready(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         return ray.get([actor.ready.remote() for actor in self.actors], timeout=timeout_s)
+
+    def watch(self) -> None:
+        """Fail the group the moment a follower dies, whether a pass is under way or not: rank 0 may be deep in a
+        pass's compute and meet the broken collective only at its end, well past the bound a client waits."""
+        calls = [actor.alive.remote() for actor in self.actors]
+
+        def wait_for_a_death() -> None:
+            (ended,), _ = ray.wait(calls, num_returns=1, fetch_local=False)
+            try:
+                ray.get(ended)
+            except Exception as error:
+                self.failed(error)
+
+        threading.Thread(target=wait_for_a_death, name="lilo-rank-watch", daemon=True).start()
 
     def dispatch(self, plans: Sequence[Plan]) -> list[ray.ObjectRef]:
         if self._broken is not None:

@@ -187,7 +187,7 @@ def test_a_rank_killed_mid_pass_fails_its_groups_futures_and_the_group_comes_bac
     client.save_state("before-rank-died").result(timeout=120)
     checkpoint_loss = forward_loss(client, 99)
 
-    big = [datum(seed, 257) for seed in range(48)]
+    big = [datum(seed, 257) for seed in range(24)]
     started = time.monotonic()
     client.forward(big, "cross_entropy").result(timeout=120)
     pass_s = time.monotonic() - started  # a forward_backward of it takes longer: killed at this, it is mid-pass
