@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -25,6 +26,7 @@ from cluster.worker_setup import freeze_startup
 from lilo.errors import QuotaExceededError
 from lilo.futures.admission import Admission
 from lilo.futures.group_commit import GroupCommitter
+from lilo.futures.request_traces import RequestTraces
 from lilo.futures.schema import PENDING
 from lilo.backend.provenance import RecordedSequence
 from lilo.futures.store import (
@@ -64,6 +66,7 @@ class FuturesActor:
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
         self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
+        self._traces = RequestTraces.if_enabled()
         freeze_startup()
 
     async def _run(self, function: Callable, *args: Any) -> Any:
@@ -108,10 +111,16 @@ class FuturesActor:
     async def submit_once(self, submission: Submission) -> SubmitOutcome:
         """Like ``submit``, also saying whether it was a retry of a request already recorded (not to run again), and
         its tenant's weight. A tenant over a rate limit is refused first (429, lilo.futures.admission)."""
+        started_ns = time.time_ns()
         tenant = tenant_of(submission.tenant)
         limits = self._policy.current().of(tenant)
-        self._admission.check(tenant, limits, submission.kind, submission.tokens)
-        outcome: SubmitOutcome = await self._committer.submit(submission)
+        outcome: SubmitOutcome | None = None
+        try:
+            self._admission.check(tenant, limits, submission.kind, submission.tokens)
+            outcome = await self._committer.submit(submission)
+        finally:
+            if self._traces is not None:
+                self._traces.recorded(submission, outcome, started_ns)
         if outcome.error is not None:
             raise outcome.error
         if not outcome.duplicate:
@@ -176,7 +185,10 @@ class FuturesActor:
 
     async def complete(self, completions: Sequence[Completion]) -> bool:
         """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox."""
+        started_ns = time.time_ns()
         tenants = await self._run(self._complete_many, list(completions))
+        if self._traces is not None:
+            self._traces.completed(completions, started_ns, written=tenants is not None)
         if tenants is None:
             return False
         self._admission.finished({request_id: tenant_of(tenant) for request_id, tenant in tenants.items()})

@@ -211,8 +211,11 @@ def connect_existing(settings: Settings) -> str:
 def serve_env(settings: Settings) -> dict[str, str]:
     """Ray Serve's direct ingress, for every process of the cluster: the API replica serves HTTP on lilo's port
     itself, so a request crosses no proxy process on its way in (one hop and one process's CPU less per request).
-    Serve still starts its proxy on the head, as a fallback router, on a port of its own that nobody is sent to."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    Serve still starts its proxy on the head, as a fallback router, on a port of its own that nobody is sent to.
+    And OpenTelemetry's variables as ``lilo up`` has them, so every part exports traces where they say
+    (``lilo.timing.traces``)."""
+    return {**{name: value for name, value in os.environ.items() if name.startswith("OTEL_")},
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(settings.http_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(settings.http_port + 1),
             # A restarted replica takes the port back at once; the quarantine and the draining period are there

@@ -24,7 +24,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -33,6 +33,7 @@ from cluster.local import NAMESPACE, ClusterError
 from lilo.backend.types import SamplingRequest
 from lilo.engine.contract import SampleResult
 from lilo.errors import LiloError
+from lilo.timing.traces import Carrier, parent, tracer
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class SamplerActor:
         self.name = name
         self.base_model = base_model
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead sampler under its name
+        self._tracer = tracer("sampler")
         self._loading: Future = Future()
         threading.Thread(target=self._load, args=(config,), name="lilo-sampler-load", daemon=True).start()
 
@@ -130,7 +132,12 @@ class SamplerActor:
         uses it. Returns the milliseconds the load took."""
         sampler = await self._sampler()
         start = time.perf_counter()
-        await sampler.load_adapter(key, peft_dir)
+        if self._tracer is None:
+            await sampler.load_adapter(key, peft_dir)
+        else:
+            with self._tracer.start_as_current_span("sampler.publish", attributes={"lilo.sampler": self.name,
+                                                                                 "lilo.adapter": key}):
+                await sampler.load_adapter(key, peft_dir)
         return (time.perf_counter() - start) * 1000
 
     async def unpublish(self, key: str) -> None:
@@ -140,22 +147,34 @@ class SamplerActor:
     async def adapters(self) -> list[str]:
         return (await self._sampler()).adapters()
 
-    async def sample(self, requests: Sequence[SamplingRequest],
-                     adapters: Sequence[str | None]) -> list[SampleResult | Exception]:
+    async def sample(self, requests: Sequence[SamplingRequest], adapters: Sequence[str | None],
+                     traces: Sequence[Carrier | None] | None = None) -> list[SampleResult | Exception]:
         """Each request's samples through its adapter (None: the bare base model), or the exception that failed it
         alone: NotFoundError for an adapter not published here, InvalidRequestError for a bad request, ValueError
         for one vLLM cannot answer as the torch sampler would (``vllm_unsupported``; route those there). Concurrent
-        calls share the engine's batches."""
+        calls share the engine's batches. ``traces``: each request's trace context, under which its span here
+        goes (``lilo.timing.traces``)."""
         if len(requests) != len(adapters):
             raise ValueError(f"{len(requests)} requests but {len(adapters)} adapters; pass one adapter (or None) "
                              "per request.")
         sampler = await self._sampler()
-        outcomes = await asyncio.gather(*(sampler.sample(request, adapter)
-                                          for request, adapter in zip(requests, adapters)), return_exceptions=True)
+        traces = traces or [None] * len(requests)
+        outcomes = await asyncio.gather(*(self._traced(sampler.sample(request, adapter), trace, adapter, request)
+                                          for request, adapter, trace in zip(requests, adapters, traces)),
+                                        return_exceptions=True)
         if sampler.engine.errored:
             logger.error("sampler %s: its vLLM engine died; exiting so Ray starts it again", self.name)
             asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_S, os._exit, 1)
         return [portable(outcome) for outcome in outcomes]
+
+    async def _traced(self, work: Awaitable[SampleResult], trace: Carrier | None, adapter: str | None,
+                      request: SamplingRequest) -> SampleResult:
+        if self._tracer is None or not trace:
+            return await work
+        with self._tracer.start_as_current_span("sampler.sample", context=parent(trace), attributes={
+                "lilo.sampler": self.name, "lilo.adapter": adapter or "", "lilo.num_samples": request.num_samples,
+                "lilo.prompt_tokens": len(request.prompt), "lilo.max_tokens": request.max_tokens}):
+            return await work
 
 
 def start_sampler(index: int, base_model: str, config: SamplerConfig, *, num_gpus: float = 0,

@@ -177,7 +177,8 @@ class SamplerRelay:
         self._relayed[command.request_id] = future
         while len(self._relayed) > REMEMBERED_SAMPLES:
             self._relayed.popitem(last=False)
-        self._observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock()))
+        self._observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock(),
+                                       command.tenant, command.tokens, command.trace))
         asyncio.get_running_loop().create_task(self._sample(command, sampler, fallback, future))
         return future
 
@@ -195,12 +196,12 @@ class SamplerRelay:
                     _chain(fallback(), future)
                     return
             t1 = self._clock()
-            [outcome] = await named_actor(sampler).sample.remote([command.payload], [key])
+            [outcome] = await named_actor(sampler).sample.remote([command.payload], [key], [command.trace])
             if isinstance(outcome, NotFoundError) and key is not None:
                 # The sampler lost the adapter (it restarted since this trainer last looked): publish, once more.
                 self._loaded[sampler].pop(key, None)
                 await self._fresh(sampler, key, command.model_id, "publish:sample")
-                [outcome] = await named_actor(sampler).sample.remote([command.payload], [key])
+                [outcome] = await named_actor(sampler).sample.remote([command.payload], [key], [command.trace])
             if isinstance(outcome, Exception):
                 raise outcome
             self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t1, self._clock(),

@@ -50,6 +50,7 @@ from lilo.futures.store import Completion
 from lilo.protocol.proto import encode_forward_backward_output, encode_sample_response
 from lilo.settings import Settings
 from lilo.timing.critical_path import BACKEND_READY, SERVING_READY
+from lilo.timing.trace_observer import trace_observer
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class TrainerActor:
                 self._peers.ready()
                 backend.peers = self._peers
             # One execution fills every rank's pass.
-            engine = Engine(backend, token_budget=backend.max_batch_tokens * self.ranks,
+            engine = Engine(backend, trace_observer(), token_budget=backend.max_batch_tokens * self.ranks,
                             window_cap_ms=config.coalesce_window_ms, start=False)
             if self._peers is not None:
                 self._peers.on_failure = engine.stop

@@ -24,6 +24,7 @@ from lilo.settings import Settings
 from lilo.engine.commands import Kind
 from lilo.errors import NotFoundError
 from lilo.signed_urls import read_secret, secret_file
+from lilo.timing.traces import traces_endpoint
 from serve.auth import ApiKeyGate, caller
 from serve.control import ControlPlane
 from serve.errors import ERROR_RESPONSES, install_error_handlers
@@ -32,6 +33,7 @@ from serve.json_body import INT64_MAX, StrictJsonRoute
 from serve.limits import BodyLimit, JsonOnly
 from serve.openai import openai_route
 from serve.openai_params import ChatCompletionBody, CompletionBody
+from serve.request_traces import TraceRequests
 from serve.requests import (
     MAX_ID_CHARS, Body, CopyWeightsRequest, CreateModelRequest, CreateSamplingSessionRequest, FinishSessionRequest,
     LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest, SampleRequest, SaveWeightsRequest,
@@ -54,7 +56,11 @@ api.router.route_class = StrictJsonRoute  # before the routes below are made
 install_error_handlers(api)
 api.add_middleware(JsonOnly, protobuf_paths=frozenset({"/api/v1/forward_backward"}))
 api.add_middleware(BodyLimit)
-api.add_middleware(ApiKeyGate)  # added last, so it runs first: nothing of an unauthenticated request is read
+# Each middleware added runs before those added earlier: the key gate before the limits (nothing of an
+# unauthenticated request is read), the request's span around everything (a refused request is traced too).
+api.add_middleware(ApiKeyGate)
+if traces_endpoint() is not None:
+    api.add_middleware(TraceRequests)
 
 
 # On the head node (Ray gives it this resource), beside the futures DB actor it calls on every request: a worker node

@@ -16,6 +16,7 @@ from lilo.engine.commands import Command, Kind
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, QuotaExceededError
 from lilo.futures.store import Submission
 from lilo.tenants import tenant_of
+from lilo.timing.traces import carrier, set_attributes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +53,16 @@ class Submissions:
         """Record ``submission`` (durably, deduplicated by its seq) and, unless it is a retry of a recorded one that
         has finished, hand ``command`` under its request id to its trainer (``submission.trainer``, or for a routed
         one the model's). Returns the request id."""
-        submission = dataclasses.replace(submission, tokens=command.tokens).prepared()
+        traced = carrier()
+        submission = dataclasses.replace(submission, tokens=command.tokens, trace=traced).prepared()
         outcome = await self._futures.submit_once.remote(submission)
+        set_attributes(model_id=command.model_id, seq_id=command.seq_id, kind=str(command.kind),
+                       tenant=tenant_of(submission.tenant), request_id=outcome.request_id,
+                       duplicate=outcome.duplicate)
         if not outcome.duplicate or outcome.pending:
             command = dataclasses.replace(command, request_id=str(outcome.request_id),
                                           fingerprint=submission.payload_sha256, tenant=tenant_of(submission.tenant),
-                                          weight=outcome.weight)
+                                          weight=outcome.weight, trace=traced)
             # A refusal by the trainer (or its failure) also fails the recorded future.
             async with failing_future(self._futures, outcome.request_id, command.kind):
                 await named_actor(outcome.trainer).submit.remote(command)
@@ -87,8 +92,10 @@ class Submissions:
         trainer its first attempt recorded, in case that attempt stopped half-way (its ingress died): the model's
         record is added if it is missing, and starting it again is a no-op on a trainer that has it."""
         chosen = submission.trainer
-        submission = submission.prepared()
+        submission = dataclasses.replace(submission, trace=carrier()).prepared()
         outcome = await self._futures.submit_once.remote(submission)
+        set_attributes(model_id=submission.model_id, kind=str(submission.kind), tenant=tenant_of(submission.tenant),
+                       request_id=outcome.request_id, duplicate=outcome.duplicate)
         if not outcome.duplicate or outcome.pending:
             async with failing_future(self._futures, outcome.request_id, submission.kind):
                 if not outcome.duplicate and chosen is None:  # it exists, but its seq 0 was pruned long ago

@@ -19,6 +19,8 @@ import pytest  # noqa: E402 (after prepare_environment, on purpose)
 from cluster.ports import free_ports  # noqa: E402
 from helpers import Clock, lilo, short_home  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402
+from lilo.timing.traces import TRACES_ENDPOINT  # noqa: E402
+from otlp_receiver import OtlpReceiver  # noqa: E402
 
 # The registered tiny model, and a second one served from a local directory (built in local_cluster): a tiny
 # Llama with SmolLM2's vocabulary and chat tokenizer, so the demo runs on it too.
@@ -52,7 +54,15 @@ class RunningCluster:
 
 
 @pytest.fixture(scope="session")
-def local_cluster() -> Iterator[RunningCluster]:
+def trace_receiver() -> Iterator[OtlpReceiver]:
+    """Where the session cluster exports its traces (so every test runs with traces on; see test_traces.py)."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def local_cluster(trace_receiver: OtlpReceiver) -> Iterator[RunningCluster]:
     from transformers import AutoTokenizer
 
     from lilo.backend.models import build_tiny_llama, smollm2_directory
@@ -72,7 +82,7 @@ def local_cluster() -> Iterator[RunningCluster]:
             "--max-adapters", "48"]
     for name in cluster.base_models:
         args += ["--base-model", name]
-    started = lilo(*args)
+    started = lilo(*args, env={TRACES_ENDPOINT: trace_receiver.endpoint})
     if started.returncode != 0:
         lilo("down", "--home", str(cluster.home))
         pytest.fail(f"lilo up failed:\n{started.stdout}\n{started.stderr}")

@@ -54,9 +54,10 @@ def plain_shell_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in LOCAL_RAY_ENV}
 
 
-def lilo(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    """The real `lilo` command, run as from a user's shell."""
-    return subprocess.run([LILO, *args], capture_output=True, text=True, timeout=timeout_s, env=plain_shell_env())
+def lilo(*args: str, timeout_s: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The real `lilo` command, run as from a user's shell (with ``env`` added to its environment)."""
+    return subprocess.run([LILO, *args], capture_output=True, text=True, timeout=timeout_s,
+                          env={**plain_shell_env(), **(env or {})})
 
 
 def modules_of(package) -> list[str]:

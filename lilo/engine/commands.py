@@ -60,6 +60,8 @@ class Command(Generic[Payload]):
     # file's weight, as the futures DB said when it recorded the command): the scheduler's fair share.
     tenant: str = LOCAL_TENANT
     weight: float = 1.0
+    # Its request's trace context, from the ingress (``lilo.timing.traces.carrier``); None when traces are off.
+    trace: tuple[tuple[str, str], ...] | None = None
 
     @property
     def coalesce_key(self) -> tuple:

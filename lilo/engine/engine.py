@@ -240,7 +240,7 @@ class Engine:
                     self._rhythm.learn(command.model_id, command.kind, self._clock() - idle_since, command.tokens)
             if accepted is future:
                 self.observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock(),
-                                              command.tenant, command.tokens))
+                                              command.tenant, command.tokens, command.trace))
                 self._cv.notify_all()
             return accepted
 

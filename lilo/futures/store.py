@@ -75,6 +75,8 @@ class Submission:
     # Set by ``prepared()``, which drops the payload: its fingerprint, computed wherever the submission was built (an
     # ingress replica) rather than on the one writer's thread.
     payload_sha256: str | None = None
+    # Its request's trace context from the ingress (``lilo.timing.traces``); None when traces are off.
+    trace: tuple[tuple[str, str], ...] | None = None
 
     def prepared(self) -> "Submission":
         if self.payload_sha256 is not None:

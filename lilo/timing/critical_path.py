@@ -66,6 +66,7 @@ class Operation:
     submitted_s: float
     tenant: str = LOCAL_TENANT
     tokens: int = 0
+    trace: tuple[tuple[str, str], ...] | None = None  # its request's trace context (``lilo.timing.traces``)
 
 
 class Observer(Protocol):
