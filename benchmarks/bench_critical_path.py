@@ -5,9 +5,15 @@ behind the four before it (so every span also records a queue wait and its self/
 
 ``ns_per_span`` and ``ns_per_begin`` are what the engine's thread pays per call; ``drain_ns_per_span`` is the cost
 of folding one span (and its begin) into the stats, which the background drainer (or a reader) pays. The bench
-drains every 256 spans itself, as the drainer would, and times that apart. Prints one JSON line:
+drains every 256 spans itself, as the drainer would, and times that apart.
+
+The same run again with traces on, exporting to a collector that is down (a loopback port nothing listens on), the
+trace observer beside the critical path through ``Observers`` as in a trainer: ``traced_ns_per_span`` and
+``traced_ns_per_begin`` against the two above are what traces cost the engine's thread; ``trace_drain_ns_per_span``
+is the trace drainer's cost of making a span (off that thread); ``trace_spans_failed`` / ``_dropped`` say the export
+never got through. Prints one JSON line:
 {"bench": "critical_path", "ns_per_span": .., "ns_per_begin": .., "drain_ns_per_span": ..,
- "snapshot_ms_512_models": .., ...}
+ "snapshot_ms_512_models": .., "traced_ns_per_span": .., ...}
 """
 
 from __future__ import annotations
@@ -16,47 +22,65 @@ import argparse
 import json
 import time
 
-from lilo.timing.critical_path import CriticalPath, Operation
+import os
+
+from cluster.ports import free_ports
+from lilo.timing.critical_path import CriticalPath, Observers, Operation
 
 MODELS = 512
 PIPELINE = 4
 DRAIN_EVERY_SPANS = 256
 
 
-def run(rounds: int) -> dict:
+TRACE = (("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),)
+
+
+def run(rounds: int, trace_observer=None) -> dict:
     timings = CriticalPath(log_line=lambda line: None, drain_every_s=None)
+    observer = timings if trace_observer is None else Observers(timings, trace_observer)
     models = [f"model-{i}" for i in range(MODELS)]
     for model in models:
-        timings.register_model(model, spec=None)
-        timings.span(model, "accept", "gpu", 0.0, 0.001, ok=True)
+        observer.register_model(model, spec=None)
+        observer.span(model, "accept", "gpu", 0.0, 0.001, ok=True)
 
     operations = [
-        Operation(models[i % MODELS], f"{models[i % MODELS]}:{i}", "forward_backward", float(i))
+        Operation(models[i % MODELS], f"{models[i % MODELS]}:{i}", "forward_backward", float(i), tokens=64,
+                  trace=None if trace_observer is None else TRACE)
         for i in range(rounds * MODELS + PIPELINE)
     ]
-    begin_ns = span_ns = drain_ns = 0
+    begin_ns = span_ns = drain_ns = trace_drain_ns = 0
     clock = float(PIPELINE)
+
+    def drain() -> tuple[int, int]:
+        # What the background drainers do every few ms in a trainer, timed apart from the engine's calls.
+        started = time.perf_counter_ns()
+        timings.drain()
+        middle = time.perf_counter_ns()
+        if trace_observer is not None:
+            trace_observer.drain()
+        return middle - started, time.perf_counter_ns() - middle
+
     for i in range(PIPELINE):
-        timings.begin(operations[i])
+        observer.begin(operations[i])
     for i in range(PIPELINE, len(operations)):
         started = time.perf_counter_ns()
-        timings.begin(operations[i])
+        observer.begin(operations[i])
         begin_ns += time.perf_counter_ns() - started
         op = operations[i - PIPELINE]
         started = time.perf_counter_ns()
-        timings.span(op.model_id, "forward_backward", "gpu", clock, clock + 0.5, request_ids=[op.request_id], n=1,
-                     ok=True)
+        observer.span(op.model_id, "forward_backward", "gpu", clock, clock + 0.5, request_ids=[op.request_id], n=1,
+                      ok=True)
         span_ns += time.perf_counter_ns() - started
         clock += 0.5
         if i % DRAIN_EVERY_SPANS == 0:
-            # What the background drainer does every few ms in a trainer, timed apart from the engine's calls.
-            started = time.perf_counter_ns()
-            timings.drain()
-            drain_ns += time.perf_counter_ns() - started
+            timing_ns, tracing_ns = drain()
+            drain_ns, trace_drain_ns = drain_ns + timing_ns, trace_drain_ns + tracing_ns
     spans = len(operations) - PIPELINE
-    started = time.perf_counter_ns()
-    timings.drain()
-    drain_ns += time.perf_counter_ns() - started
+    timing_ns, tracing_ns = drain()
+    drain_ns, trace_drain_ns = drain_ns + timing_ns, trace_drain_ns + tracing_ns
+    if trace_observer is not None:
+        return {"traced_ns_per_span": round(span_ns / spans), "traced_ns_per_begin": round(begin_ns / spans),
+                "trace_drain_ns_per_span": round(trace_drain_ns / spans)}
 
     started = time.perf_counter_ns()
     for model in models:
@@ -80,7 +104,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40, help="commands per model")
     args = parser.parse_args()
-    print(json.dumps({"bench": "critical_path", **run(args.rounds)}))
+    untraced = run(args.rounds)
+    traced = run(args.rounds, dead_collector_observer())
+    print(json.dumps({"bench": "critical_path", **untraced, **traced, **trace_losses()}))
+
+
+def dead_collector_observer():
+    """A trainer's trace observer exporting to a loopback port nothing listens on (drained here, not by a thread)."""
+    from lilo.timing import traces
+    from lilo.timing.trace_observer import TraceObserver
+
+    (port,) = free_ports(1)
+    os.environ[traces.TRACES_ENDPOINT] = f"http://127.0.0.1:{port}/v1/traces"
+    return TraceObserver(traces.tracer("trainer"), drain_every_s=None)
+
+
+def trace_losses(wait_s: float = 30.0) -> dict:
+    """The spans the dead collector cost, once the exporter has given up on all it was handed (or ``wait_s``)."""
+    from lilo.timing.traces import export_counts
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        counts = export_counts()["trainer"]
+        if time.monotonic() > deadline or counts["exported"] + counts["failed"] + counts["dropped"] >= 1:
+            return {f"trace_spans_{name}": count for name, count in counts.items()}
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

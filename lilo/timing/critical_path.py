@@ -175,7 +175,7 @@ class CriticalPath:
         self._lock = threading.Lock()
         self._last_aggregate_read = self._last_log = clock()
         if drain_every_s is not None:
-            _start_drainer(self, drain_every_s)
+            start_drainer(self, drain_every_s)
 
     # --- Observer: the engine's hot path, enqueue only -----------------------------------------------------
     def register_model(self, model_id: str, spec: Any) -> None:
@@ -301,8 +301,9 @@ class CriticalPath:
 _SPAN, _BEGIN, _REGISTER, _FORGET = "span", "begin", "register", "forget"
 
 
-def _start_drainer(path: CriticalPath, every_s: float) -> None:
-    """A daemon thread that drains ``path`` every ``every_s``; it holds only a weak reference and ends with it."""
+def start_drainer(path: Any, every_s: float, name: str = "lilo-critical-path") -> None:
+    """A daemon thread that calls ``path.drain()`` every ``every_s``; it holds only a weak reference and ends with
+    it."""
     ref = weakref.ref(path)
 
     def loop() -> None:
@@ -314,10 +315,10 @@ def _start_drainer(path: CriticalPath, every_s: float) -> None:
             try:
                 target.drain()
             except Exception:
-                logger.exception("critical-path drain failed; timing goes on")
+                logger.exception("%s: a drain failed; timing goes on", name)
             del target
 
-    threading.Thread(target=loop, name="lilo-critical-path", daemon=True).start()
+    threading.Thread(target=loop, name=name, daemon=True).start()
 
 
 def flatten(snapshot: dict, prefix: str = "lilo") -> dict[str, float]:

@@ -59,6 +59,9 @@ def tracer(part: str) -> Any:
 
             from lilo.timing.trace_export import BoundedExport
 
+            # The exporter logs every failed try of every batch; a collector that is down would flood the logs.
+            # BoundedExport counts the losses and says so once.
+            logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
             provider = TracerProvider(resource=Resource.create({"service.name": f"lilo-{part}"}))
             processor = BoundedExport(OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S))
             provider.add_span_processor(processor)
@@ -94,11 +97,10 @@ def parent(carried: Carrier | None) -> Any:
     return TraceContextTextMapPropagator().extract(dict(carried))
 
 
-def span_context_of(carried: Carrier | None) -> Any:
-    """The span context ``carrier()`` sent, for a link (None when there is none)."""
+def span_context_of(context: Any) -> Any:
+    """The span context a ``parent()`` context holds, for a link (None when there is none)."""
     from opentelemetry import trace
 
-    context = parent(carried)
     if context is None:
         return None
     span_context = trace.get_current_span(context).get_span_context()
@@ -114,12 +116,13 @@ def set_attributes(**attributes: Any) -> None:
         span.set_attributes({f"lilo.{name}": value for name, value in attributes.items() if value is not None})
 
 
-def record_span(tracer_: Any, name: str, start_ns: int, end_ns: int, carried: Carrier | None = None,
+def record_span(tracer_: Any, name: str, start_ns: int, end_ns: int, context: Any = None,
                 links: Sequence[Any] = (), ok: bool = True, **attributes: Any) -> None:
-    """A span that already happened, from ``start_ns`` to ``end_ns`` (epoch nanoseconds), under ``carried``."""
+    """A span that already happened, from ``start_ns`` to ``end_ns`` (epoch nanoseconds), under ``context`` (what
+    ``parent()`` made of a carrier; None: a trace of its own) and linked to the span contexts ``links``."""
     from opentelemetry.trace import Link, Status, StatusCode
 
-    span = tracer_.start_span(name, context=parent(carried), start_time=start_ns,
+    span = tracer_.start_span(name, context=context, start_time=start_ns,
                               links=[Link(context) for context in links],
                               attributes={f"lilo.{key}": value for key, value in attributes.items()
                                           if value is not None})

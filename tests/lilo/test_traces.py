@@ -53,7 +53,8 @@ def tracer_to(endpoint: str, part: str):
 def test_a_pass_of_two_models_is_linked_to_both_requests_and_each_request_keeps_its_trace(receiver):
     ingress, _ = tracer_to(receiver.endpoint, "ingress")
     trainer, processor = tracer_to(receiver.endpoint, "trainer")
-    engine = Engine(RecordingBackend(), TraceObserver(trainer), start=False)
+    observer = TraceObserver(trainer)
+    engine = Engine(RecordingBackend(), observer, start=False)
     for model in "ab":
         engine.create_model(model, spec={"rank": 8})
     requests = {}
@@ -65,6 +66,7 @@ def test_a_pass_of_two_models_is_linked_to_both_requests_and_each_request_keeps_
     done = [engine.submit(command("a", 2))]  # untraced (a restore's own command): the pass is traced all the same
     [future.result(timeout=10) for future in done]
     engine.stop()
+    observer.drain()
     assert processor.force_flush(10_000)
 
     spans = receiver.wait_for(lambda spans: len([s for s in spans if s.service == "lilo-trainer"]) >= 6)
