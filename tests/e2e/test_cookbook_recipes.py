@@ -131,11 +131,11 @@ def test_guess_number_plays_multi_turn_episodes(local_cluster, tmp_path):
     log_path = tmp_path / "log"
     run = run_recipe("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", local_cluster.api_url,
                      model_name=TINY_DIRECTORY, renderer_name=RENDERER, batch_size=1, group_size=2, max_tokens=4,
-                     max_steps=2, eval_every=0, save_every=0, log_path=log_path)
+                     max_steps=1, eval_every=0, save_every=0, log_path=log_path)
     assert run.returncode == 0, failure_report(run)
     steps = steps_with(metrics_rows(log_path), "env/all/reward/total")
     print_steps("guess_number", steps, (*RL_KEYS, "env/all/turns_per_episode", "tokens/trained"))
-    assert [row["step"] for row in steps] == [0, 1]
+    assert [row["step"] for row in steps] == [0]
     assert_finite(steps, RL_KEYS)
     assert_sampler_agrees_with_trainer(steps)
     for row in steps:
