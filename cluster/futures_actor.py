@@ -165,6 +165,10 @@ class FuturesActor:
     async def limits_of(self, tenant: str) -> TenantLimits:
         return self._policy.current().of(tenant)
 
+    async def is_admin(self, tenant: str) -> bool:
+        """Whether the tenants file marks ``tenant`` admin (its console shows every tenant)."""
+        return self._policy.current().is_admin(tenant)
+
     async def check_new_model(self, tenant: str, base_model: str, rank: int) -> None:
         """Raises QuotaExceededError when ``tenant`` may not create a model of ``base_model`` at ``rank``: a base
         model its table does not allow, a rank over its max_rank, or max_models models held already."""

@@ -16,7 +16,11 @@ every tenant it does not name; a key a table leaves out is unlimited (``weight``
     sample_tokens_per_min = 500_000
     storage_gb = 50               # checkpoints kept (a save over it is refused)
 
-Limits on amounts are refused for good (a 4xx the SDK does not retry); limits on rates are 429s with Retry-After,
+    [tenants.ops]
+    admin = true                  # its console (/console) shows every tenant's models, trainers and sessions
+
+``admin`` is given per tenant only, never in ``[default]``; it changes what the console's overview shows and nothing
+else. Limits on amounts are refused for good (a 4xx the SDK does not retry); limits on rates are 429s with Retry-After,
 which the SDK waits out. ``PolicyFile`` re-reads the file when it changes (and on ``reload``), keeping the last good
 policy, and saying why, when a new version does not parse.
 """
@@ -55,19 +59,24 @@ class TenantLimits:
     storage_gb: float | None = None
 
 
+ADMIN = "admin"
 _INTEGERS = ("max_models", "max_rank", "max_inflight", "train_tokens_per_min", "sample_tokens_per_min")
 FIELDS = tuple(field.name for field in dataclasses.fields(TenantLimits))
 
 
 @dataclasses.dataclass(frozen=True)
 class TenantPolicy:
-    """Every tenant's limits: its own table's, else the default table's."""
+    """Every tenant's limits: its own table's, else the default table's; and the tenants marked admin."""
 
     tenants: Mapping[str, TenantLimits] = dataclasses.field(default_factory=dict)
     default: TenantLimits = TenantLimits()
+    admins: frozenset[str] = frozenset()
 
     def of(self, tenant: str) -> TenantLimits:
         return self.tenants.get(tenant, self.default)
+
+    def is_admin(self, tenant: str) -> bool:
+        return tenant in self.admins
 
 
 def _limits(table: Any, where: str, base: TenantLimits) -> TenantLimits:
@@ -76,7 +85,8 @@ def _limits(table: Any, where: str, base: TenantLimits) -> TenantLimits:
         raise TenantsFileError(f"{where} must be a table of limits ({', '.join(FIELDS)}).")
     unknown = sorted(set(table) - set(FIELDS))
     if unknown:
-        raise TenantsFileError(f"{where} has unknown keys ({', '.join(unknown)}); use {', '.join(FIELDS)}.")
+        raise TenantsFileError(f"{where} has unknown keys ({', '.join(unknown)}); use {', '.join(FIELDS)} (and "
+                               "admin, in a [tenants.NAME] table).")
     values: dict[str, Any] = {}
     for key, value in table.items():
         if key in _INTEGERS:
@@ -103,12 +113,31 @@ def parse_tenants(text: str, source: str) -> TenantPolicy:
     if unknown:
         raise TenantsFileError(f"{source} has unknown tables ({', '.join(unknown)}); use [default] and "
                                "[tenants.NAME].")
-    default = _limits(document.get("default", {}), f"{source}: [default]", TenantLimits())
+    default_table = document.get("default", {})
+    if isinstance(default_table, dict) and ADMIN in default_table:
+        raise TenantsFileError(f"{source}: [default] may not set admin (it would make every tenant one); set "
+                               "admin = true in the [tenants.NAME] table of each tenant that administers.")
+    default = _limits(default_table, f"{source}: [default]", TenantLimits())
     tenants = document.get("tenants", {})
     if not isinstance(tenants, dict):
         raise TenantsFileError(f"{source}: tenants must be tables, [tenants.NAME].")
-    return TenantPolicy({name: _limits(table, f"{source}: [tenants.{name}]", default)
-                         for name, table in tenants.items()}, default)
+    admins = frozenset(name for name, table in tenants.items()
+                       if _admin(table, f"{source}: [tenants.{name}]"))
+    # admin is no limit: taken out before the limits are read, so it never shows among them (lilo status --tenants)
+    return TenantPolicy({name: _limits(_without_admin(table), f"{source}: [tenants.{name}]", default)
+                         for name, table in tenants.items()}, default, admins)
+
+
+def _admin(table: Any, where: str) -> bool:
+    """Whether a ``[tenants.NAME]`` table marks its tenant admin (``admin = true``)."""
+    value = table.get(ADMIN, False) if isinstance(table, dict) else False
+    if not isinstance(value, bool):
+        raise TenantsFileError(f"{where}.admin must be true or false, not {value!r}.")
+    return value
+
+
+def _without_admin(table: Any) -> Any:
+    return {key: value for key, value in table.items() if key != ADMIN} if isinstance(table, dict) else table
 
 
 def read_tenants_file(path: Path) -> TenantPolicy:

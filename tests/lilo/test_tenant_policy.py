@@ -54,6 +54,23 @@ def test_a_malformed_file_says_what_to_fix(text, says):
         parse_tenants(text, "t.toml")
 
 
+def test_admin_marks_a_tenant_whose_console_sees_every_tenant_and_is_no_limit():
+    policy = parse_tenants(EXAMPLE + "\n[tenants.ops]\nadmin = true\n\n[tenants.eve]\nadmin = false\n", "t.toml")
+    assert policy.admins == {"ops"} and policy.is_admin("ops")
+    assert not policy.is_admin("eve") and not policy.is_admin("alice") and not policy.is_admin("carol")
+    assert policy.of("ops") == TenantLimits(max_models=4)  # the default's limits, admin or not
+    assert not parse_tenants(EXAMPLE, "t.toml").admins
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("[tenants.a]\nadmin = 1\n", r"\[tenants.a\].admin must be true or false, not 1"),
+    ("[default]\nadmin = true\n", r"\[default\] may not set admin .*\[tenants.NAME\] table"),
+])
+def test_admin_is_true_or_false_and_only_in_a_tenants_own_table(text, says):
+    with pytest.raises(TenantsFileError, match=says):
+        parse_tenants(text, "t.toml")
+
+
 def test_the_file_is_re_read_when_it_changes_and_a_bad_version_keeps_the_last_good_one(tmp_path):
     path, clock = tmp_path / "tenants.toml", Clock()
     path.write_text(EXAMPLE)
