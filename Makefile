@@ -19,6 +19,10 @@ $(INSTALLED): pyproject.toml
 	@# The tests run its recipes; it requires tml-renderers>=0.4.1, which the index lacks and which it imports only for
 	@# two model families, so its other dependencies are pinned in pyproject.toml's dev extras instead.
 	$(VENV)/bin/pip install -q --no-deps tinker-cookbook==0.6.1
+	@# The console's test drives a real headless browser: Debian's chromium and its driver (selenium is a dev extra).
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		echo "Installing Debian's chromium and chromium-driver for tests/e2e/test_console.py..."; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 	@touch $@
 
 $(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pyproject.toml

@@ -223,6 +223,16 @@ class TrainerActor:
         followers = await asyncio.to_thread(self._peers.ready) if self._peers is not None else []
         return [own, *followers]
 
+    async def residency(self) -> dict[str, Any]:
+        """Where each training model it holds is (``device``: a slot; ``host`` or ``disk``: paged out,
+        lilo.backend.paging), its training slots, and the room left per tier (the console's overview)."""
+        backend = (await self._loaded()).backend
+        pages = backend.pages
+        # Copies first: the compute lane adds, pages and drops models meanwhile.
+        tiers = {model_id: "device" for model_id in list(backend.adapters) if backend.holds(model_id)}
+        tiers.update({model_id: pages.tier_of(model_id) for model_id in [*list(pages.host), *list(pages.disk)]})
+        return {"slots": backend.training_slots(), "room": backend.room_by_tier()._asdict(), "tiers": tiers}
+
     async def tenant_usage(self) -> dict[str, dict[str, float]]:
         """Per tenant, its share of this trainer's execute seconds and its commands run (``TenantUsage``)."""
         return (await self._loaded()).engine.usage.snapshot()

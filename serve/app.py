@@ -26,6 +26,7 @@ from lilo.errors import NotFoundError
 from lilo.signed_urls import read_secret, secret_file
 from lilo.timing.traces import traces_endpoint
 from serve.auth import ApiKeyGate, caller
+from serve.console.routes import router as console_router
 from serve.control import ControlPlane
 from serve.errors import ERROR_RESPONSES, install_error_handlers
 from serve.direct_ingress import reuse_listening_address
@@ -61,6 +62,7 @@ api.add_middleware(BodyLimit)
 api.add_middleware(ApiKeyGate)
 if traces_endpoint() is not None:
     api.add_middleware(TraceRequests)
+api.include_router(console_router)  # the console's page and files (serve/console; docs/console.md)
 
 
 # On the head node (Ray gives it this resource), beside the futures DB actor it calls on every request: a worker node
@@ -318,6 +320,15 @@ class LiloIngress:
         """Critical path of one of the caller's models (queue wait vs execute vs capture/persist, batch sharing),
         or the cluster's, summed over every model (no model ids in it)."""
         return await self._control.timing.snapshot(model_id, reset, reader, tenant)
+
+    @api.get("/api/v1/console/overview")
+    async def console_overview(
+        self, reader: str = Query("", max_length=MAX_ID_CHARS, description="whose timing intervals to start anew"),
+        tenant: str = Depends(caller),
+    ) -> dict[str, Any]:
+        """What the console (/console) shows: the caller's models (every tenant's for an admin) with their slot tier
+        and critical path, the trainers, checkpoints and sessions (serve/console/overview.py)."""
+        return await self._control.console.overview(tenant, reader)
 
     # --- the OpenAI-compatible endpoint (serve/openai.py; docs/openai.md) ----------------------------------------
     @openai_route(api, "POST", "chat/completions")

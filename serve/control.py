@@ -7,6 +7,7 @@ caller's tenant.
 - ``runs`` and ``checkpoints``: training runs and checkpoints as the RestClient reads and changes them
 - ``sessions`` and ``heartbeats``: sessions as the RestClient reads them, and their heartbeats
 - ``timing``: the critical path of a model or of the cluster
+- ``console``: what the console page shows (serve.console)
 - ``openai``: the OpenAI-compatible endpoint (serve.openai)
 """
 
@@ -26,6 +27,7 @@ from lilo.futures.schema import PENDING
 from lilo.futures.store import FutureState
 from serve.actors import Actors
 from serve.checkpoints import Checkpoints
+from serve.console.overview import ConsoleOverview
 from serve.heartbeats import SessionBeats
 from serve.openai import OpenAICompatible
 from serve.requests import PROTOBUF, RetrieveFutureRequest, SaveWeightsRequest
@@ -71,6 +73,7 @@ class ControlPlane:
         self.sessions = Sessions(actors, self.runs)
         self.heartbeats = SessionBeats(futures)
         self.timing = Timing(actors)
+        self.console = ConsoleOverview(actors, self.runs)
         self.openai = OpenAICompatible(actors, base_models)
 
     async def save_weights_for_sampler(self, request: SaveWeightsRequest, tenant: str) -> dict[str, str]:

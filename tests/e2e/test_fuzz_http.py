@@ -94,6 +94,7 @@ OPERATIONS = [
     "POST /api/v1/unload_model",
     "POST /api/v1/retrieve_future",
     "GET /api/v1/timing",
+    "GET /api/v1/console/overview",
     # The OpenAI-compatible endpoint (docs/openai.md): its errors are in OpenAI's shape (``error.message``); a fuzzed
     # model names no served model or checkpoint, so nothing is sampled.
     "POST /oai/api/v1/chat/completions",
