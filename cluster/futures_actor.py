@@ -281,8 +281,8 @@ class FuturesActor:
         await self._run(lambda: self._store.add_session(session_id, **record))
 
     async def note_heartbeats(self, beats: dict[str, float]) -> None:
-        """Sessions' latest heartbeat times, as an API replica noted them (``serve.heartbeats``); written with the
-        next maintenance round."""
+        """Sessions' latest heartbeat times, as an API replica noted them (``serve.tinker.heartbeats``); written with
+        the next maintenance round."""
         merge_heartbeats(self._heartbeats, beats)
 
     async def session_models(self, session_id: str, tenant: str | None) -> list[str]:

@@ -1,6 +1,6 @@
 """Which trainer a new model goes to, and which one a sampling session samples on: the choices are pure
 functions; ``trainer_facts`` and ``models_placed`` ask the trainers and the futures DB what they need
-(``serve.actors.Actors.place`` puts them together)."""
+(``serve.tinker.actors.Actors.place`` puts them together)."""
 
 from __future__ import annotations
 

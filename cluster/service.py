@@ -3,10 +3,10 @@ the actors and the Serve application, serves until SIGINT or SIGTERM, and then t
 saving every model first so that the next start resumes it.
 
 It says what it is doing through a ``progress`` callable and prints nothing itself. The Serve application comes in
-as a callable giving a ``ServeApp`` from the caller (``serve.cli`` gives ``serve.deploy``): ``cluster`` must not
-import ``serve``. Ray, the actors' modules and the Serve app are imported only once the Ray cluster is up: Ray reads
-its environment when it is imported (``cluster.local.prepare_environment``), and the Serve app takes seconds to
-import, which it does while the trainers load.
+as a callable giving a ``ServeApp`` from the caller (``serve.cli.lifecycle`` gives ``serve.deploy``): ``cluster``
+must not import ``serve``. Ray, the actors' modules and the Serve app are imported only once the Ray cluster is up:
+Ray reads its environment when it is imported (``cluster.local.prepare_environment``), and the Serve app takes
+seconds to import, which it does while the trainers load.
 """
 
 from __future__ import annotations

@@ -480,7 +480,7 @@ class TrainerActor:
     async def has_model(self, model_id: str) -> bool:
         return model_id in (await self._loaded()).backend.adapters
 
-    # --- text, for the OpenAI-compatible endpoint (serve/openai.py): the tokenizer is where the model's files are
+    # --- text, for the OpenAI-compatible endpoint (serve/openai/): the tokenizer is where the model's files are
     async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt's token ids of chat ``messages`` (the model's chat template, the assistant's turn begun)."""
         return await self._text.call("render_chat", messages)

@@ -1,5 +1,5 @@
 """The FastAPI ingress, deployed on Ray Serve, that speaks the Tinker HTTP API under /api/v1. Each route is one call
-to the replica's control plane (serve.control), with the typed request FastAPI validated (serve.requests).
+to the replica's control plane (serve.control), with the typed request FastAPI validated (serve.tinker.requests).
 
 (No `from __future__ import annotations` here: FastAPI reads the route signatures at runtime, and through
 Serve's ingress wrapper string annotations of body models do not resolve.)
@@ -25,17 +25,19 @@ from lilo.engine.commands import Kind
 from lilo.errors import NotFoundError
 from lilo.signed_urls import read_secret, secret_file
 from lilo.timing.traces import traces_endpoint
-from serve.auth import ApiKeyGate, caller
 from serve.console.routes import router as console_router
 from serve.control import ControlPlane
-from serve.errors import ERROR_RESPONSES, install_error_handlers
-from serve.direct_ingress import reuse_listening_address
-from serve.json_body import INT64_MAX, StrictJsonRoute
-from serve.limits import BodyLimit, JsonOnly
-from serve.openai import openai_route
-from serve.openai_params import ChatCompletionBody, CompletionBody
-from serve.request_traces import TraceRequests
-from serve.requests import (
+from serve.http.auth import ApiKeyGate, caller
+from serve.http.direct_ingress import reuse_listening_address
+from serve.http.errors import ERROR_RESPONSES, install_error_handlers
+from serve.http.json_body import INT64_MAX, StrictJsonRoute
+from serve.http.limits import BodyLimit, JsonOnly
+from serve.http.request_traces import TraceRequests
+from serve.openai.endpoint import openai_route
+from serve.openai.keys import OPENAI_ROUTES
+from serve.openai.params import ChatCompletionBody, CompletionBody
+from serve.tinker.keys import TINKER_ROUTES
+from serve.tinker.requests import (
     MAX_ID_CHARS, Body, CopyWeightsRequest, CreateModelRequest, CreateSamplingSessionRequest, FinishSessionRequest,
     LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest, SampleRequest, SaveWeightsRequest,
     SessionRequest, SessionSearchRequest, TinkerPathRequest, TtlRequest, read_forward_backward,
@@ -59,7 +61,7 @@ api.add_middleware(JsonOnly, protobuf_paths=frozenset({"/api/v1/forward_backward
 api.add_middleware(BodyLimit)
 # Each middleware added runs before those added earlier: the key gate before the limits (nothing of an
 # unauthenticated request is read), the request's span around everything (a refused request is traced too).
-api.add_middleware(ApiKeyGate)
+api.add_middleware(ApiKeyGate, routes=(TINKER_ROUTES, OPENAI_ROUTES))
 if traces_endpoint() is not None:
     api.add_middleware(TraceRequests)
 api.include_router(console_router)  # the console's page and files (serve/console; docs/console.md)
@@ -176,10 +178,10 @@ class LiloIngress:
     async def load_weights(self, body: LoadWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         return await self._control.training.load_weights(body, tenant)
 
-    # --- training runs, checkpoints and unloading (RestClient / CLI; serve/runs.py, serve/checkpoints.py) ------
+    # --- training runs, checkpoints and unloading (RestClient / CLI; serve/tinker/runs.py, checkpoints.py) ---------
     @api.get("/api/v1/training_runs")
     async def list_training_runs(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
-                                 # SQLite's OFFSET takes 64-bit integers (JSON bodies: serve/json_body.py)
+                                 # SQLite's OFFSET takes 64-bit integers (JSON bodies: serve/http/json_body.py)
                                  offset: int = Query(0, ge=0, le=INT64_MAX),
                                  tenant: str = Depends(caller)) -> dict[str, Any]:
         # access_scope and project_id (also sent) change nothing here: a tenant sees its own runs, in one project.
@@ -254,7 +256,7 @@ class LiloIngress:
         return StreamingResponse(chunks, media_type="application/octet-stream",
                                  headers={"Content-Length": str(size)})
 
-    # --- sessions (RestClient; serve/sessions.py) ----------------------------------------------------------
+    # --- sessions (RestClient; serve/tinker/sessions.py) ----------------------------------------------------------
     @api.get("/api/v1/sessions")
     async def list_sessions(self, limit: int = Query(20, ge=1, le=MAX_PAGE),
                             offset: int = Query(0, ge=0, le=INT64_MAX),
@@ -330,7 +332,7 @@ class LiloIngress:
         and critical path, the trainers, checkpoints and sessions (serve/console/overview.py)."""
         return await self._control.console.overview(tenant, reader)
 
-    # --- the OpenAI-compatible endpoint (serve/openai.py; docs/openai.md) ----------------------------------------
+    # --- the OpenAI-compatible endpoint (serve/openai/; docs/openai.md) ----------------------------------------
     @openai_route(api, "POST", "chat/completions")
     async def chat_completions(self, body: ChatCompletionBody, tenant: str = Depends(caller)) -> Response:
         return await self._control.openai.chat(body, tenant)

@@ -2,13 +2,13 @@
 the trainer registry's cached view and the sampling router, whose parts take each route's typed request and the
 caller's tenant.
 
-- ``training``: sessions, models, training steps and named saves (serve.training)
-- ``sampling``: sampling sessions and samples (serve.sampling)
+- ``training``: sessions, models, training steps and named saves (serve.tinker.training)
+- ``sampling``: sampling sessions and samples (serve.tinker.sampling)
 - ``runs`` and ``checkpoints``: training runs and checkpoints as the RestClient reads and changes them
 - ``sessions`` and ``heartbeats``: sessions as the RestClient reads them, and their heartbeats
 - ``timing``: the critical path of a model or of the cluster
 - ``console``: what the console page shows (serve.console)
-- ``openai``: the OpenAI-compatible endpoint (serve.openai)
+- ``openai``: the OpenAI-compatible endpoint (serve.openai.endpoint)
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from lilo.backend.registry import base_model_spec
 from lilo.engine.commands import Kind
 from lilo.futures.schema import PENDING
 from lilo.futures.store import FutureState
-from serve.actors import Actors
-from serve.checkpoints import Checkpoints
 from serve.console.overview import ConsoleOverview
-from serve.heartbeats import SessionBeats
-from serve.openai import OpenAICompatible
-from serve.requests import PROTOBUF, RetrieveFutureRequest, SaveWeightsRequest
-from serve.runs import Runs
-from serve.sampling import Sampling
-from serve.sessions import Sessions
-from serve.submissions import Submissions
-from serve.timing import Timing
-from serve.training import Training
+from serve.openai.endpoint import OpenAICompatible
+from serve.tinker.actors import Actors
+from serve.tinker.checkpoints import Checkpoints
+from serve.tinker.heartbeats import SessionBeats
+from serve.tinker.requests import PROTOBUF, RetrieveFutureRequest, SaveWeightsRequest
+from serve.tinker.runs import Runs
+from serve.tinker.sampling import Sampling
+from serve.tinker.sessions import Sessions
+from serve.tinker.submissions import Submissions
+from serve.tinker.timing import Timing
+from serve.tinker.training import Training
 
 # Results the SDK accepts only as protobuf.
 PROTOBUF_RESULTS = {Kind.FORWARD_BACKWARD, Kind.FORWARD, Kind.SAMPLE}

@@ -1,4 +1,4 @@
-"""A base model's text side, for the OpenAI-compatible endpoint (serve/openai.py): chat messages rendered with the
+"""A base model's text side, for the OpenAI-compatible endpoint (serve/openai/): chat messages rendered with the
 model's chat template, text to token ids, and token ids back to text a piece per token.
 
 It runs where the model's files are (the trainer; transformers' tokenizer imports torch, which the API replicas

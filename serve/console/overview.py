@@ -23,9 +23,9 @@ import ray
 from cluster.placement import named_actor
 from cluster.reconciler import RECONCILER_ACTOR_NAME
 from lilo.tenants import tenant_of
-from serve.actors import Actors
-from serve.runs import Runs, checkpoint_json, timestamp
-from serve.sessions import summary_json
+from serve.tinker.actors import Actors
+from serve.tinker.runs import Runs, checkpoint_json, timestamp
+from serve.tinker.sessions import summary_json
 
 # The newest runs and sessions one overview lists.
 MAX_RUNS = 200
@@ -98,8 +98,8 @@ class ConsoleOverview:
             self._futures.placement.remote(scope), _answer(named_actor(RECONCILER_ACTOR_NAME).status.remote()))
         names = [t["name"] for t in (status or {}).get("trainers", []) if t["state"] in ("ready", "idle")]
         loaded = [run for run in runs if model_state(run) == "loaded"]
-        # Timing is asked under this tenant's own reader names, as GET /api/v1/timing does (serve.timing); without
-        # one, the default reader's view (since the trainer started), which no reset changes.
+        # Timing is asked under this tenant's own reader names, as GET /api/v1/timing does (serve.tinker.timing);
+        # without one, the default reader's view (since the trainer started), which no reset changes.
         reader_name = f"{tenant}/console/{reader}" if reader else ""
         residencies, bars, checkpoints, session_runs = await asyncio.gather(
             asyncio.gather(*(_answer(named_actor(name).residency.remote()) for name in names)),

@@ -22,7 +22,7 @@ import pytest
 import tinker
 
 from helpers import sdk_datum, service_on_test_cluster, trainers_on
-from serve.training import model_id_for
+from serve.tinker.training import model_id_for
 
 TINY = "lilo/tiny-llama"
 RANKS = 2

@@ -5,7 +5,7 @@ import io
 import json
 
 from conftest import TINY_DIRECTORY
-from serve.demo import TASKS, run_demo
+from serve.cli.demo import TASKS, run_demo
 
 
 def test_the_demo_trains_four_clients_at_once_and_reports_where_the_time_went(local_cluster, tmp_path):

@@ -7,16 +7,19 @@ from fastapi.testclient import TestClient
 
 from lilo.api_keys import ApiKeys, load_key_digests
 from lilo.tenants import LOCAL_TENANT
-from serve.auth import ApiKeyGate, caller
+from serve.http.auth import ApiKeyGate, caller
+from serve.openai.keys import OPENAI_ROUTES
+from serve.tinker.keys import TINKER_ROUTES
 
 
 @pytest.fixture
 def gated(monkeypatch):
     """A FastAPI app behind the gate, answering the caller's tenant; ``gated(keys)`` sets the keys."""
     app = FastAPI()
-    app.add_middleware(ApiKeyGate)
+    app.add_middleware(ApiKeyGate, routes=(TINKER_ROUTES, OPENAI_ROUTES))
 
     @app.post("/api/v1/whoami")
+    @app.post("/oai/api/v1/whoami")
     def whoami(tenant: str = Depends(caller)) -> dict:
         return {"tenant": tenant}
 
@@ -52,3 +55,16 @@ def test_with_keys_only_configured_keys_get_in_each_as_its_tenant(gated):
     assert unknown.status_code == 401 and "Unknown API key" in unknown.json()["detail"]
     assert "local mode" not in client.post("/api/v1/whoami").json()["detail"]
 
+
+
+def test_the_openai_routes_take_a_bearer_key_and_refuse_in_openais_shape(gated):
+    client = gated(ApiKeys(load_key_digests("tml-alpha-key=alpha", None)))
+    for headers in ({"Authorization": "Bearer tml-alpha-key"}, {"X-API-Key": "tml-alpha-key"}):
+        assert client.post("/oai/api/v1/whoami", headers=headers).json() == {"tenant": "alpha"}
+    # The Tinker routes read X-API-Key only, as the tinker SDK sends it.
+    assert client.post("/api/v1/whoami", headers={"Authorization": "Bearer tml-alpha-key"}).status_code == 401
+    refused = client.post("/oai/api/v1/whoami", headers={"Authorization": "Bearer tml-wrong"})
+    assert refused.status_code == 401
+    error = refused.json()["error"]
+    assert error["code"] == "invalid_api_key" and "Unknown API key" in error["message"]
+    assert "Authorization: Bearer" in error["message"]

@@ -114,7 +114,7 @@ def test_bad_settings_are_usage_errors_with_a_message(empty_home):
 
 
 def test_status_says_which_samplers_a_trainer_relays_to_and_which_engine_answered_its_samples():
-    from serve.cli import sampler_note
+    from serve.cli.status import sampler_note
 
     assert sampler_note(None) == ""
     assert sampler_note({"samplers": [], "ready": [], "counts": {}, "loaded": {}}) == ""

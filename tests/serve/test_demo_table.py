@@ -3,7 +3,7 @@ page-ins and page-outs."""
 
 from helpers import paged_timings
 from lilo.timing.critical_path import flatten
-from serve.demo import paging_seconds, render_time_table
+from serve.cli.demo import paging_seconds, render_time_table
 
 
 def test_the_demo_table_shows_each_models_paging_from_its_timing(tmp_path):

@@ -8,7 +8,7 @@ from lilo.errors import (
     ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, SaturatedError, TooLargeError,
     UnavailableError, failure_category,
 )
-from serve.errors import install_error_handlers
+from serve.http.errors import install_error_handlers
 
 
 @pytest.mark.parametrize(("error", "status"), [

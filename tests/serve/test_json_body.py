@@ -6,8 +6,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from serve.errors import install_error_handlers
-from serve.json_body import MAX_DEPTH, StrictJsonRoute, parse_json
+from serve.http.errors import install_error_handlers
+from serve.http.json_body import MAX_DEPTH, StrictJsonRoute, parse_json
 
 
 class Item(BaseModel):

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible answers built from a stream of pieces (serve/openai_stream.py), without a cluster: stop
+"""The OpenAI-compatible answers built from a stream of pieces (serve/openai/stream.py), without a cluster: stop
 strings cut a choice wherever they fall across pieces, the stream joined is the unstreamed answer, and the events
 are OpenAI's."""
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from serve.openai_stream import (
+from serve.openai.stream import (
     Choice, Piece, Reply, Token, collected, cut_at_stops, held_back, sse, whole_generation,
 )
 

@@ -3,7 +3,7 @@
 from tinker import types
 
 from lilo.backend.checkpoints.index import CheckpointEntry
-from serve.runs import Listed, checkpoint_json, timestamp, training_run_json
+from serve.tinker.runs import Listed, checkpoint_json, timestamp, training_run_json
 
 RUN = {"model_id": "s:train:0", "base_model": "lilo/tiny-llama", "tenant": None, "lora_config": {"rank": 8},
        "last_request_time": 1_700_000_100.5, "user_metadata": {"k": "v"}, "trainer": "lilo-trainer-0"}

@@ -23,8 +23,8 @@ from lilo.backend.types import LoraSpec
 from lilo.errors import ForbiddenError, InvalidRequestError, NotFoundError
 from lilo.futures.checkpoint_records import CheckpointRecord, expiry_for
 from lilo.signed_urls import LINK_LIFETIME_S, DownloadGrant, refusal, signature
-from serve.actors import Actors
-from serve.requests import CopyWeightsRequest, TinkerPathRequest, TtlRequest
+from serve.tinker.actors import Actors
+from serve.tinker.requests import CopyWeightsRequest, TinkerPathRequest, TtlRequest
 
 DOWNLOAD_CHUNK_BYTES = 4 << 20
 DOWNLOAD_ROUTE = "/api/v1/downloads"

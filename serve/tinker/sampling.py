@@ -31,9 +31,9 @@ from lilo.errors import InvalidRequestError
 from lilo.futures.store import Submission, unknown_sampling_session_error
 from lilo.protocol.sampling import decode_sample_request
 from lilo.tenants import may_see
-from serve.actors import Actors
-from serve.requests import CreateSamplingSessionRequest, SampleRequest, SaveWeightsRequest
-from serve.submissions import Submissions
+from serve.tinker.actors import Actors
+from serve.tinker.requests import CreateSamplingSessionRequest, SampleRequest, SaveWeightsRequest
+from serve.tinker.submissions import Submissions
 
 # Routes of this many sessions are remembered per ingress replica (they never change; past it, all are dropped).
 MAX_ROUTES = 100_000

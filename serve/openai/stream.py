@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import orjson
 
 from lilo.errors import LiloError
-from serve.openai_errors import error_body
+from serve.openai.errors import error_body
 
 Usage = dict[str, int]
 

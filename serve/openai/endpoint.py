@@ -1,10 +1,10 @@
 """The OpenAI-compatible endpoint under /oai/api/v1 (docs/openai.md): ``chat/completions``, ``completions`` and
 ``models``, behind the same API keys and tenants as the Tinker API.
 
-A request is checked (serve.openai_params), its ``model`` resolved for the caller (serve.openai_sampling), its
+A request is checked (serve.openai.params), its ``model`` resolved for the caller (serve.openai.sampling), its
 prompt tokenized by the trainer that samples it (the API replicas load no tokenizer: transformers' imports torch),
 sampled through ``sample_for_openai``, its tokens read back into text a piece per token on that trainer, and the
-pieces answered as JSON or streamed as server-sent events (serve.openai_stream).
+pieces answered as JSON or streamed as server-sent events (serve.openai.stream).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lilo.backend.registry import base_model_spec
 from lilo.backend.text import CONTEXT_TOKENS
 from lilo.engine.contract import SampledSequence, TopK
-from serve.actors import Actors
-from serve.auth import OPENAI_PREFIX
-from serve.openai_errors import OPENAI_ERROR_RESPONSES, OpenAIRoute
-from serve.openai_params import (
+from serve.openai.errors import OPENAI_ERROR_RESPONSES, OpenAIRoute
+from serve.openai.keys import OPENAI_PREFIX
+from serve.openai.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, Asked, ChatCompletionBody, CompletionBody, chat_asked, chat_messages,
     completion_asked, completion_prompt, sampling_request,
 )
-from serve.openai_sampling import Target, resolve_model, sample_for_openai
-from serve.openai_stream import Choice, Reply, Token, collected, cut_at_stops, sse, whole_generation
-from serve.sampling import SamplingRouter
+from serve.openai.sampling import Target, resolve_model, sample_for_openai
+from serve.openai.stream import Choice, Reply, Token, collected, cut_at_stops, sse, whole_generation
+from serve.tinker.actors import Actors
+from serve.tinker.sampling import SamplingRouter
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 # A 200 is JSON, or server-sent events when the request streams.

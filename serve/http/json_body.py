@@ -4,7 +4,7 @@ not store or compute with is refused up front with a sentence instead of failing
 Refused: anything that is not standard JSON (NaN, Infinity, unpaired UTF-16 surrogates, which SQLite and orjson
 cannot encode), nesting deeper than ``MAX_DEPTH`` (orjson cannot write it back), and integers outside SQLite's
 64-bit range. ``StrictJsonRoute`` makes a FastAPI router parse bodies this way; a refusal surfaces as FastAPI's
-``json_invalid`` validation error, which ``serve.errors`` words for the client.
+``json_invalid`` validation error, which ``serve.http.errors`` words for the client.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from lilo.backend.checkpoints.index import (
 from lilo.futures.checkpoint_records import CheckpointRecord
 from lilo.session_search import user_urn
 from lilo.tenants import tenant_of
-from serve.actors import Actors
+from serve.tinker.actors import Actors
 
 CHECKPOINT_TYPES = {WEIGHTS: "training", SAMPLER_WEIGHTS: "sampler", EXTERNAL_WEIGHTS: "external"}
 # A checkpoint's files and what the futures DB records of it (None: nothing, so private and never expiring).

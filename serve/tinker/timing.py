@@ -12,7 +12,7 @@ from cluster.timing import get_timing_actor
 from lilo.backend.checkpoints.paths import TINKER_SCHEME, parse_tinker_path
 from lilo.errors import InvalidRequestError
 from lilo.timing.phase_stats import ALL_MODELS
-from serve.actors import Actors
+from serve.tinker.actors import Actors
 
 
 def timing_record(model_id: str) -> str | None:

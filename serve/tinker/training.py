@@ -23,12 +23,12 @@ from lilo.errors import InvalidRequestError, QuotaExceededError
 from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission, unloaded_error
 from lilo.protocol.proto import ForwardBackwardCall
-from serve.actors import ANSWER_WITHIN_S, Actors
-from serve.requests import (
+from serve.tinker.actors import ANSWER_WITHIN_S, Actors
+from serve.tinker.requests import (
     Body, CreateModelRequest, FinishSessionRequest, LoadWeightsRequest, ModelRequest, OptimStepRequest,
     SaveWeightsRequest,
 )
-from serve.submissions import NewModel, Submissions
+from serve.tinker.submissions import NewModel, Submissions
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 

@@ -12,7 +12,7 @@ from fastapi import HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from lilo.protocol.proto import ForwardBackwardCall, decode_forward_backward, inflate
-from serve.limits import BodyLimit
+from serve.http.limits import BodyLimit
 
 MAX_ID_CHARS = 256
 PROTOBUF = "application/x-protobuf"
@@ -36,7 +36,7 @@ class CreateModelRequest(Body):
     model_seq_id: int = Field(ge=0)
     base_model: str = Field(max_length=MAX_ID_CHARS)
     lora_config: dict[str, Any] | None = None
-    # Checked when the model is recorded (serve.submissions.metadata_strings), whose refusal says what to send.
+    # Checked when the model is recorded (serve.tinker.submissions.metadata_strings), whose refusal says what to send.
     user_metadata: Any = None
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from lilo.errors import InvalidRequestError
 from lilo.session_search import SessionRow, display_name, project_id, status_of, user_metadata
-from serve.actors import Actors
-from serve.requests import SessionSearchCursor, SessionSearchRequest
-from serve.runs import Runs, timestamp
+from serve.tinker.actors import Actors
+from serve.tinker.requests import SessionSearchCursor, SessionSearchRequest
+from serve.tinker.runs import Runs, timestamp
 
 
 class Sessions:

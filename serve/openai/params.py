@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lilo.backend.types import SamplingRequest
 from lilo.errors import InvalidRequestError
 from lilo.protocol.sampling import MAX_NUM_SAMPLES, MAX_TOPK
-from serve.json_body import INT64_MAX, INT64_MIN
+from serve.http.json_body import INT64_MAX, INT64_MIN
 
 MAX_MODEL_CHARS = 1024
 MAX_STOPS = 16

@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Message, Receive, Send
 
 from lilo.tenants import tenant_of
 from lilo.timing.traces import tracer
-from serve.auth import TENANT_SCOPE_KEY
+from serve.http.auth import TENANT_SCOPE_KEY
 
 # A client's steady background calls, each its own trace of nothing: the heartbeat, the SDK's telemetry, health
 # checks, and the long-polls of retrieve_future (one open per waiting future, answered from the futures DB).

@@ -18,8 +18,8 @@ from lilo.backend.types import SamplingRequest
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import SampleResult
 from lilo.errors import NotFoundError
-from serve.actors import Actors
-from serve.sampling import SamplingRouter
+from serve.tinker.actors import Actors
+from serve.tinker.sampling import SamplingRouter
 
 # The timing label of base-model samples (a checkpoint's are under its path, as the tinker SDK's samples are).
 BASE_LABEL = "openai:"

@@ -16,9 +16,9 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lilo.errors import InvalidRequestError, LiloError, NotFoundError
-from serve.errors import status_for, validation_sentence
-from serve.json_body import StrictJsonRoute
-from serve.limits import Send
+from serve.http.errors import status_for, validation_sentence
+from serve.http.json_body import StrictJsonRoute
+from serve.http.limits import Send
 
 # OpenAI's error types by status (its API's own: a 4xx is the request's fault, a 5xx the server's).
 ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_exceeded",
