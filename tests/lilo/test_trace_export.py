@@ -2,6 +2,7 @@
 spans of a request under the trace it carried; a coalesced pass linked to every request it served; export that
 never holds the caller. Real OpenTelemetry SDK and OTLP/HTTP exporter, sending to a real receiver on loopback."""
 
+import socket
 import time
 
 import pytest
@@ -9,7 +10,6 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
-from cluster.ports import free_ports
 from lilo.engine.commands import Command
 from lilo.engine.engine import Engine
 from lilo.timing import traces
@@ -91,7 +91,9 @@ def test_a_pass_of_two_models_is_linked_to_both_requests_and_each_request_keeps_
 
 
 def test_a_dead_collector_never_holds_the_caller_and_its_losses_are_counted():
-    (port,) = free_ports(1)  # nothing listens there
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     tracer_, processor = tracer_to(f"http://127.0.0.1:{port}/v1/traces", "trainer")
     started = time.perf_counter()
     for index in range(2000):
