@@ -18,6 +18,11 @@ from lilo.settings import Settings
 from serve.cli.options import DETACHED_CHILD_FLAG, EXIT_FAILED, EXIT_OK, settings_of
 
 
+# The last line of the ready banner of a detached supervisor, and how long `lilo up --detach` waits for it.
+DETACHED_STOP_HINT = "Stop it with `lilo down`."
+BANNER_WAIT_S = 10.0
+
+
 class Progress:
     """Timestamped progress lines, flushed at once so a follower of the log sees them as they happen."""
 
@@ -50,7 +55,7 @@ def _print_ready(settings: Settings, startup_s: float, detached: bool) -> None:
     else:
         digests = settings.api_key_digests()
         print(f"  API keys:    {len(digests)} configured, {len(set(digests.values()))} tenant(s)", flush=True)
-    stop_hint = "Stop it with `lilo down`." if detached else "Press Ctrl-C to stop."
+    stop_hint = DETACHED_STOP_HINT if detached else "Press Ctrl-C to stop."
     print(stop_hint, flush=True)
 
 
@@ -98,6 +103,19 @@ def _progress_lines_since(log_file: Path, offset: int) -> list[str]:
         return [line for line in log.read().splitlines() if line.startswith("[lilo ")]
 
 
+def _echo_banner(lines: Iterator[str], deadline: float) -> None:
+    """Print the supervisor's lines up to its banner's last (the stop hint), or what came by ``deadline``."""
+    for line in lines:
+        if line:
+            print(line, flush=True)
+            if line == DETACHED_STOP_HINT:
+                return
+        elif time.monotonic() > deadline:
+            return
+        else:
+            time.sleep(0.05)
+
+
 def up_detached(settings: Settings, argv: Sequence[str]) -> int:
     """Run the supervisor in the background, echo its progress until it is ready or fails, and return."""
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -116,12 +134,10 @@ def up_detached(settings: Settings, argv: Sequence[str]) -> int:
             continue
         state = read_state(settings)
         if state is not None and state.pid == child.pid and state.status == "ready":
-            # The ready banner is printed right after the state is written; let it land, then echo it.
-            time.sleep(0.3)
-            for rest in lines:
-                if not rest:
-                    return EXIT_OK
-                print(rest, flush=True)
+            # The ready banner is printed right after the state is written: echo it through its last line (on a
+            # loaded machine it may take a while to land).
+            _echo_banner(lines, time.monotonic() + BANNER_WAIT_S)
+            return EXIT_OK
         if child.poll() is not None:
             print(f"lilo up failed (exit {child.returncode}); full log: {settings.log_file}", flush=True)
             return EXIT_FAILED
