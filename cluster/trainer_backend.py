@@ -41,7 +41,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
                            base_model_name=base_model, decode=load_decoder(directory),
                            host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
                            disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),
-                           page_dir=page_dir, sharded=sharded)
+                           page_dir=page_dir, sharded=sharded, optimizer=not follower)
     # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
     free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
     backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(

@@ -60,8 +60,9 @@ def rank_place(rank: int) -> dict[str, Any]:
 
 
 def rank_memory(backend: Any) -> dict[str, int]:
-    """What a rank holds: its base weights' bytes (its shards and the replicated rest) and its peak so far (the
-    device's peak allocation on CUDA; on the CPU the process's peak resident size)."""
+    """What a rank holds: its base weights' bytes (its shards and the replicated rest), its adapter slots' state
+    (a follower's has no optimizer moments) and its peak so far (the device's peak allocation on CUDA; on the CPU
+    the process's peak resident size)."""
     import resource
 
     import torch
@@ -72,7 +73,7 @@ def rank_memory(backend: Any) -> dict[str, int]:
         peak = torch.cuda.max_memory_allocated(backend.device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"base_bytes": base, "peak_bytes": peak}
+    return {"base_bytes": base, "adapter_state_bytes": backend.slot_state_bytes(), "peak_bytes": peak}
 
 
 @ray.remote(max_restarts=0, max_concurrency=8)

@@ -60,7 +60,7 @@ class TorchBackend:
                  checkpoint_dir: Path | None = None,
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  decode: sampling.Decode | None = None, host_adapter_bytes: int = 0, disk_adapter_bytes: int = 0,
-                 page_dir: Path | None = None, sharded: ShardedBase | None = None) -> None:
+                 page_dir: Path | None = None, sharded: ShardedBase | None = None, optimizer: bool = True) -> None:
         self.model = model.eval()
         self.decoder = model.get_decoder()
         self.device = next(model.parameters()).device
@@ -89,7 +89,9 @@ class TorchBackend:
         self.peers: Peers | None = None
         self.exchanged: Counter[str] = Counter()
         self._stale: set[int] = set()  # slots whose adapter changed since the followers last saw it
-        self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
+        # A follower rank (lilo.backend.sharding) steps no optimizer, rank 0 does: it holds no Adam moments, which
+        # on a GPU would take twice the bank's weights for nothing.
+        self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads) if optimizer else None
         # CUDA runs the LoRA deltas as torch's grouped GEMM; on CPU batched GEMMs over gathered rows are faster.
         self._grouped = self.device.type == "cuda"
         self.adapters: dict[str, Adapter] = {}
@@ -183,8 +185,9 @@ class TorchBackend:
         return self.ranks
 
     def slot_state_bytes(self) -> int:
-        """Bytes of every slot's state together: LoRA weights, their gradients and both AdamW moments."""
-        return 4 * self.bank.weights.nbytes
+        """Bytes of every slot's state together: LoRA weights, their gradients and both AdamW moments (none on a
+        follower rank)."""
+        return (4 if self.optimizer is not None else 2) * self.bank.weights.nbytes
 
     def make_room(self, model_ids: Sequence[str], running: Collection[str],
                   queued: Collection[str]) -> list[PageMove]:

@@ -117,4 +117,6 @@ def test_the_ranks_say_where_they_run_and_what_each_holds(pair):
     assert len({rank["pid"] for rank in ranks}) == 2
     # Each rank holds half the decoder layers' weights and the whole embeddings: less than the whole model.
     assert all(rank["base_bytes"] < whole["base_bytes"] for rank in ranks)
+    # Every rank holds the LoRA bank and its gradients; only rank 0, which steps the optimizer, its Adam moments.
+    assert ranks[0]["adapter_state_bytes"] == whole["adapter_state_bytes"] == 2 * ranks[1]["adapter_state_bytes"]
     assert ranks[0]["exchanged"]["gathered"] > 0 and ranks[0]["exchanged"]["passes"] > 0
