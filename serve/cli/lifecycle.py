@@ -103,19 +103,6 @@ def _progress_lines_since(log_file: Path, offset: int) -> list[str]:
         return [line for line in log.read().splitlines() if line.startswith("[lilo ")]
 
 
-def _echo_banner(lines: Iterator[str], deadline: float) -> None:
-    """Print the supervisor's lines up to its banner's last (the stop hint), or what came by ``deadline``."""
-    for line in lines:
-        if line:
-            print(line, flush=True)
-            if line == DETACHED_STOP_HINT:
-                return
-        elif time.monotonic() > deadline:
-            return
-        else:
-            time.sleep(0.05)
-
-
 def up_detached(settings: Settings, argv: Sequence[str]) -> int:
     """Run the supervisor in the background, echo its progress until it is ready or fails, and return."""
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -127,17 +114,20 @@ def up_detached(settings: Settings, argv: Sequence[str]) -> int:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     deadline = time.monotonic() + settings.startup_timeout_s + 60
-    lines = _follow(settings.log_file)
-    for line in lines:
+    banner_deadline = None
+    for line in _follow(settings.log_file):
         if line:
             print(line, flush=True)
+            if line == DETACHED_STOP_HINT:  # the ready banner's last line
+                return EXIT_OK
             continue
         state = read_state(settings)
         if state is not None and state.pid == child.pid and state.status == "ready":
-            # The ready banner is printed right after the state is written: echo it through its last line (on a
-            # loaded machine it may take a while to land).
-            _echo_banner(lines, time.monotonic() + BANNER_WAIT_S)
-            return EXIT_OK
+            # The ready banner is printed right after the state is written (on a loaded machine it may take a
+            # while to land): wait for it, but not forever.
+            banner_deadline = banner_deadline or time.monotonic() + BANNER_WAIT_S
+            if time.monotonic() > banner_deadline:
+                return EXIT_OK
         if child.poll() is not None:
             print(f"lilo up failed (exit {child.returncode}); full log: {settings.log_file}", flush=True)
             return EXIT_FAILED
