@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -63,6 +64,17 @@ def lilo(*args: str, timeout_s: float = 180, env: dict[str, str] | None = None) 
 def modules_of(package) -> list[str]:
     """A package's name and the names of all its modules, subpackages' included."""
     return [package.__name__] + [m.name for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}.")]
+
+
+def imports_in(path: Path) -> set[str]:
+    """The modules a file imports anywhere, by absolute name: at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module)
+    return found
 
 
 def imported_top_levels(modules: list[str], search_path: tuple[str, ...] = ()) -> set[str]:

@@ -1,11 +1,10 @@
 """The package split (docs/design.md): ``lilo`` imports neither ``cluster`` nor ``serve`` (nor Ray), and neither do
 its tests, so tests/lilo runs without Ray (the Ray side: tests/cluster/test_control_plane_imports.py)."""
 
-import ast
 from pathlib import Path
 
 import lilo
-from helpers import imported_top_levels, modules_of
+from helpers import imported_top_levels, imports_in, modules_of
 
 HERE = Path(__file__).resolve().parent
 RAY_SIDE = {"cluster", "serve", "ray"}
@@ -18,17 +17,6 @@ def test_the_library_imports_neither_the_actors_nor_the_serve_app_nor_ray():
     assert not loaded & RAY_SIDE, loaded & RAY_SIDE
 
 
-def imports_in(path: Path) -> set[str]:
-    """The top-level names a file imports anywhere: at its top or inside a function."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return found
-
-
 def test_the_library_tests_import_neither_ray_nor_the_actors_nor_the_serve_app():
     """Importing every module of tests/lilo, as pytest does, loads none of them (nor do the shared helpers those
     modules import), and no test imports one later, inside a function."""
@@ -37,5 +25,6 @@ def test_the_library_tests_import_neither_ray_nor_the_actors_nor_the_serve_app()
     loaded = imported_top_levels([path.stem for path in files],
                                  search_path=(str(HERE.parents[1]), str(HERE.parent), str(HERE)))
     assert "lilo" in loaded and not loaded & RAY_SIDE, loaded & RAY_SIDE
-    later = {f"{path.name} imports {name}" for path in files for name in imports_in(path) & RAY_SIDE}
+    later = {f"{path.name} imports {module}" for path in files for module in imports_in(path)
+             if module.split(".")[0] in RAY_SIDE}
     assert later == set()

@@ -3,8 +3,9 @@
 the console on both but not on each other, the app that composes them (``serve.app``, ``serve.control``,
 ``serve.deploy``) on all, and the command line (``serve.cli``) on the app alone, never the other way."""
 
-import ast
 from pathlib import Path
+
+from helpers import imports_in
 
 SERVE = Path(__file__).resolve().parents[2] / "serve"
 # Each part and the parts it may import besides itself.
@@ -25,31 +26,23 @@ def part_of(module: str) -> str:
     return "app" if name in COMPOSING_MODULES else name
 
 
-def serve_imports(path: Path) -> set[str]:
-    """The ``serve.*`` modules a file imports anywhere: at its top or inside a function."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.startswith("serve.")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.startswith("serve."):
-            found.add(node.module)
-    return found
+def serve_modules() -> list[tuple[Path, str]]:
+    """Every module of serve but the package's own ``__init__``: its file and its dotted name."""
+    return [(path, path.relative_to(SERVE.parent).with_suffix("").as_posix().replace("/", "."))
+            for path in sorted(SERVE.rglob("*.py")) if path != SERVE / "__init__.py"]
 
 
 def test_every_module_of_serve_lies_in_one_part():
-    modules = [path.relative_to(SERVE.parent).with_suffix("").as_posix().replace("/", ".")
-               for path in SERVE.rglob("*.py") if path.name != "__init__.py" or path.parent != SERVE]
+    modules = [module for _, module in serve_modules()]
     assert len(modules) > 30
-    assert {part_of(module) for module in modules} == set(MAY_IMPORT), sorted(modules)
+    assert {part_of(module) for module in modules} == set(MAY_IMPORT), modules
 
 
 def test_each_part_imports_only_the_parts_below_it():
     wrong = []
-    for path in sorted(SERVE.rglob("*.py")):
-        if path.parent == SERVE and path.name == "__init__.py":
-            continue
-        here = part_of(path.relative_to(SERVE.parent).with_suffix("").as_posix().replace("/", "."))
-        for imported in serve_imports(path):
+    for path, module in serve_modules():
+        here = part_of(module)
+        for imported in sorted(name for name in imports_in(path) if name.startswith("serve.")):
             there = part_of(imported)
             if there != here and there not in MAY_IMPORT[here]:
                 wrong.append(f"{path.relative_to(SERVE.parent)} ({here}) imports {imported} ({there})")
