@@ -79,6 +79,12 @@ def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
     save_file(weights, str(directory / PEFT_WEIGHTS))
     targets = sorted({key.rsplit(".", 2)[-2] for key in adapters if key.endswith(".lora_A")
                       and key.rsplit(".", 1)[0] not in experts})
+    # Beside fused experts, a dense MLP's linears are named by their weights, as parameters: peft reads the
+    # gate_proj / up_proj / down_proj modules of an MoE model (DeepSeek-V3, Qwen2-MoE) as transformers 4's expert
+    # linears and retargets them at the fused experts, but leaves target_parameters as written. A 2-D parameter's
+    # A and B are a linear's (peft's ParamWrapper), so the weights file is the same either way.
+    dense_mlp = sorted(set(targets) & set(MLP_PROJECTIONS)) if experts else []
+    targets = [target for target in targets if target not in dense_mlp]
     config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": state.spec.rank, "lora_alpha": state.spec.alpha or state.spec.rank, "lora_dropout": 0.0,
@@ -86,7 +92,7 @@ def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
         "use_rslora": False, "use_dora": False, "init_lora_weights": True,
     }
     if experts:
-        config["target_parameters"] = _expert_targets(experts)
+        config["target_parameters"] = _expert_targets(experts) + [f"{name}.weight" for name in dense_mlp]
     (directory / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     return directory
 
@@ -136,8 +142,11 @@ def read_peft(directory: Path) -> AdapterState:
     """An adapter ``write_peft`` wrote, back in the backend's keys (``<path>.lora_A``), with its rank and alpha."""
     config = json.loads((directory / PEFT_CONFIG).read_text())
     weights = load_file(str(directory / PEFT_WEIGHTS))
-    targets = set(config["target_modules"])
-    expert_names = [target.rsplit(".", 1)[-1] for target in config.get("target_parameters", [])]
+    parameters = config.get("target_parameters", [])
+    # A dense linear named by its weight (``gate_proj.weight``, see write_peft) is a target module like any other.
+    targets = set(config["target_modules"]) | {name.removesuffix(".weight") for name in parameters
+                                                if name.endswith(".weight")}
+    expert_names = [name.rsplit(".", 1)[-1] for name in parameters if not name.endswith(".weight")]
     rank = int(config["r"])
     spec = LoraSpec(rank=rank, alpha=float(config["lora_alpha"]),
                     train_attn=bool(targets & set(ATTENTION_PROJECTIONS)),
