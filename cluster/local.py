@@ -32,6 +32,9 @@ from lilo.settings import Settings
 # only; the second says outright that the cluster uses Ray's token authentication (the token lives in
 # ~/.ray/auth_token), which every other driver that connects to it must say as well.
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+# How long a starting head waits for its GCS server to bind (Ray's default, 30 s, passed on a busy 2-core machine
+# whose disk cache was cold: the head failed to start); a value already in the environment wins.
+GCS_PORT_WAIT_ENV = ("RAY_gcs_server_port_wait_time_s", "120")
 NAMESPACE = "lilo"
 # How long processes of a cluster may outlive its supervisor before `lilo down` kills them.
 ORPHAN_GRACE_S = 5.0
@@ -227,6 +230,7 @@ def serve_env(settings: Settings) -> dict[str, str]:
 def prepare_environment() -> None:
     """Set Ray's local-cluster environment in this process and every process it starts; run it before Ray's import."""
     os.environ.update(LOCAL_RAY_ENV)
+    os.environ.setdefault(*GCS_PORT_WAIT_ENV)
 
 
 def connect_driver(settings: Settings) -> str:
