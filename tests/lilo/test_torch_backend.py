@@ -502,6 +502,33 @@ def test_grouped_gemm_routing_gives_the_same_outputs_and_gradients(base):
         assert (ours - theirs).abs().max().item() <= 1e-5 * (theirs.abs().max().item() or 1.0)
 
 
+def test_a_bank_whose_rank_axis_is_padded_as_on_a_gpu_trains_and_saves_the_same(base, monkeypatch):
+    # On CUDA the bank's rank axis is a multiple of 8 (the grouped GEMMs' alignment; bank.RANK_MULTIPLE): here the CPU
+    # is given the same rule, so --max-rank 5 gets rows of 8, and everything reads only each adapter's own rank.
+    from lilo.backend.adapters import bank
+
+    specs = {"r3": LoraSpec(rank=3, seed=1, train_unembed=True), "r5": LoraSpec(rank=5, seed=2)}
+    backends = []
+    for multiple in (1, 8):
+        monkeypatch.setitem(bank.RANK_MULTIPLE, "cpu", multiple)
+        backend = TorchBackend(copy.deepcopy(base), max_adapters=4, max_rank=5)
+        backend._grouped = multiple > 1
+        for model_id, spec in specs.items():
+            backend.add_adapter(model_id, spec)
+        backends.append(backend)
+    plain, padded = backends
+    assert {shape[-2 + index % 2] for index, shape in enumerate(padded.bank.shapes)} == {8}
+    for model_id in specs:
+        assert train_steps(padded, model_id, [1, 3]) == pytest.approx(train_steps(plain, model_id, [1, 3]), rel=1e-5)
+    for model_id in specs:
+        save = Command(model_id, 9, Kind.SAVE_WEIGHTS, "save", payload=SaveRequest(name="s"))
+        ours, theirs = (b.capture_checkpoint(save)[1].tensors for b in (padded, plain))
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            assert ours[key].shape == theirs[key].shape
+            assert torch.allclose(ours[key], theirs[key], rtol=1e-4, atol=1e-6), key
+
+
 def test_the_gpu_code_path_a_bf16_base_and_grouped_gemm_matches_fp32_within_bf16_precision(base):
     # On a GPU the frozen base runs in bf16 (LoRA weights, gradients and Adam state stay fp32) and the deltas go through
     # the grouped GEMM. There is no GPU here, but the same code runs on CPU, dtype conversions and all.

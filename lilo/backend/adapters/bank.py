@@ -26,6 +26,16 @@ from lilo.backend.adapters.slot_memory import slot_zeros
 
 # A mixture-of-experts block's router (and a shared expert's gate): frozen, never given an adapter.
 ROUTERS = ("gate", "router", "shared_expert_gate")
+# Per device type, what the bank's rank axis is a multiple of: CUDA's grouped GEMMs (the deltas of
+# ``lora.MultiLoRALinear`` and of fused experts) take bf16 operands whose strides are multiples of 16 bytes, so
+# there ``--max-rank 4`` gets rows of 8 (the padding stays zero, like an adapter's entries past its own rank).
+RANK_MULTIPLE = {"cuda": 8}
+
+
+def bank_rank(max_rank: int, device: torch.device) -> int:
+    """The width of the bank's rank axis on ``device``: ``max_rank``, rounded up to ``RANK_MULTIPLE``."""
+    multiple = RANK_MULTIPLE.get(device.type, 1)
+    return -(-max_rank // multiple) * multiple
 
 
 class LoraBank:
@@ -36,6 +46,7 @@ class LoraBank:
     def __init__(self, model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
         linears, experts = _targets(model)
         device = next(model.parameters()).device
+        max_rank = bank_rank(max_rank, device)
         shapes = [shape for _, _, linear in linears
                   for shape in ((max_rank, linear.in_features), (linear.out_features, max_rank))]
         for _, _, module in experts:
