@@ -1,9 +1,10 @@
 """A rank's own host memory while it loads its share of a sharded base model (``--trainer-ranks``), with lilo's own
-loading (``load_base_model`` onto the CPU, then ``shard_base_model``) in ``--ranks`` gloo processes on this machine.
+loading (``load_sharded_base``'s two steps: ``load_base_model`` as stored onto the CPU, then ``shard_base_model``,
+which casts the shards) in ``--ranks`` gloo processes on this machine.
 
-The model is a random Llama of ``--hidden`` x ``--layers`` saved in bf16, as checkpoints ship. It is loaded in bf16
-(a GPU trainer's compute dtype: the weights stay views of the memory-mapped files, shared by the ranks through the
-page cache) and in fp32 (a CPU trainer's: the cast makes each rank a private copy of the whole model). Per rank, its
+The model is a random Llama of ``--hidden`` x ``--layers`` saved in bf16, as checkpoints ship, and trained in bf16
+(a GPU trainer's compute dtype) and in fp32 (a CPU trainer's). Loaded as stored, its weights stay views of the
+memory-mapped files, shared by the ranks through the page cache; a rank copies only its shards, cast. Per rank, its
 unique memory (USS: what no other process shares) grown by the load and after sharding; ``shard_mb`` is what a rank
 should keep: its 1/N of the decoder layers and the whole embeddings and head, at that dtype. Prints one JSON line:
 {"bench": "rank_load", "ranks": N, "results": [{"dtype": .., "loaded_mb": [..per rank], "sharded_mb": [..],
@@ -42,9 +43,9 @@ def one_rank(rank: int, world: int, directory: str, rendezvous: str, dtype_name:
     device = torch.device("cpu")
     join(RankGroup(rank, world, f"file://{rendezvous}", "127.0.0.1"), device)
     before = own_mb()
-    model = load_base_model(directory, "cpu", dtype=getattr(torch, dtype_name))
+    model = load_base_model(directory, "cpu", dtype="auto")
     loaded = own_mb() - before
-    shard_base_model(model, device)
+    shard_base_model(model, device, getattr(torch, dtype_name))
     gc.collect()
     answers.put((rank, round(loaded, 1), round(own_mb() - before, 1)))
     dist.barrier()

@@ -21,7 +21,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     from lilo.backend.training.memory_cap import cap_bytes, cap_memory
     from lilo.backend.models import compute_dtype, load_base_model, load_decoder, model_directory, resolve_device
     from lilo.backend.paging.policy import host_adapter_bytes
-    from lilo.backend.sharding.group import join, shard_base_model
+    from lilo.backend.sharding.group import join, load_sharded_base
     from lilo.backend.torch_backend import TorchBackend
 
     directory = model_directory(base_model, config.model_cache_dir)
@@ -31,9 +31,9 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
         model = load_base_model(directory, device)
     else:
         join(group, device)
-        # Whole in host memory first, then each layer's shard onto the device: no device ever holds the whole model.
-        model = load_base_model(directory, "cpu", dtype=compute_dtype(device))
-        sharded = shard_base_model(model, device)
+        # Memory-mapped on the host first, then each layer's shard onto the device: no device ever holds the whole
+        # model, and no rank a private copy of it.
+        model, sharded = load_sharded_base(directory, device, compute_dtype(device))
     follower = group is not None and group.rank > 0
     page_dir = config.page_dir / name if config.page_dir and not follower else None
     backend = TorchBackend(model, max_adapters=config.max_adapters, max_rank=config.max_rank,

@@ -80,9 +80,9 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_base_model(source: str | Path, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> nn.Module:
+                    dtype: torch.dtype | str | None = None) -> nn.Module:
     """``from_pretrained`` on a directory or hub id, onto ``device`` in ``dtype`` (default: the device's compute
-    dtype); the weights are frozen."""
+    dtype; ``"auto"``: as stored); the weights are frozen."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)

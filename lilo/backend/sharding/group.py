@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -79,10 +80,23 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def shard_base_model(model: nn.Module, device: torch.device) -> ShardedBase:
+def load_sharded_base(directory: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ShardedBase]:
+    """This rank's part of the base model in ``directory``, in ``dtype`` on ``device`` (``shard_base_model``).
+
+    It is loaded as stored, so its weights stay views of the memory-mapped files, whose pages the node's ranks
+    share, and cast only once sharded: a rank copies its own shards and the replicated embeddings and head, never
+    the whole model (a cast before sharding would make every rank a private copy of all of it)."""
+    from lilo.backend.models import load_base_model
+
+    model = load_base_model(directory, "cpu", dtype="auto")
+    return model, shard_base_model(model, device, dtype)
+
+
+def shard_base_model(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> ShardedBase:
     """Shard ``model``'s decoder layers (and the decoder's own parameters) over the joined group, moving them to
-    ``device``; the embeddings and head stay whole, moved there too. Call before the LoRA layers wrap it: FSDP keeps
-    the frozen linears it found, and the LoRA parameters added after stay plain tensors, replicated."""
+    ``device`` (and casting them to ``dtype``); the embeddings and head stay whole, moved there too. Call before the
+    LoRA layers wrap it: FSDP keeps the frozen linears it found, and the LoRA parameters added after stay plain
+    tensors, replicated."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -90,20 +104,22 @@ def shard_base_model(model: nn.Module, device: torch.device) -> ShardedBase:
     mesh = init_device_mesh(device.type, (world,))
     decoder = model.get_decoder()
     replicated = set(decoder.get_input_embeddings().parameters())
-    each_layer = [_bytes(layer.parameters()) for layer in decoder.layers]
-    root_bytes = sum(_bytes([p]) for name, p in decoder.named_parameters()
+    size = torch.empty(0, dtype=dtype).element_size() if dtype else None
+    each_layer = [_bytes(layer.parameters(), size) for layer in decoder.layers]
+    root_bytes = sum(_bytes([p], size) for name, p in decoder.named_parameters()
                      if p not in replicated and not name.startswith("layers."))
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(decoder, mesh=mesh, ignored_params=replicated)
-    model.to(device)  # what FSDP left alone: the embeddings, the head, buffers
+    model.to(device, dtype)  # the shards' cast, and what FSDP left alone: the embeddings, the head, buffers
     local = sum(_local_bytes(p) for p in model.parameters())
     share = (world - 1) / world
     return ShardedBase(local, int(sum(each_layer) * share), int(root_bytes * share), max(each_layer))
 
 
-def _bytes(parameters) -> int:
-    return sum(p.numel() * p.element_size() for p in parameters)
+def _bytes(parameters, element_size: int | None = None) -> int:
+    """Bytes of ``parameters``, at ``element_size`` bytes an entry (default: their own dtype's)."""
+    return sum(p.numel() * (element_size or p.element_size()) for p in parameters)
 
 
 def _local_bytes(parameter: torch.Tensor) -> int:
