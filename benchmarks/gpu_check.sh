@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sampling (and, with 2 GPUs or more, sharding) benches on a GPU machine (the device tool's H200, or a cluster node), in under 8 minutes: the torch
+# The sampling (and, with 2 GPUs or more, sharding) benches on a GPU machine (the device tool's H200, or a cluster node), in under 10 minutes: the torch
 # sampler on CUDA over 4 adapters against the bare base (bench_sampling.py; its vLLM half where .venv-vllm holds the
 # GPU build), the MoE experts' grouped GEMMs against the eager loop (bench_experts.py), then the RL loop of 1, 4 and 8 SDK clients on the torch sampler and on vLLM (bench_rl.py, SmolLM2),
 # where this machine has lilo's whole environment. Each JSON line goes to stdout and to $OUT (when set); a part
@@ -27,7 +27,7 @@ run() {  # run NAME SECONDS COMMAND...: one bench, its JSON line kept, its failu
 run sampling 240 "$PYTHON" benchmarks/bench_sampling.py --device cuda --runs 3
 # MoE experts with 8 adapters at Qwen3-30B-A3B's layer shape in bf16: the grouped GEMMs against the eager loop, and
 # whether they agree (bench_experts.py).
-run experts 120 "$PYTHON" benchmarks/bench_experts.py --device cuda
+run experts 90 "$PYTHON" benchmarks/bench_experts.py --device cuda
 # A trainer sharded over the GPUs (bench_sharded.py): 1 rank against 2 and 4 where the machine has them, of the
 # model in $LILO_SHARDED_MODEL (an 8B-class directory, where one is on disk) or SmolLM2.
 GPUS=$(nvidia-smi --list-gpus | wc -l)
