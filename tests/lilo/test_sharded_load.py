@@ -1,6 +1,6 @@
 """A rank's load of a sharded base (``load_sharded_base``), in two gloo processes: a checkpoint stored in bf16 and
 trained in fp32 (a CPU trainer's case) is loaded as stored and cast once sharded, and the two ranks' sharded model
-gives the logits of the whole model loaded in fp32 at once."""
+gives the logits of the whole model loaded in fp32 at once; in either dtype only the parameters are cast."""
 
 import tempfile
 from pathlib import Path
@@ -13,6 +13,11 @@ from lilo.backend.models import build_tiny_llama, load_base_model
 TOKENS = [[5, 17, 3, 99, 42, 8, 61, 2]]
 
 
+def dtypes(model) -> tuple[set[str], dict[str, str]]:
+    """The dtypes of ``model``'s parameters, and of each of its buffers."""
+    return {str(p.dtype) for p in model.parameters()}, {name: str(b.dtype) for name, b in model.named_buffers()}
+
+
 def _rank(rank: int, directory: str, rendezvous: str, answers) -> None:
     import torch.distributed as dist
 
@@ -22,8 +27,10 @@ def _rank(rank: int, directory: str, rendezvous: str, answers) -> None:
     model, sharded = load_sharded_base(Path(directory), torch.device("cpu"), torch.float32)
     with torch.no_grad():
         logits = model(input_ids=torch.as_tensor(TOKENS)).logits
+    # And in bf16, a GPU trainer's dtype (only its dtypes: no bf16 forward over gloo here).
+    half, _ = load_sharded_base(Path(directory), torch.device("cpu"), torch.bfloat16)
     # As numpy: a tensor would travel as shared memory that goes with this process.
-    answers.put((rank, {str(p.dtype) for p in model.parameters()}, sharded.local_bytes, logits.numpy()))
+    answers.put((rank, sharded.local_bytes, logits.numpy(), dtypes(model), dtypes(half)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -41,7 +48,10 @@ def test_a_bf16_checkpoint_sharded_over_two_ranks_is_cast_to_fp32_and_answers_as
         mp.spawn(_rank, args=(str(directory), str(Path(scratch) / "rendezvous"), answers), nprocs=2)
     results = sorted((answers.get() for _ in range(2)), key=lambda answer: answer[0])
     whole_bytes = sum(p.numel() * 4 for p in whole.parameters())
-    for _, dtypes, local_bytes, logits in results:
-        assert dtypes == {str(torch.float32)}
+    # Only the parameters are cast: RoPE's inv_freq stays fp32, as a whole load in bf16 keeps it.
+    buffers = dtypes(load_base_model(directory, dtype=torch.bfloat16))[1]
+    assert buffers and set(buffers.values()) == {str(torch.float32)}
+    for _, local_bytes, logits, full, half in results:
+        assert full == ({str(torch.float32)}, buffers) and half == ({str(torch.bfloat16)}, buffers)
         assert local_bytes < whole_bytes  # its shards, not all of the decoder
         torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=1e-5, atol=1e-5)

@@ -111,7 +111,13 @@ def shard_base_model(model: nn.Module, device: torch.device, dtype: torch.dtype 
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(decoder, mesh=mesh, ignored_params=replicated)
-    model.to(device, dtype)  # the shards' cast, and what FSDP left alone: the embeddings, the head, buffers
+    # The buffers as loaded: from_pretrained keeps RoPE's inv_freq in fp32 whatever the dtype, and a cast to bf16
+    # would round the positions of every token.
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    model.to(device, dtype)  # the shards' cast, and what FSDP left alone: the embeddings, the head
+    for name, buffer in buffers.items():
+        path, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(path), leaf, buffer.to(device))
     local = sum(_local_bytes(p) for p in model.parameters())
     share = (world - 1) / world
     return ShardedBase(local, int(sum(each_layer) * share), int(root_bytes * share), max(each_layer))
