@@ -32,7 +32,7 @@ from cluster.sampler_actor import sampler_name
 from cluster.sampling_plane import SamplerRelay, SamplerSeat, samplers_of, trainer_gpu_share
 from cluster.timing import TimingPublisher, get_timing_actor
 from cluster.trainer_backend import build_backend
-from cluster.trainer_ranks import rank_bundles
+from cluster.trainer_ranks import rank_bundles, rank_runtime_env
 from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoints.index import (
     CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, latest_weights, list_checkpoints,
@@ -568,11 +568,13 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
     name = trainer_name(index)
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    runtime_env: dict[str, Any] | None = None
     if ranks > 1:
         strategy = PlacementGroupSchedulingStrategy(rank_placement_group(name, ranks, num_gpus, node_id),
                                                     placement_group_bundle_index=0)
+        runtime_env = rank_runtime_env(num_gpus)
     return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-                                lifetime="detached", scheduling_strategy=strategy).remote(
+                                lifetime="detached", scheduling_strategy=strategy, runtime_env=runtime_env).remote(
                                     name, base_model, config, tuple(samplers), ranks)
 
 

@@ -36,6 +36,29 @@ logger = logging.getLogger(__name__)
 
 # How long rank 0 waits, after a failed pass, for its failures to reach the futures DB before it exits.
 EXIT_AFTER_FAILURE_S = 2.0
+# A sharded trainer's ranks see every GPU of their node, as Ray Train's torch workers do: NCCL on NVSwitch machines
+# mishandles ranks whose visible devices do not overlap (docs/design.md). Each rank then picks its own GPU by the
+# id Ray gave it (``own_gpu_index``).
+SHARED_GPUS_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def rank_runtime_env(gpus: float) -> dict[str, Any] | None:
+    """The runtime environment of a rank of a sharded trainer that has ``gpus`` GPU: its node's GPUs all visible;
+    without GPUs, None (the job's own, as for any actor)."""
+    return {"env_vars": SHARED_GPUS_ENV} if gpus else None
+
+
+def own_gpu_index(gpu_ids: Sequence[str], visible: str | None) -> int:
+    """This process's GPU as torch numbers it: Ray's id of it (``gpu_ids``, one) among the devices it sees
+    (``CUDA_VISIBLE_DEVICES``: all of the node's when unset, or the node's own list, whose entries Ray's ids are)."""
+    if len(gpu_ids) != 1:
+        raise RuntimeError(f"A rank of a sharded trainer holds one GPU; Ray gave this one {list(gpu_ids)}.")
+    listed = [device.strip() for device in visible.split(",")] if visible else None
+    if listed is None:
+        return int(gpu_ids[0])
+    if gpu_ids[0] not in listed:
+        raise RuntimeError(f"GPU {gpu_ids[0]} is not among this process's CUDA_VISIBLE_DEVICES ({visible}).")
+    return listed.index(gpu_ids[0])
 
 
 def rendezvous_file(trainer: str) -> Path:
@@ -122,8 +145,9 @@ class RankPeers:
             raise RuntimeError(f"Trainer {trainer} has {ranks} ranks but runs in no placement group; start it with "
                                "cluster.trainer_actor.start_trainer.")
         self.actors = [
-            RankActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement, placement_group_bundle_index=rank)).remote(
+            RankActor.options(num_cpus=1, num_gpus=gpus, runtime_env=rank_runtime_env(gpus),
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                  placement, placement_group_bundle_index=rank)).remote(
                     trainer, base_model, config, RankGroup(rank, ranks, self.group.address, host))
             for rank in range(1, ranks)]
         self._broken: BaseException | None = None
