@@ -28,13 +28,11 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     directory = model_directory(base_model, config.model_cache_dir)
     device = resolve_device(config.device)
     if group is not None and device.type == "cuda":  # it sees all of its node's GPUs (trainer_ranks.SHARED_GPUS_ENV)
-        import ray
         import torch
 
-        from cluster.trainer_ranks import own_gpu_index
+        from cluster.trainer_ranks import assigned_gpu_ids, own_gpu_index
 
-        device = torch.device("cuda", own_gpu_index([str(gpu) for gpu in ray.get_gpu_ids()],
-                                                    os.environ.get("CUDA_VISIBLE_DEVICES")))
+        device = torch.device("cuda", own_gpu_index(assigned_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
     sharded = None
     if group is None:
         model = load_base_model(directory, device)

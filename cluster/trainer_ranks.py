@@ -48,6 +48,11 @@ def rank_runtime_env(gpus: float) -> dict[str, Any] | None:
     return {"env_vars": SHARED_GPUS_ENV} if gpus else None
 
 
+def assigned_gpu_ids() -> list[str]:
+    """The ids of the GPUs Ray gave this process (none on CPU)."""
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+
 def own_gpu_index(gpu_ids: Sequence[str], visible: str | None) -> int:
     """This process's GPU as torch numbers it: Ray's id of it (``gpu_ids``, one) among the devices it sees
     (``CUDA_VISIBLE_DEVICES``: all of the node's when unset, or the node's own list, whose entries Ray's ids are)."""
@@ -77,7 +82,7 @@ def rank_bundles(ranks: int, gpus: float) -> list[dict[str, float]]:
 
 def rank_place(rank: int) -> dict[str, Any]:
     """Where this process, rank ``rank`` of its trainer, runs: its node, pid and GPUs (their ids, none on CPU)."""
-    gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
+    gpu_ids = assigned_gpu_ids()
     return {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
             "gpu": bool(gpu_ids), "gpu_ids": gpu_ids}
 

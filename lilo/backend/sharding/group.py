@@ -104,7 +104,7 @@ def shard_base_model(model: nn.Module, device: torch.device, dtype: torch.dtype 
     mesh = init_device_mesh(device.type, (world,))
     decoder = model.get_decoder()
     replicated = set(decoder.get_input_embeddings().parameters())
-    size = torch.empty(0, dtype=dtype).element_size() if dtype else None
+    size = dtype.itemsize if dtype else None
     each_layer = [_bytes(layer.parameters(), size) for layer in decoder.layers]
     root_bytes = sum(_bytes([p], size) for name, p in decoder.named_parameters()
                      if p not in replicated and not name.startswith("layers."))
