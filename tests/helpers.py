@@ -160,6 +160,22 @@ def unload_models(api_url: str, model_ids: list[str], api_key: str = "tml-local-
             retrieve_finished(http, f"{api_url}/api/v1/retrieve_future", unloaded.json()["request_id"])
 
 
+def two_on_one_trainer(created: list) -> list:
+    """Two of ``created`` (training clients of one base model) placed on the same trainer. The session cluster has
+    two trainers per base model and placement spreads a tenant's models over them, so two models made one after
+    the other land apart: of three, two share one. Needs the ``ray_driver`` fixture."""
+    import ray
+
+    from cluster.futures_actor import FUTURES_ACTOR_NAME
+    from cluster.local import NAMESPACE
+
+    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    by_trainer: dict[str, list] = {}
+    for client in created:
+        by_trainer.setdefault(ray.get(futures.trainer_of.remote(client.model_id)), []).append(client)
+    return next(clients for clients in by_trainer.values() if len(clients) >= 2)[:2]
+
+
 @contextlib.contextmanager
 def ray_test_cluster(head_cpus: int) -> Iterator:
     """A ``ray.cluster_utils.Cluster`` (several Ray nodes on this machine, on loopback) with a head of

@@ -4,18 +4,17 @@ loop does) share their forward_backward passes, and the critical path says what 
 import threading
 
 import numpy as np
-import tinker
 from tinker import types
 
+from helpers import API_KEY, two_on_one_trainer, unload_models
 from lilo.timing import critical_path_metrics
 
 READER = "test-coalescing"
 STEPS = 10
 
 
-def lockstep_client(service, out: dict, started: threading.Barrier) -> None:
-    training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=8).result(timeout=120)
-    rng = np.random.default_rng(len(out))
+def lockstep_client(training, seed: int, started: threading.Barrier) -> None:
+    rng = np.random.default_rng(seed)
     # Eight rows a step: a pass long enough that a quarter of it covers the few milliseconds between two clients.
     rows = [rng.integers(0, 1000, 65).tolist() for _ in range(8)]
     data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1]),
@@ -23,7 +22,6 @@ def lockstep_client(service, out: dict, started: threading.Barrier) -> None:
     adam = types.AdamParams(learning_rate=1e-4)
     for step in range(STEPS):
         if step == 2:  # two steps teach the trainer each client's rhythm; the interval read below starts here
-            out["model_id"] = training.model_id
             started.wait(timeout=120)
         backward = training.forward_backward(data, "cross_entropy")
         optim = training.optim_step(adam)
@@ -31,21 +29,31 @@ def lockstep_client(service, out: dict, started: threading.Barrier) -> None:
         optim.result(timeout=120)
 
 
-def test_two_lockstep_sdk_clients_share_their_passes_and_see_the_window_in_their_timing(local_cluster):
-    outs = [{}, {}]
-    started = threading.Barrier(3)
-    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
-        threads = [threading.Thread(target=lockstep_client, args=(service, out, started)) for out in outs]
+def timing_of(local_cluster, model_id: str) -> dict:
+    return critical_path_metrics(model_id, base_url=local_cluster.api_url, api_key=API_KEY, reset=True,
+                                 reader=READER)
+
+
+def test_two_lockstep_sdk_clients_share_their_passes_and_see_the_window_in_their_timing(
+        service, local_cluster, ray_driver):
+    created = [service.create_lora_training_client(base_model="lilo/tiny-llama", rank=8).result(timeout=120)
+               for _ in range(3)]
+    try:
+        # Only models on one trainer can share a pass: two of the three are.
+        clients = two_on_one_trainer(created)
+        started = threading.Barrier(3)
+        threads = [threading.Thread(target=lockstep_client, args=(client, seed, started))
+                   for seed, client in enumerate(clients)]
         for thread in threads:
             thread.start()
         started.wait(timeout=240)
-        for out in outs:  # start this reader's interval at step 3 of both
-            critical_path_metrics(out["model_id"], base_url=local_cluster.api_url, api_key="tml-local-test",
-                                  reset=True, reader=READER)
+        for client in clients:  # start this reader's interval at step 3 of both
+            timing_of(local_cluster, client.model_id)
         for thread in threads:
             thread.join(timeout=600)
-        metrics = [critical_path_metrics(out["model_id"], base_url=local_cluster.api_url, api_key="tml-local-test",
-                                         reset=True, reader=READER) for out in outs]
+        metrics = [timing_of(local_cluster, client.model_id) for client in clients]
+    finally:
+        unload_models(local_cluster.api_url, [client.model_id for client in created])
     for timing in metrics:
         # Without the window the first client's step ran alone and the other's a moment later (1.0 measured);
         # with it nearly every pass holds both.

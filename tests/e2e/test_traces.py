@@ -3,12 +3,9 @@ loopback, ``conftest.trace_receiver``): one request is one trace across the ingr
 trainer; a pass of two models is linked to both requests; saves and samples are traced on the trainer too."""
 
 import numpy as np
-import ray
 from tinker import types
 
-from cluster.futures_actor import FUTURES_ACTOR_NAME
-from cluster.local import NAMESPACE
-from helpers import unload_models
+from helpers import two_on_one_trainer, unload_models
 
 FORWARD_BACKWARD = "POST /api/v1/forward_backward"
 
@@ -54,16 +51,6 @@ def test_a_forward_backward_is_one_trace_from_the_ingress_through_the_futures_db
         assert root.start_ns <= trace[("lilo-futures", "futures.record")].start_ns <= execute.start_ns
     finally:
         unload_models(local_cluster.api_url, [client.model_id])
-
-
-def two_on_one_trainer(created: list) -> list:
-    """Two of ``created`` placed on the same trainer (the session cluster has two per base model, and placement
-    spreads a tenant's models: of three, two share one)."""
-    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-    by_trainer: dict[str, list] = {}
-    for client in created:
-        by_trainer.setdefault(ray.get(futures.trainer_of.remote(client.model_id)), []).append(client)
-    return next(clients for clients in by_trainer.values() if len(clients) >= 2)[:2]
 
 
 def test_a_pass_of_two_models_is_linked_to_both_requests(service, local_cluster, ray_driver, trace_receiver):
