@@ -154,7 +154,7 @@ class ReconcilerActor:
                 return
             self._place_seat(name, where["base_model"], where["node_id"], where["gpu"], where.get("ranks", 1))
             if base_model is not None and self._config.sampler_share:  # one this reconciler started
-                self._start_sampler_beside(name, base_model, where["node_id"])
+                self._start_sampler_beside(name, base_model, where["node_id"], where.get("ranks", 1))
             info = await handle.ready.remote()
         except ray.exceptions.RayActorError as error:
             logger.warning("trainer %s did not start (%s); forgetting it", name, str(error).splitlines()[0])
@@ -252,11 +252,14 @@ class ReconcilerActor:
             if node_id not in alive:
                 del self._left_free[node_id]
 
-    def _start_sampler_beside(self, trainer: str, base_model: str, node_id: str) -> None:
+    def _start_sampler_beside(self, trainer: str, base_model: str, node_id: str, ranks: int) -> None:
         """The trainer's vLLM sampler, on its node, on the share of its GPU the trainer left (Ray knows the trainer's
-        node only once it is placed: a trainer started on demand waited for the autoscaler's node)."""
+        node only once it is placed: a trainer started on demand waited for the autoscaler's node); beside a trainer
+        of several ranks, on the share of each of its GPUs, its engine tensor parallel over them."""
         index = int(trainer[len(TRAINER_PREFIX):])
-        start_sampler(index, base_model, self._config.sampler, num_gpus=self._config.sampler_share, node_id=node_id)
+        start_sampler(index, base_model, dataclasses.replace(self._config.sampler, tensor_parallel_size=ranks),
+                      num_gpus=self._config.sampler_share, node_id=node_id,
+                      group_of=trainer if ranks > 1 else None)
         logger.warning("starting sampler %s beside trainer %s", sampler_name(index), trainer)
 
     def _kill(self, name: str) -> None:

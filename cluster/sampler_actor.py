@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any, Awaitable, Sequence
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.local import NAMESPACE, ClusterError
+from cluster.trainer_ranks import rank_group_name
 from lilo.backend.types import SamplingRequest
 from lilo.engine.contract import SampleResult
 from lilo.errors import LiloError
@@ -105,6 +107,10 @@ class SamplerActor:
             device = config.device
             if device == "auto":
                 device = "cuda" if ray.get_gpu_ids() else "cpu"
+            if device == "cuda" and get_current_placement_group() is not None:
+                # Beside a sharded trainer: its engine's workers take a share of each of the trainer's GPUs (set
+                # before anything here initialises CUDA; vLLM's workers inherit it).
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(group_gpu_ids())
             self._loading.set_result(VllmSampler(
                 model_directory(self.base_model, config.model_cache_dir), max_loras=config.max_loras,
                 max_rank=config.max_rank, device=device, gpu_fraction=config.gpu_fraction,
@@ -177,17 +183,49 @@ class SamplerActor:
             return await work
 
 
+@ray.remote(num_cpus=0)
+def bundle_gpu_id() -> str:
+    """The GPU this task was given a share of."""
+    return str(ray.get_gpu_ids()[0])
+
+
+def group_gpu_ids(timeout_s: float = 120.0) -> list[str]:
+    """The GPUs of the sharded trainer whose placement group this process shares from its first bundle, in rank
+    order: its own, then, for each further bundle, the one a task on the share of it the rank there left (this
+    process's share) is given. Ray hands out no other way which GPU a bundle holds."""
+    placement = get_current_placement_group()
+    share = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
+    further = [bundle_gpu_id.options(num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement, placement_group_bundle_index=index)).remote() for index in range(1, placement.bundle_count)]
+    return [str(gpu) for gpu in ray.get_gpu_ids()] + ray.get(further, timeout=timeout_s)
+
+
+def sampler_strategy(node_id: str | None, group_of: str | None) -> Any:
+    """Where a sampler runs: anywhere; on ``node_id`` only (beside its trainer); or, with ``group_of``, in the
+    first bundle of that sharded trainer's placement group (each bundle a whole GPU whose rank left it a share),
+    so it goes where the group goes and no other actor takes the shares."""
+    if group_of is not None:
+        return PlacementGroupSchedulingStrategy(ray.util.get_placement_group(rank_group_name(group_of)),
+                                                placement_group_bundle_index=0)
+    return "DEFAULT" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
 def start_sampler(index: int, base_model: str, config: SamplerConfig, *, num_gpus: float = 0,
-                  num_cpus: float = 1, node_id: str | None = None) -> ray.actor.ActorHandle:
+                  num_cpus: float = 1, node_id: str | None = None,
+                  group_of: str | None = None) -> ray.actor.ActorHandle:
     """A named, detached sampler (``lilo-sampler-<index>`` in namespace ``lilo``) on the sampler environment's
     interpreter; it loads its engine as it starts (``ready`` waits for it). ``num_gpus`` may be a fraction: a
-    share of a trainer's GPU. With ``node_id`` it lives on that node only (beside its trainer)."""
+    share of a trainer's GPU. With ``node_id`` it lives on that node only (beside its trainer); with ``group_of``
+    (a sharded trainer, started first) on a share of each of that trainer's GPUs, its engine tensor parallel over
+    them (``sampler_strategy``)."""
     python = vllm_python()
     if python is None:
         raise ClusterError("vLLM is not installed here; run `make .venv-vllm/.installed` (or set "
                            f"{VLLM_PYTHON_ENV} to a Python that has vllm and Ray 2.60.0) to start sampler actors.")
     runtime_env = {} if python == sys.executable else {"py_executable": python}
-    strategy: Any = "DEFAULT" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    strategy = sampler_strategy(node_id, group_of)
+    if group_of is not None:
+        num_cpus = 0  # the group's bundles hold its ranks' CPUs; vLLM's workers are processes of this one
     return SamplerActor.options(name=sampler_name(index), namespace=NAMESPACE, lifetime="detached",
                                 num_gpus=num_gpus, num_cpus=num_cpus, scheduling_strategy=strategy,
                                 runtime_env=runtime_env).remote(sampler_name(index), base_model, config)

@@ -13,10 +13,11 @@ relayed sample the checkpoint's version (its marker file's mtime) is checked aga
 sample never reads weights older than the last whole save, whatever the order of events.
 
 Layout (``sampler_layout``): ``--samplers 0`` none (the torch sampler on every trainer); a fraction ``0 < F < 1``: one
-sampler beside each trainer, on a share F of its GPU (the trainer takes the rest); a whole number N: N samplers
-per base model, each on a GPU of its own, shared by that base model's trainers (for a base model sharded over M GPUs,
-``--trainer-ranks``, each on M GPUs, its engine tensor parallel over them). Without GPUs, F gives one sampler per
-trainer and N gives N per base model, on CPU.
+sampler beside each trainer, on a share F of its GPU (the trainer takes the rest; a trainer sharded over M GPUs,
+``--trainer-ranks``, shares each of its M GPUs so, its sampler's engine tensor parallel over them); a whole number
+N: N samplers per base model, each on a GPU of its own, shared by that base model's trainers (for a base model
+sharded over M GPUs, each on M GPUs, its engine tensor parallel over them). Without GPUs, F gives one sampler per
+trainer and N gives N per base model, on CPU (tensor parallel as on GPUs).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class SamplerSeat:
     # Workers its engine splits the base model over: the ranks of the trainers of a sharded base model.
     tensor_parallel: int = 1
 
+    @property
+    def in_trainer_group(self) -> bool:
+        """Whether it lives in its trainer's placement group: on a share of each of a sharded trainer's GPUs."""
+        return 0 < self.num_gpus < 1 and self.tensor_parallel > 1
+
 
 def trainer_gpu_share(samplers: float, gpus: bool) -> float:
     """The GPU a trainer asks Ray for: all of one, less a sampler's share beside it."""
@@ -81,12 +87,13 @@ def trainer_gpu_share(samplers: float, gpus: bool) -> float:
 def sampler_layout(samplers: float, trainers: Sequence[tuple[str, str]], gpus: bool,
                    ranks: Mapping[str, int] | None = None) -> list[SamplerSeat]:
     """The sampler actors for ``trainers`` (name, base model) under ``--samplers`` (see the module docstring); a
-    sampler of a base model that ``ranks`` shards over N devices splits it over N (tensor parallel), on N GPUs."""
+    sampler of a base model that ``ranks`` shards over N devices splits it over N (tensor parallel): on N GPUs of
+    its own, or on a share of each of its trainer's N."""
     ranks = ranks or {}
     if samplers <= 0:
         return []
     if samplers < 1:
-        return [SamplerSeat(index, base_model, samplers if gpus else 0.0, (trainer,))
+        return [SamplerSeat(index, base_model, samplers if gpus else 0.0, (trainer,), ranks.get(base_model, 1))
                 for index, (trainer, base_model) in enumerate(trainers)]
     seats: list[SamplerSeat] = []
     for base_model in dict.fromkeys(model for _, model in trainers):

@@ -193,9 +193,10 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
             progress("No GPU yet: CPU trainers serve meanwhile; once GPU trainers serve, new models go to them and "
                      "each CPU trainer is let go once idle")
         seats = sampler_seats(settings)
-        samplers = start_samplers(settings, seats, progress)
         progress(f"Starting trainers with {settings.base_models[0]} (the first start of a model converts it once)")
         trainers = start_trainers(settings, seats)
+        # After the trainers: a sampler beside a sharded trainer joins its placement group, made as it starts.
+        samplers = start_samplers(settings, seats, progress)
     # No client may reach the API before the previous run's unfinished requests are failed.
     failed = ray.get(orphans)
     if failed:
@@ -295,12 +296,14 @@ def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
     progress(f"Starting {len(seats)} vLLM sampler(s): "
              + ", ".join(f"{sampler_name(seat.index)} ({seat.base_model}, {seat.num_gpus:g} GPU, for "
                          f"{'/'.join(seat.trainers)}"
-                         + (f", tensor parallel over {seat.tensor_parallel}" if seat.tensor_parallel > 1 else "") + ")"
-                         for seat in seats))
+                         + (f", tensor parallel over {seat.tensor_parallel}" if seat.tensor_parallel > 1 else "")
+                         + (f" on a share of each of {seat.trainers[0]}'s GPUs" if seat.in_trainer_group else "")
+                         + ")" for seat in seats))
     # A tensor-parallel engine's workers compute each on a CPU of their own where there is no GPU.
     return [start_sampler(seat.index, seat.base_model,
                           dataclasses.replace(config, tensor_parallel_size=seat.tensor_parallel),
-                          num_gpus=seat.num_gpus, num_cpus=seat.tensor_parallel) for seat in seats]
+                          num_gpus=seat.num_gpus, num_cpus=seat.tensor_parallel,
+                          group_of=seat.trainers[0] if seat.in_trainer_group else None) for seat in seats]
 
 
 def wait_for_samplers(handles: list, timeout_s: float, progress: Progress) -> None:

@@ -32,7 +32,7 @@ from cluster.sampler_actor import sampler_name
 from cluster.sampling_plane import SamplerRelay, SamplerSeat, samplers_of, trainer_gpu_share
 from cluster.timing import TimingPublisher, get_timing_actor
 from cluster.trainer_backend import build_backend
-from cluster.trainer_ranks import rank_bundles, rank_runtime_env
+from cluster.trainer_ranks import rank_bundles, rank_group_name, rank_runtime_env
 from cluster.worker_setup import freeze_startup
 from lilo.backend.checkpoints.index import (
     CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, latest_weights, list_checkpoints,
@@ -584,7 +584,7 @@ def rank_placement_group(trainer: str, ranks: int, gpus: float, node_id: str | N
     ``ranks`` GPUs. One left by an earlier trainer of that name goes."""
     remove_rank_placement_group(trainer)
     on_node = None if node_id is None else [{NODE_ID_LABEL_KEY: node_id}] * ranks
-    return placement_group(rank_bundles(ranks, gpus), strategy="STRICT_PACK", name=f"{trainer}-ranks",
+    return placement_group(rank_bundles(ranks, gpus), strategy="STRICT_PACK", name=rank_group_name(trainer),
                            lifetime="detached", bundle_label_selector=on_node)
 
 
@@ -592,7 +592,7 @@ def remove_rank_placement_group(trainer: str) -> None:
     """Free the GPUs (CPUs) a sharded trainer's placement group holds, once the trainer is gone for good; none
     is fine (a trainer of one rank has no group)."""
     try:
-        remove_placement_group(ray.util.get_placement_group(f"{trainer}-ranks"))
+        remove_placement_group(ray.util.get_placement_group(rank_group_name(trainer)))
     except ValueError:
         pass
 

@@ -75,9 +75,16 @@ def rendezvous_file(trainer: str) -> Path:
     return directory / f"{trainer}-{uuid.uuid4().hex}"
 
 
+def rank_group_name(trainer: str) -> str:
+    """The name of a sharded trainer's placement group (detached, like the trainer)."""
+    return f"{trainer}-ranks"
+
+
 def rank_bundles(ranks: int, gpus: float) -> list[dict[str, float]]:
-    """The placement group bundles of a trainer of ``ranks`` ranks: one CPU and ``gpus`` GPU each."""
-    return [{"CPU": 1.0, **({"GPU": gpus} if gpus else {})} for _ in range(ranks)]
+    """The placement group bundles of a trainer of ``ranks`` ranks whose ranks take ``gpus`` GPU each: one CPU and
+    a whole GPU each (where a rank takes less, a vLLM sampler beside the group has the rest of every bundle's GPU,
+    ``cluster.sampler_actor.group_gpu_ids``); without GPUs, one CPU."""
+    return [{"CPU": 1.0, **({"GPU": 1.0} if gpus else {})} for _ in range(ranks)]
 
 
 def rank_place(rank: int) -> dict[str, Any]:

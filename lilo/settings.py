@@ -167,12 +167,7 @@ class Settings:
         return max(self.model_ranks.values())
 
     def validate(self) -> "Settings":
-        default, overrides = parse_trainer_ranks(self.trainer_ranks)
-        if 0 < self.samplers < 1 and (default > 1 or any(ranks > 1 for ranks in overrides.values())):
-            raise SettingsError(f"--samplers {self.samplers:g} puts a vLLM sampler on a share of one GPU of each "
-                                "trainer, which would hold a whole base model that --trainer-ranks shards over "
-                                "several; give the samplers GPUs of their own (--samplers N) or leave sampling to "
-                                "the trainers (--samplers 0).")
+        _, overrides = parse_trainer_ranks(self.trainer_ranks)
         if self.tenants_file is not None:
             try:
                 read_tenants_file(self.tenants_file)

@@ -38,6 +38,17 @@ def test_a_sampler_of_a_sharded_base_model_takes_its_ranks_in_gpus_and_splits_th
     assert [seat.tensor_parallel for seat in sampler_layout(1, TRAINERS, gpus=False, ranks={"a": 2})] == [2, 1]
 
 
+def test_a_fraction_beside_a_sharded_trainer_takes_that_share_of_each_of_its_gpus_in_its_group():
+    seats = sampler_layout(0.25, TRAINERS, gpus=True, ranks={"a": 2})
+    assert [(seat.trainers, seat.num_gpus, seat.tensor_parallel, seat.in_trainer_group) for seat in seats] == [
+        (("lilo-trainer-0",), 0.25, 2, True), (("lilo-trainer-1",), 0.25, 1, False),
+        (("lilo-trainer-2",), 0.25, 2, True)]
+    # On CPU the engine is split the same way, on CPUs of its own: no group to join.
+    assert [(seat.tensor_parallel, seat.in_trainer_group) for seat in sampler_layout(
+        0.5, TRAINERS, gpus=False, ranks={"a": 2})] == [(2, False), (1, False), (2, False)]
+    assert not any(seat.in_trainer_group for seat in sampler_layout(1, TRAINERS, gpus=True, ranks={"a": 2}))
+
+
 def test_without_gpus_samplers_ask_for_none():
     assert {seat.num_gpus for seat in sampler_layout(0.5, TRAINERS, gpus=False)} == {0.0}
     assert {seat.num_gpus for seat in sampler_layout(1, TRAINERS, gpus=False)} == {0.0}

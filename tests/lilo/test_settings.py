@@ -47,8 +47,6 @@ def test_base_models_from_environment_keep_their_order():
         ({"follow_gpus": True}, "--follow-gpus needs a cluster whose GPU nodes come and go"),
         ({"trainer_ranks": "0"}, "--trainer-ranks takes N or MODEL=N with N at least 1"),
         ({"trainer_ranks": "2,other/model=4"}, "--trainer-ranks names other/model, which no --base-model serves"),
-        ({"trainer_ranks": "2", "samplers": 0.25},
-         "--samplers 0.25 puts a vLLM sampler on a share of one GPU of each trainer"),
     ],
 )
 def test_invalid_settings_say_what_to_change(overrides, message):
