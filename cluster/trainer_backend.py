@@ -40,7 +40,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
         join(group, device)
         # Memory-mapped on the host first, then each layer's shard onto the device: no device ever holds the whole
         # model, and no rank a private copy of it.
-        model, sharded = load_sharded_base(directory, device, compute_dtype(device))
+        model, sharded = load_sharded_base(directory, device, compute_dtype(device), config.model_cache_dir)
     follower = group is not None and group.rank > 0
     page_dir = config.page_dir / name if config.page_dir and not follower else None
     backend = TorchBackend(model, max_adapters=config.max_adapters, max_rank=config.max_rank,

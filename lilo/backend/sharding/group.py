@@ -80,15 +80,19 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def load_sharded_base(directory: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ShardedBase]:
+def load_sharded_base(directory: Path, device: torch.device, dtype: torch.dtype,
+                      cache_dir: Path | None = None) -> tuple[nn.Module, ShardedBase]:
     """This rank's part of the base model in ``directory``, in ``dtype`` on ``device`` (``shard_base_model``).
 
     It is loaded as stored, so its weights stay views of the memory-mapped files, whose pages the node's ranks
     share, and cast only once sharded: a rank copies its own shards and the replicated embeddings and head, never
-    the whole model (a cast before sharding would make every rank a private copy of all of it)."""
-    from lilo.backend.models import load_base_model
+    the whole model (a cast before sharding would make every rank a private copy of all of it). A checkpoint that
+    transformers would convert as it loads (per-expert MoE files) is read from its copy in the model's own layout
+    under ``cache_dir`` (lilo's model cache by default; ``native_layout``), made once per node."""
+    from lilo.backend.models import default_cache_dir, load_base_model
+    from lilo.backend.sharding.native_layout import native_layout
 
-    model = load_base_model(directory, "cpu", dtype="auto")
+    model = load_base_model(native_layout(directory, cache_dir or default_cache_dir()), "cpu", dtype="auto")
     return model, shard_base_model(model, device, dtype)
 
 
