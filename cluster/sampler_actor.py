@@ -31,7 +31,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.local import NAMESPACE, ClusterError
-from cluster.trainer_ranks import rank_group_name
+from cluster.trainer_ranks import assigned_gpu_ids, rank_group_name
 from lilo.backend.types import SamplingRequest
 from lilo.engine.contract import SampleResult
 from lilo.errors import LiloError
@@ -186,7 +186,7 @@ class SamplerActor:
 @ray.remote(num_cpus=0)
 def bundle_gpu_id() -> str:
     """The GPU this task was given a share of."""
-    return str(ray.get_gpu_ids()[0])
+    return assigned_gpu_ids()[0]
 
 
 def group_gpu_ids(timeout_s: float = 120.0) -> list[str]:
@@ -197,7 +197,7 @@ def group_gpu_ids(timeout_s: float = 120.0) -> list[str]:
     share = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
     further = [bundle_gpu_id.options(num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement, placement_group_bundle_index=index)).remote() for index in range(1, placement.bundle_count)]
-    return [str(gpu) for gpu in ray.get_gpu_ids()] + ray.get(further, timeout=timeout_s)
+    return assigned_gpu_ids() + ray.get(further, timeout=timeout_s)
 
 
 def sampler_strategy(node_id: str | None, group_of: str | None) -> Any:

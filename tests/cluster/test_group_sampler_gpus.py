@@ -21,6 +21,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.sampler_actor import group_gpu_ids, sampler_strategy
 from cluster.trainer_actor import rank_placement_group
+from cluster.trainer_ranks import assigned_gpu_ids
 
 ray.init(address=sys.argv[1], namespace="lilo", logging_level="ERROR")
 group = rank_placement_group({TRAINER!r}, 2, {1 - SHARE})  # as start_trainer makes it for ranks taking 1 - F
@@ -30,7 +31,7 @@ beside = sampler_strategy(None, {TRAINER!r})  # found by name at once, as start_
 @ray.remote
 class Holder:
     def gpus(self):
-        return [str(gpu) for gpu in ray.get_gpu_ids()]
+        return assigned_gpu_ids()
 
     def group_gpus(self):
         return group_gpu_ids(timeout_s=60)
