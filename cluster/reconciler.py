@@ -50,8 +50,8 @@ from cluster.local import NAMESPACE
 from cluster.placement import models_placed, named_actor
 from cluster.scaling import GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, \
     trainers_to_start
-from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler
-from cluster.sampling_plane import sampler_config, trainer_gpu_share
+from cluster.sampler_actor import SamplerConfig, sampler_name
+from cluster.sampling_plane import SamplerSeat, sampler_config, start_seat, trainer_gpu_share
 from cluster.timing import get_timing_actor
 from cluster.trainer_actor import (
     TRAINER_PREFIX, TrainerConfig, remove_rank_placement_group, start_trainer, trainer_name,
@@ -257,9 +257,8 @@ class ReconcilerActor:
         node only once it is placed: a trainer started on demand waited for the autoscaler's node); beside a trainer
         of several ranks, on the share of each of its GPUs, its engine tensor parallel over them."""
         index = int(trainer[len(TRAINER_PREFIX):])
-        start_sampler(index, base_model, dataclasses.replace(self._config.sampler, tensor_parallel_size=ranks),
-                      num_gpus=self._config.sampler_share, node_id=node_id,
-                      group_of=trainer if ranks > 1 else None)
+        start_seat(SamplerSeat(index, base_model, self._config.sampler_share, (trainer,), ranks), self._config.sampler,
+                   node_id)
         logger.warning("starting sampler %s beside trainer %s", sampler_name(index), trainer)
 
     def _kill(self, name: str) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import ray
 
 from cluster.placement import named_actor
-from cluster.sampler_actor import SamplerConfig
+from cluster.sampler_actor import SamplerConfig, start_sampler
 from lilo.backend.checkpoints.paths import TINKER_SCHEME, local_directory
 from lilo.backend.types import SamplingRequest
 from lilo.backend.vllm_sampler import vllm_unsupported
@@ -110,6 +110,16 @@ def sampler_config(settings: Settings) -> SamplerConfig:
     share = settings.samplers if 0 < settings.samplers < 1 else DEDICATED_GPU_SHARE
     return SamplerConfig(max_loras=settings.sampler_max_loras, max_rank=settings.max_rank, device=settings.device,
                          gpu_fraction=share)
+
+
+def start_seat(seat: SamplerSeat, config: SamplerConfig, node_id: str | None = None) -> ray.actor.ActorHandle:
+    """Start the sampler of ``seat``: its engine split over ``seat.tensor_parallel`` workers (each on a CPU of its
+    own where there is no GPU), in its trainer's placement group when it shares that group's GPUs
+    (``in_trainer_group``), else on ``node_id`` when given."""
+    return start_sampler(seat.index, seat.base_model,
+                         dataclasses.replace(config, tensor_parallel_size=seat.tensor_parallel),
+                         num_gpus=seat.num_gpus, num_cpus=seat.tensor_parallel, node_id=node_id,
+                         group_of=seat.trainers[0] if seat.in_trainer_group else None)
 
 
 def samplers_of(trainer: str, seats: Sequence[SamplerSeat], name_of: Callable[[int], str]) -> tuple[str, ...]:

@@ -285,8 +285,8 @@ def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
     """Start the vLLM sampler actors of ``seats`` (they load while the trainers do); their handles."""
     if not seats:
         return []
-    from cluster.sampler_actor import sampler_name, start_sampler, vllm_available
-    from cluster.sampling_plane import sampler_config
+    from cluster.sampler_actor import sampler_name, vllm_available
+    from cluster.sampling_plane import sampler_config, start_seat
 
     if not vllm_available():
         raise ClusterError(f"--samplers {settings.samplers:g} needs vLLM, which is not installed: run "
@@ -299,11 +299,7 @@ def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
                          + (f", tensor parallel over {seat.tensor_parallel}" if seat.tensor_parallel > 1 else "")
                          + (f" on a share of each of {seat.trainers[0]}'s GPUs" if seat.in_trainer_group else "")
                          + ")" for seat in seats))
-    # A tensor-parallel engine's workers compute each on a CPU of their own where there is no GPU.
-    return [start_sampler(seat.index, seat.base_model,
-                          dataclasses.replace(config, tensor_parallel_size=seat.tensor_parallel),
-                          num_gpus=seat.num_gpus, num_cpus=seat.tensor_parallel,
-                          group_of=seat.trainers[0] if seat.in_trainer_group else None) for seat in seats]
+    return [start_seat(seat, config) for seat in seats]
 
 
 def wait_for_samplers(handles: list, timeout_s: float, progress: Progress) -> None:
