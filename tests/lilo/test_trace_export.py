@@ -3,6 +3,7 @@ spans of a request under the trace it carried; a coalesced pass linked to every 
 never holds the caller. Real OpenTelemetry SDK and OTLP/HTTP exporter, sending to a real receiver on loopback."""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -110,10 +111,19 @@ def test_a_dead_collector_never_holds_the_caller_and_its_losses_are_counted():
 
 def test_a_full_queue_drops_spans_instead_of_waiting():
     class Stuck:
+        def __init__(self):
+            self.entered = threading.Event()
+
         def export(self, batch):
+            self.entered.set()
             time.sleep(60)
 
-    processor = BoundedExport(Stuck(), max_queued=10)
+    exporter = Stuck()
+    processor = BoundedExport(exporter, max_queued=10, every_s=0.01)
+    # The thread stuck in an export of one span first: while it takes spans, a busy machine may let it take any
+    # number of them into its batch, and only a stuck thread makes the queue's bound the only room left.
+    processor.on_end(-1)
+    assert exporter.entered.wait(10)
     for index in range(100):
         processor.on_end(index)
-    assert processor.counts.dropped >= 89  # the thread took one batch (of at most all ten) before getting stuck
+    assert processor.counts.dropped == 90  # ten queued behind the stuck export, the rest dropped at once
