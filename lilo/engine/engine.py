@@ -63,7 +63,8 @@ class EngineStopped(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Window:
-    """A coalescing window held open for the pass anchored at ``request_id``."""
+    """A coalescing window held open for the pass of the command ``request_id``: it stays that pass's window while
+    the command is in the batch, wherever the rotation puts it once the awaited commands joined (it may come second)."""
 
     request_id: str
     opened_s: float
@@ -319,7 +320,7 @@ class Engine:
                     if beat is not None and beat.tokens <= spare + self._displaceable(model, batch)}
             claims = any(beat.tokens > spare for beat in idle.values())
         window = self._window
-        if window is None or window.request_id != anchor.request_id:
+        if window is None or window.request_id not in {command.request_id for command in batch}:
             pass_s = self._rhythm.pass_s(anchor.kind)
             length = (window_s(pass_s, max(self._window_cap_s, FAIR_WINDOW_CAP_S), FAIR_WINDOW_SHARE_OF_PASS)
                       if claims else window_s(pass_s, self._window_cap_s))
@@ -344,7 +345,7 @@ class Engine:
         """``batch`` runs now: if it held a window open, that wait is a ``coalesce_wait:<kind>`` span of every
         command in it (its queue wait ends where the window opened; one that arrived meanwhile waited less)."""
         window, self._window = self._window, None
-        if window is not None and window.request_id == batch[0].request_id:
+        if window is not None and any(command.request_id == window.request_id for command in batch):
             self.observer.span([command.model_id for command in batch], f"coalesce_wait:{batch[0].kind}",
                                COMPUTE_LANE, window.opened_s, self._clock(),
                                request_ids=[command.request_id for command in batch], n=len(batch), ok=True)

@@ -71,6 +71,19 @@ class SlowBackend(RecordingBackend):
         return super()._batch(name, commands)
 
 
+class WaitTimes(Recorder):
+    """Also keeps how long each coalescing window was held open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def span(self, model, name, lane, t0, t1=None, **attrs):
+        super().span(model, name, lane, t0, t1, **attrs)
+        if name.startswith("coalesce_wait:"):
+            self.waits.append(t1 - t0)
+
+
 def lockstep(engine, models, steps, lag_s, first=1, kind=Kind.FORWARD_BACKWARD):
     """Each model a client thread: submit its step, wait for its result, submit the next, ``steps`` times from seq
     ``first``; each round starts together, the i-th client ``i * lag_s`` behind the first."""
@@ -107,6 +120,22 @@ def test_lockstep_clients_a_few_ms_apart_share_every_pass_once_in_rhythm(kind):
     # Step 1 teaches the engine the pass duration, step 2 each model's think time; from then on one pass a round.
     assert all(len(ids) == 3 for ids in passes(backend, kind)[-4:]), passes(backend, kind)
     assert windows(recorder)
+    engine.stop()
+
+
+def test_two_lockstep_clients_see_each_wait_as_one_span_from_where_the_window_opened():
+    """With two models the one waited for comes first in the rotation when it joins (the last pass's anchor went to
+    the back): the window is still the first one's, so its wait is recorded and its deadline kept."""
+    backend, recorder = SlowBackend(pass_s=0.2), WaitTimes()
+    engine = Engine(backend, recorder)
+    for model in "ab":
+        engine.create_model(model, spec={"rank": 8}).result(timeout=10)
+    lockstep(engine, "ab", steps=8, lag_s=0.01)
+    assert all(len(ids) == 2 for ids in passes(backend)[-4:]), passes(backend)
+    # From step 3 every round waits, from a's arrival to b's 10 ms later: never dropped or restarted when b's
+    # command comes first, and never past the window (a quarter of the 0.2 s pass).
+    assert len(recorder.waits) >= 5, recorder.waits
+    assert all(0.005 <= wait <= WINDOW_SHARE_OF_PASS * 0.2 + 0.005 for wait in recorder.waits), recorder.waits
     engine.stop()
 
 
