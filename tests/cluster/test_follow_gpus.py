@@ -76,11 +76,19 @@ def test_a_joined_gpu_node_gets_a_trainer_that_takes_models(service, sdk):
     for n, client in enumerate(clients):
         assert np.isfinite(client.forward_backward([sdk_datum(n)], "cross_entropy").result(timeout=120)
                            .metrics["loss:sum"])
-    (trainer,) = trainers_on(service.trainers(), node)
-    assert trainer["models"] == SLOTS and trainer["free_slots"] == 0
-    # The cluster's timing view counts the trainers (gauges the reconciler sets every second).
-    gauges = httpx.get(f"{service.api_url}/api/v1/timing", headers={"X-API-Key": "tml-local-test"}).json()["gauges"]
-    assert gauges["trainers.ready"] == 1 and gauges["trainers.idle"] == 0 and gauges["trainers.starting"] == 0
+    # The status counts models on the reconciler's tick (every second, later on a loaded machine): wait for it.
+    service.wait_for(lambda ts: [t for t in trainers_on(ts, node) if t["models"] == SLOTS and t["free_slots"] == 0],
+                     timeout_s=30, what=f"{SLOTS} models and no free slot on the joined node's trainer")
+    # The cluster's timing view counts the trainers (gauges the reconciler publishes at the end of that tick).
+    expected = {"trainers.ready": 1, "trainers.idle": 0, "trainers.starting": 0}
+    deadline = time.monotonic() + 10
+    while True:
+        gauges = httpx.get(f"{service.api_url}/api/v1/timing", headers={"X-API-Key": "tml-local-test"}).json()
+        counted = {name: gauges["gauges"].get(name) for name in expected}
+        if counted == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert counted == expected, gauges["gauges"]
     service.clients = clients
     print(f"\n[follow-gpus] {json.dumps(service.figures)}")
 
