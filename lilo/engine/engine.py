@@ -70,6 +70,9 @@ class _Window:
     opened_s: float
     deadline_s: float
 
+    def opened_for(self, batch: Sequence[Command]) -> bool:
+        return any(command.request_id == self.request_id for command in batch)
+
 
 class Engine:
     def __init__(self, backend: Backend[Any], observer: Observer | None = None, *,
@@ -320,7 +323,7 @@ class Engine:
                     if beat is not None and beat.tokens <= spare + self._displaceable(model, batch)}
             claims = any(beat.tokens > spare for beat in idle.values())
         window = self._window
-        if window is None or window.request_id not in {command.request_id for command in batch}:
+        if window is None or not window.opened_for(batch):
             pass_s = self._rhythm.pass_s(anchor.kind)
             length = (window_s(pass_s, max(self._window_cap_s, FAIR_WINDOW_CAP_S), FAIR_WINDOW_SHARE_OF_PASS)
                       if claims else window_s(pass_s, self._window_cap_s))
@@ -345,7 +348,7 @@ class Engine:
         """``batch`` runs now: if it held a window open, that wait is a ``coalesce_wait:<kind>`` span of every
         command in it (its queue wait ends where the window opened; one that arrived meanwhile waited less)."""
         window, self._window = self._window, None
-        if window is not None and any(command.request_id == window.request_id for command in batch):
+        if window is not None and window.opened_for(batch):
             self.observer.span([command.model_id for command in batch], f"coalesce_wait:{batch[0].kind}",
                                COMPUTE_LANE, window.opened_s, self._clock(),
                                request_ids=[command.request_id for command in batch], n=len(batch), ok=True)
