@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -70,7 +71,7 @@ def measure(weights, directory: Path, scratch: Path, ranks: int, dtype_name: str
     model_bytes = sum(p.numel() for p in weights.parameters()) * size
     whole = sum(p.numel() for name, p in weights.named_parameters() if ".layers." not in name) * size
     answers = mp.get_context("spawn").Queue()
-    rendezvous = scratch / f"rendezvous-{len(list(scratch.glob('rendezvous-*')))}"
+    rendezvous = scratch / f"rendezvous-{uuid.uuid4().hex}"  # a fresh one per measurement
     mp.spawn(one_rank, args=(ranks, str(directory), str(rendezvous), dtype_name, answers), nprocs=ranks)
     by_rank = sorted(answers.get() for _ in range(ranks))
     return {**labels, "dtype": dtype_name, "loaded_mb": [loaded for _, loaded, _ in by_rank],
