@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import json
 import os
 import pkgutil
@@ -26,6 +27,24 @@ LOOPBACK_IPS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 # The key the tests' own requests carry (the session cluster's keys file makes it the tenant "local").
 API_KEY = "tml-local-test"
 TINKER_CLI = str(Path(sys.executable).parent / "tinker")
+# Indices of the trainers and samplers tests start themselves, far above the service's own (0, 1, ...): one count for
+# the whole session, so no two of them are ever named alike (two random draws were, and the second start failed).
+_test_actor_indices = itertools.count(700)
+
+
+def fresh_actor_index() -> int:
+    """An index for a trainer or sampler a test starts itself, unique in this test session."""
+    return next(_test_actor_indices)
+
+
+def stop_trainer(actor) -> None:
+    """Stop a trainer a test started (as the service does: its ranks and its threads) and free its CPUs, also when it
+    never got ready or already died: one left running holds CPUs the later tests' actors would wait for."""
+    import ray
+
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.get(actor.stop.remote(), timeout=60)
+    ray.kill(actor)
 
 
 def tinker_cli(service, *args: str, api_key: str = API_KEY, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from cluster.trainer_actor import TrainerConfig, start_trainer, trainer_name
-from helpers import train_input
+from helpers import fresh_actor_index, stop_trainer, train_input
 from lilo.backend.paging.files import page_file_name
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
@@ -46,7 +46,7 @@ def restarted(actor, pid: int, within_s: float = 300.0) -> int:
 def one_slot_trainer(tmp_path_factory, host_adapter_mb: int) -> tuple:
     """A trainer of one slot that pages to host memory (``host_adapter_mb``) and disk; its handle, its page
     directory and its checkpoint directory."""
-    index = 900 + uuid.uuid4().int % 99
+    index = fresh_actor_index()
     pages, checkpoints = tmp_path_factory.mktemp("pages"), tmp_path_factory.mktemp("checkpoints")
     config = TrainerConfig(max_adapters=1, max_rank=8, sampler_slots=0, device="auto", compute_nice=0,
                            checkpoint_dir=checkpoints, model_cache_dir=tmp_path_factory.mktemp("models"),
@@ -111,8 +111,7 @@ def test_a_killed_trainers_models_come_back_from_their_newer_copy_and_an_unloade
             result = run(model_id, 6, Kind.FORWARD_BACKWARD, train_input(6), tokens=32)
             assert result["metrics"]["loss:sum"] > 0
     finally:
-        ray.get(actor.stop.remote(), timeout=60)
-        ray.kill(actor)
+        stop_trainer(actor)
 
 
 def test_a_stopping_trainer_saves_its_paged_models_too(ray_driver, tmp_path_factory):

@@ -4,7 +4,6 @@ greedy tokens, within fp32 tolerance (the followers' gradients are summed into r
 differs from one rank's accumulation: about 1e-6 relative here). The three models page through two slots on both."""
 
 import json
-import uuid
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import ray
 import torch
 
 from cluster.trainer_actor import TrainerConfig, remove_rank_placement_group, start_trainer, trainer_name
+from helpers import fresh_actor_index, stop_trainer
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_state
 from lilo.backend.registry import DEFAULT_BASE_MODEL
@@ -37,7 +37,7 @@ def _trainers(tmp_path_factory, base_model, ranks):
     config = TrainerConfig(max_adapters=2, max_rank=8, sampler_slots=1, device="cpu", compute_nice=0,
                            host_adapter_mb=64, checkpoint_dir=tmp_path_factory.mktemp(f"checkpoints-{ranks}"),
                            max_batch_tokens=256)
-    index = 700 + uuid.uuid4().int % 99
+    index = fresh_actor_index()
     return start_trainer(index, base_model, config, num_cpus=1, ranks=ranks), config, trainer_name(index)
 
 
@@ -45,13 +45,16 @@ def _trainers(tmp_path_factory, base_model, ranks):
 # (SmolLM2-135M: 30 layers, tied embeddings, 49k vocabulary).
 @pytest.fixture(scope="module", params=["lilo/tiny-llama", "lilo/tiny-qwen3-moe", DEFAULT_BASE_MODEL])
 def pair(request, ray_driver, tmp_path_factory):
-    started = [_trainers(tmp_path_factory, request.param, ranks) for ranks in (1, 2)]
-    infos = ray.get([actor.ready.remote() for actor, _, _ in started], timeout=300)
-    yield [(actor, config, info) for (actor, config, _), info in zip(started, infos)]
-    for actor, _, name in started:
-        ray.get(actor.stop.remote(), timeout=60)
-        ray.kill(actor)
-        remove_rank_placement_group(name)  # its CPUs, for the next model's pair
+    started = []
+    try:
+        for ranks in (1, 2):
+            started.append(_trainers(tmp_path_factory, request.param, ranks))
+        infos = ray.get([actor.ready.remote() for actor, _, _ in started], timeout=300)
+        yield [(actor, config, info) for (actor, config, _), info in zip(started, infos)]
+    finally:  # also when a start failed
+        for actor, _, name in started:
+            stop_trainer(actor)
+            remove_rank_placement_group(name)  # its CPUs, for the next model's pair
 
 
 def _datum(rng, length):

@@ -15,7 +15,7 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.trainer_actor import TrainerConfig, lower_thread_priority, start_trainer, trainer_name
-from helpers import AUTH, train_input
+from helpers import AUTH, fresh_actor_index, stop_trainer, train_input
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import SaturatedError, UnavailableError
@@ -24,15 +24,15 @@ from lilo.settings import load_settings
 
 @pytest.fixture(scope="module")
 def trainer(ray_driver, tmp_path_factory):
-    index = 900 + uuid.uuid4().int % 99
+    index = fresh_actor_index()
     config = TrainerConfig(max_adapters=4, max_rank=8, sampler_slots=2, device="auto", compute_nice=0,
                            checkpoint_dir=tmp_path_factory.mktemp("checkpoints"),
                            model_cache_dir=tmp_path_factory.mktemp("models"))
     actor = start_trainer(index, "lilo/tiny-llama", config)
-    info = ray.get(actor.ready.remote(), timeout=300)
-    yield actor, info
-    ray.get(actor.stop.remote(), timeout=60)
-    ray.kill(actor)
+    try:
+        yield actor, ray.get(actor.ready.remote(), timeout=300)
+    finally:
+        stop_trainer(actor)
 
 
 def test_a_trainer_trains_its_models_on_its_own_torch_thread(trainer):
@@ -161,7 +161,7 @@ def test_every_trainer_is_built_from_the_settings_of_its_service(tmp_path):
 
 def test_a_paging_trainer_takes_more_models_than_slots_and_keeps_their_page_files_under_its_name(
         ray_driver, tmp_path_factory):
-    index = 900 + uuid.uuid4().int % 99
+    index = fresh_actor_index()
     pages = tmp_path_factory.mktemp("pages")
     config = TrainerConfig(max_adapters=1, max_rank=8, sampler_slots=0, device="auto", compute_nice=0,
                            checkpoint_dir=tmp_path_factory.mktemp("checkpoints"),
@@ -178,5 +178,4 @@ def test_a_paging_trainer_takes_more_models_than_slots_and_keeps_their_page_file
                                              payload=train_input(1), tokens=32)), timeout=60)
         assert len(list((pages / trainer_name(index)).glob("*.page.safetensors"))) == 2
     finally:
-        ray.get(actor.stop.remote(), timeout=60)
-        ray.kill(actor)
+        stop_trainer(actor)

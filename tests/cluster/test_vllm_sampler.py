@@ -14,6 +14,7 @@ import torch
 
 from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler, vllm_available
 from conftest import TINY_DIRECTORY
+from helpers import fresh_actor_index
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command, Kind
@@ -59,7 +60,7 @@ def torch_side(ray_driver, tmp_path_factory):
 def published_sampler(directories: dict[str, str], workers: int = 1):
     """A sampler actor of the tiny model (its engine split over ``workers`` tensor-parallel processes) with both
     adapters published under their own names: (actor, what it said it serves); killed after."""
-    actor = start_sampler(900 + uuid.uuid4().int % 99, str(TINY_DIRECTORY),
+    actor = start_sampler(fresh_actor_index(), str(TINY_DIRECTORY),
                           SamplerConfig(max_loras=4, max_rank=32, device="cpu", kv_cache_gb=1.0,
                                         tensor_parallel_size=workers), num_cpus=workers)
     try:
