@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import orjson
 import ray
+from ray.exceptions import ActorAlreadyExistsError
 from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -564,8 +565,10 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
     ``node_id`` it lives on that node only: Ray restarts it there if its process dies, and it dies with the node
     (the reconciler starts trainers on the nodes that are left or join). With ``ranks`` > 1 it spans that many
     GPUs (CPUs without GPUs) of one node (``node_id``'s, when given): a placement group of one bundle per rank, the
-    trainer in the first."""
+    trainer in the first. An index whose trainer is still running is refused (ActorAlreadyExistsError)."""
     name = trainer_name(index)
+    # Before the group: making it removes the group of an earlier trainer of this name, and what runs in it.
+    _refuse_taken_name(name)
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     runtime_env: dict[str, Any] | None = None
@@ -573,9 +576,22 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
         strategy = PlacementGroupSchedulingStrategy(rank_placement_group(name, ranks, num_gpus, node_id),
                                                     placement_group_bundle_index=0)
         runtime_env = rank_runtime_env(num_gpus)
-    return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-                                lifetime="detached", scheduling_strategy=strategy, runtime_env=runtime_env).remote(
-                                    name, base_model, config, tuple(samplers), ranks)
+    try:
+        return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
+                                    lifetime="detached", scheduling_strategy=strategy,
+                                    runtime_env=runtime_env).remote(name, base_model, config, tuple(samplers), ranks)
+    except Exception:  # the name taken since the check, say: a group without its trainer would hold GPUs for ever
+        remove_rank_placement_group(name)
+        raise
+
+
+def _refuse_taken_name(name: str) -> None:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return
+    raise ActorAlreadyExistsError(f"a trainer named {name} is running: stop it first, or start this one under "
+                                  "another index")
 
 
 def rank_placement_group(trainer: str, ranks: int, gpus: float, node_id: str | None = None) -> PlacementGroup:

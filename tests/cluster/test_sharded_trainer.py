@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import ray
 import torch
+from ray.exceptions import ActorAlreadyExistsError
 
 from cluster.trainer_actor import TrainerConfig, remove_rank_placement_group, start_trainer, trainer_name
+from cluster.trainer_ranks import rank_group_name
 from helpers import fresh_actor_index, stop_trainer
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_state
@@ -33,10 +35,14 @@ RTOL = 1e-3
 ULP = torch.finfo(torch.float32).eps
 
 
+def _config(tmp_path_factory, ranks: int) -> TrainerConfig:
+    return TrainerConfig(max_adapters=2, max_rank=8, sampler_slots=1, device="cpu", compute_nice=0,
+                         host_adapter_mb=64, checkpoint_dir=tmp_path_factory.mktemp(f"checkpoints-{ranks}"),
+                         max_batch_tokens=256)
+
+
 def _trainers(tmp_path_factory, base_model, ranks):
-    config = TrainerConfig(max_adapters=2, max_rank=8, sampler_slots=1, device="cpu", compute_nice=0,
-                           host_adapter_mb=64, checkpoint_dir=tmp_path_factory.mktemp(f"checkpoints-{ranks}"),
-                           max_batch_tokens=256)
+    config = _config(tmp_path_factory, ranks)
     index = fresh_actor_index()
     return start_trainer(index, base_model, config, num_cpus=1, ranks=ranks), config, trainer_name(index)
 
@@ -123,3 +129,31 @@ def test_the_ranks_say_where_they_run_and_what_each_holds(pair):
     # Every rank holds the LoRA bank and its gradients; only rank 0, which steps the optimizer, its Adam moments.
     assert ranks[0]["adapter_state_bytes"] == whole["adapter_state_bytes"] == 2 * ranks[1]["adapter_state_bytes"]
     assert ranks[0]["exchanged"]["gathered"] > 0 and ranks[0]["exchanged"]["passes"] > 0
+
+
+def _group_id(trainer: str):
+    try:
+        return ray.util.get_placement_group(rank_group_name(trainer)).id
+    except ValueError:
+        return None
+
+
+def test_a_start_under_a_running_trainers_name_is_refused_and_a_failed_start_leaves_no_group(
+        ray_driver, tmp_path_factory):
+    config = _config(tmp_path_factory, ranks=2)
+    running_index, failed_index = fresh_actor_index(), fresh_actor_index()
+    running = start_trainer(running_index, "lilo/tiny-llama", config, ranks=2)
+    name = trainer_name(running_index)
+    try:
+        group = _group_id(name)
+        assert group is not None
+        with pytest.raises(ActorAlreadyExistsError, match=f"a trainer named {name} is running"):
+            start_trainer(running_index, "lilo/tiny-llama", config, ranks=2)
+        assert _group_id(name) == group  # the running trainer's ranks keep their GPUs (CPUs here)
+        # A start that fails after its group was made (here on a setting Ray refuses) takes the group back.
+        with pytest.raises(ValueError, match="cannot be negative"):
+            start_trainer(failed_index, "lilo/tiny-llama", config, num_cpus=-1, ranks=2)
+        assert _group_id(trainer_name(failed_index)) is None
+    finally:
+        ray.kill(running)  # it never took a model: nothing to stop
+        remove_rank_placement_group(name)
