@@ -604,13 +604,20 @@ def rank_placement_group(trainer: str, ranks: int, gpus: float, node_id: str | N
                            lifetime="detached", bundle_label_selector=on_node)
 
 
+def existing_rank_placement_group(trainer: str) -> PlacementGroup | None:
+    """The placement group named for ``trainer``, or None (a trainer of one rank has none)."""
+    try:
+        return ray.util.get_placement_group(rank_group_name(trainer))
+    except ValueError:
+        return None
+
+
 def remove_rank_placement_group(trainer: str) -> None:
     """Free the GPUs (CPUs) a sharded trainer's placement group holds, once the trainer is gone for good; none
-    is fine (a trainer of one rank has no group)."""
-    try:
-        remove_placement_group(ray.util.get_placement_group(rank_group_name(trainer)))
-    except ValueError:
-        pass
+    is fine."""
+    group = existing_rank_placement_group(trainer)
+    if group is not None:
+        remove_placement_group(group)
 
 
 def ray_gpus() -> float:

@@ -11,8 +11,8 @@ import ray
 import torch
 from ray.exceptions import ActorAlreadyExistsError
 
-from cluster.trainer_actor import TrainerConfig, remove_rank_placement_group, start_trainer, trainer_name
-from cluster.trainer_ranks import rank_group_name
+from cluster.trainer_actor import (TrainerConfig, existing_rank_placement_group, remove_rank_placement_group,
+                                   start_trainer, trainer_name)
 from helpers import fresh_actor_index, stop_trainer
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_state
@@ -131,13 +131,6 @@ def test_the_ranks_say_where_they_run_and_what_each_holds(pair):
     assert ranks[0]["exchanged"]["gathered"] > 0 and ranks[0]["exchanged"]["passes"] > 0
 
 
-def _group_id(trainer: str):
-    try:
-        return ray.util.get_placement_group(rank_group_name(trainer)).id
-    except ValueError:
-        return None
-
-
 def test_a_start_under_a_running_trainers_name_is_refused_and_a_failed_start_leaves_no_group(
         ray_driver, tmp_path_factory):
     config = _config(tmp_path_factory, ranks=2)
@@ -145,15 +138,16 @@ def test_a_start_under_a_running_trainers_name_is_refused_and_a_failed_start_lea
     running = start_trainer(running_index, "lilo/tiny-llama", config, ranks=2)
     name = trainer_name(running_index)
     try:
-        group = _group_id(name)
+        group = existing_rank_placement_group(name)
         assert group is not None
         with pytest.raises(ActorAlreadyExistsError, match=f"a trainer named {name} is running"):
             start_trainer(running_index, "lilo/tiny-llama", config, ranks=2)
-        assert _group_id(name) == group  # the running trainer's ranks keep their GPUs (CPUs here)
+        # The running trainer's ranks keep their group and so their GPUs (CPUs here).
+        assert existing_rank_placement_group(name).id == group.id
         # A start that fails after its group was made (here on a setting Ray refuses) takes the group back.
         with pytest.raises(ValueError, match="cannot be negative"):
             start_trainer(failed_index, "lilo/tiny-llama", config, num_cpus=-1, ranks=2)
-        assert _group_id(trainer_name(failed_index)) is None
+        assert existing_rank_placement_group(trainer_name(failed_index)) is None
     finally:
         ray.kill(running)  # it never took a model: nothing to stop
         remove_rank_placement_group(name)
