@@ -1,12 +1,14 @@
 """Read back the records of an offline W&B run file (``run-<id>.wandb``), the way W&B's sync would.
 
 The file is a LevelDB-style log: a 7-byte header, then 32 KiB blocks of chunks (crc32, length, type) that join
-into protobuf ``Record`` messages.
+into protobuf ``Record`` messages. W&B's writer may still be appending while a test reads: a chunk cut short or
+failing its checksum is the tail it has not finished, so reading stops there and leaves out the record it began.
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
@@ -24,11 +26,13 @@ def read_records(path: Path) -> list:
         if left_in_block < HEADER:
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
         if length == 0 and kind == 0:
             pos += left_in_block
             continue
         chunk = data[pos + HEADER:pos + HEADER + length]
+        if len(chunk) < length or crc != zlib.crc32(chunk, zlib.crc32(bytes([kind]))):
+            break  # the writer's unfinished tail
         pos += HEADER + length
         if kind == FULL:
             records.append(chunk)
