@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import httpx
 import numpy as np
@@ -30,6 +30,25 @@ TINKER_CLI = str(Path(sys.executable).parent / "tinker")
 # Indices of the trainers and samplers tests start themselves, far above the service's own (0, 1, ...): one count for
 # the whole session, so no two of them are ever named alike (two random draws were, and the second start failed).
 _test_actor_indices = itertools.count(700)
+T = TypeVar("T")
+
+
+def eventually(condition: Callable[[], T], what: str | Callable[[], str], timeout_s: float = 60.0,
+               every_s: float = 0.5, ignoring: tuple[type[BaseException], ...] = ()) -> T:
+    """``condition()``'s first truthy value, asked every ``every_s`` seconds; the test fails, saying ``what`` (a
+    sentence, or a function that writes one from what was last seen), when none comes within ``timeout_s``. An
+    error of a type in ``ignoring`` (an actor restarting, say) counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = condition()
+        except ignoring:
+            found = None
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what() if callable(what) else what}")
+        time.sleep(every_s)
 
 
 def fresh_actor_index() -> int:
@@ -154,19 +173,15 @@ def pending_requests(db_path: Path, model_id: str) -> int:
                                   (model_id,)).fetchone()[0]
 
 
-def heartbeat_written(db_path: str | Path, session_id: str, since: float, timeout_s: float = 30.0) -> bool:
-    """Whether, within ``timeout_s``, the futures DB file records a heartbeat of ``session_id`` at ``since`` or
-    later."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with sqlite3.connect(db_path) as reader:
+def wait_for_heartbeat(db_path: str | Path, session_id: str, since: float, timeout_s: float = 30.0) -> None:
+    """Until the futures DB file records a heartbeat of ``session_id`` at ``since`` or later."""
+    def beaten_since() -> bool:
+        with contextlib.closing(sqlite3.connect(db_path)) as reader:
             (beaten_at,) = reader.execute("SELECT last_heartbeat_at FROM sessions WHERE session_id = ?",
                                           (session_id,)).fetchone()
-        if beaten_at >= since:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
+        return beaten_at >= since
+
+    eventually(beaten_since, f"a heartbeat of {session_id} written to {db_path}", timeout_s)
 
 
 def unload_models(api_url: str, model_ids: list[str], api_key: str = "tml-local-test") -> None:
@@ -244,13 +259,15 @@ class ClusterService:
         return status["trainers"] if status else []
 
     def wait_for(self, predicate, timeout_s: float = 120.0, what: str = "") -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            trainers = self.trainers()
-            if predicate(trainers):
-                return trainers
-            assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s; trainers: {trainers}"
-            time.sleep(0.5)
+        """The trainers ``lilo status`` lists, once ``predicate`` holds of them."""
+        seen: list[list[dict]] = [[]]
+
+        def holds() -> bool:
+            seen[0] = self.trainers()
+            return bool(predicate(seen[0]))
+
+        eventually(holds, lambda: f"{what}; trainers: {seen[0]}", timeout_s)
+        return seen[0]
 
     def add_gpu_node(self, label: str, gpus: int = 1):
         """A node of ``gpus`` fake GPUs and a CPU for each (a trainer's rank, or a trainer, takes one of both)."""

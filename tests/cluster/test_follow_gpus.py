@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import tinker
 
-from helpers import sdk_datum, service_on_test_cluster, trainers_on
+from helpers import eventually, sdk_datum, service_on_test_cluster, trainers_on
 
 TINY = "lilo/tiny-llama"
 # Adapter slots per trainer, and no host or disk tier to page to: two models fill one (with paging tiers, a trainer
@@ -81,14 +81,15 @@ def test_a_joined_gpu_node_gets_a_trainer_that_takes_models(service, sdk):
                      timeout_s=30, what=f"{SLOTS} models and no free slot on the joined node's trainer")
     # The cluster's timing view counts the trainers (gauges the reconciler publishes at the end of that tick).
     expected = {"trainers.ready": 1, "trainers.idle": 0, "trainers.starting": 0}
-    deadline = time.monotonic() + 10
-    while True:
-        gauges = httpx.get(f"{service.api_url}/api/v1/timing", headers={"X-API-Key": "tml-local-test"}).json()
-        counted = {name: gauges["gauges"].get(name) for name in expected}
-        if counted == expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert counted == expected, gauges["gauges"]
+    gauges: dict = {}
+
+    def counted() -> bool:
+        gauges.clear()
+        gauges.update(httpx.get(f"{service.api_url}/api/v1/timing", headers={"X-API-Key": "tml-local-test"}).json()
+                      ["gauges"])
+        return {name: gauges.get(name) for name in expected} == expected
+
+    eventually(counted, lambda: f"the gauges {expected}; gauges: {gauges}", timeout_s=10)
     service.clients = clients
     print(f"\n[follow-gpus] {json.dumps(service.figures)}")
 

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from cluster.futures_actor import get_futures_actor
-from helpers import heartbeat_written
+from helpers import eventually, wait_for_heartbeat
 from lilo.errors import ConflictError, InvalidRequestError, NotFoundError
 from lilo.futures.store import Completion, Submission
 
@@ -84,7 +84,7 @@ def test_heartbeats_noted_by_the_api_are_written_in_the_background(futures):
     # None of them touched SQLite: beyond stats' own count query, at most one background write of the times.
     assert ray.get(futures.stats.remote())["statements"] - statements <= 2
     # Written within one maintenance interval (5 s).
-    assert heartbeat_written(ray.get(futures.stats.remote())["db_path"], "s-alpha", since=before)
+    wait_for_heartbeat(ray.get(futures.stats.remote())["db_path"], "s-alpha", since=before)
 
 
 def test_a_killed_actor_restarts_and_loses_nothing_it_acknowledged(futures):
@@ -95,15 +95,10 @@ def test_a_killed_actor_restarts_and_loses_nothing_it_acknowledged(futures):
     ray.get(futures.complete.remote([Completion.success(acknowledged[0], b"done")]))
     old_pid = ray.get(futures.stats.remote())["pid"]
     ray.kill(futures, no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:  # until a new process answers
-        try:
-            if ray.get(futures.stats.remote(), timeout=10)["pid"] != old_pid:
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-            pass
-        assert time.monotonic() < deadline, "the futures actor did not come back"
-        time.sleep(0.5)
+    eventually(lambda: ray.get(futures.stats.remote(), timeout=10)["pid"] != old_pid,
+               "the futures actor answering from a new process", timeout_s=60,
+               ignoring=(ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                         ray.exceptions.GetTimeoutError))
     assert [ray.get(futures.retrieve.remote(rid, 0)).status for rid in acknowledged[1:]] == \
         ["pending"] * len(acknowledged[1:])
     assert ray.get(futures.retrieve.remote(acknowledged[0])).result == b"done"

@@ -4,14 +4,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from cluster.local import cluster_processes, read_state
 from cluster.ports import free_ports
-from helpers import LILO, lilo, plain_shell_env, short_home
+from helpers import LILO, eventually, lilo, plain_shell_env, short_home
 from lilo.settings import load_settings
 
 
@@ -33,14 +32,14 @@ def up_args(settings) -> list[str]:
 
 
 def wait_until_ready(settings, supervisor, log_path, timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def ready():
         state = read_state(settings)
         if state is not None and state.status == "ready":
             return state
         assert supervisor.poll() is None, f"lilo up exited with {supervisor.returncode}:\n{log_path.read_text()}"
-        time.sleep(0.2)
-    raise AssertionError(f"lilo did not become ready within {timeout_s} s:\n{log_path.read_text()}")
+        return None
+
+    return eventually(ready, lambda: f"lilo ready:\n{log_path.read_text()}", timeout_s=timeout_s, every_s=0.2)
 
 
 def processes_of_running_cluster(settings) -> list[psutil.Process]:
@@ -54,15 +53,13 @@ def processes_of_running_cluster(settings) -> list[psutil.Process]:
 
 def wait_dead(process: psutil.Process, timeout_s: float = 30) -> None:
     """Until a process just killed is gone, or a zombie (its parent may not reap it soon)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def gone() -> bool:
         try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return
+            return process.status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{process} still runs {timeout_s} s after it was killed")
+            return True
+
+    eventually(gone, f"{process} gone after it was killed", timeout_s=timeout_s, every_s=0.1)
 
 
 def assert_nothing_remains(settings, processes):

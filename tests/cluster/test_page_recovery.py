@@ -5,17 +5,15 @@ makes the calls the recovery actor would."""
 
 import json
 import signal
-import time
 import uuid
 
 import psutil
-import pytest
 import ray
 import torch
 from safetensors import safe_open
 
 from cluster.trainer_actor import TrainerConfig, start_trainer, trainer_name
-from helpers import fresh_actor_index, stop_trainer, train_input
+from helpers import eventually, fresh_actor_index, stop_trainer, train_input
 from lilo.backend.paging.files import page_file_name
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
@@ -31,16 +29,12 @@ def page_file_state(path) -> tuple[torch.Tensor, dict]:
 
 def restarted(actor, pid: int, within_s: float = 300.0) -> int:
     """The pid of the process Ray restarted ``actor`` in, once it serves again."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            new_pid = ray.get(actor.ready.remote(), timeout=60)["pid"]
-            if new_pid != pid:
-                return new_pid
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the trainer was not restarted within {within_s:.0f} s")
+    def new_pid() -> int | None:
+        serving = ray.get(actor.ready.remote(), timeout=60)["pid"]
+        return serving if serving != pid else None
+
+    return eventually(new_pid, "the trainer serving from a restarted process", timeout_s=within_s,
+                      ignoring=(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError))
 
 
 def one_slot_trainer(tmp_path_factory, host_adapter_mb: int) -> tuple:

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.request
 import uuid
 
@@ -16,7 +15,7 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.timing import TimingPublisher, get_timing_actor
-from helpers import AUTH, paged_timings
+from helpers import AUTH, eventually, paged_timings
 from lilo.timing.critical_path import CriticalPath, Operation
 
 
@@ -99,15 +98,14 @@ def metric_lines(model_id: str, within_s: float = 90.0) -> list[str]:
     seconds)."""
     port = ray.nodes()[0]["MetricsExportPort"]
     wanted = f'model_id="{model_id}"'
-    deadline = time.monotonic() + within_s
-    lines: list[str] = []
-    while time.monotonic() < deadline:
+
+    def exported() -> list[str]:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             lines = [line for line in response.read().decode().splitlines() if wanted in line]
-        if any(line.startswith("ray_lilo_phase_count_total") for line in lines):
-            break
-        time.sleep(2)
-    return lines
+        return lines if any(line.startswith("ray_lilo_phase_count_total") for line in lines) else []
+
+    return eventually(exported, f"the phase counts of {model_id} on the node's metrics endpoint", timeout_s=within_s,
+                      every_s=2)
 
 
 def test_phases_show_on_the_nodes_metrics_endpoint(local_cluster, ray_driver):
@@ -139,17 +137,16 @@ def test_timing_actor_prints_the_clusters_json_line_when_nobody_polls(local_clus
         ray.get(actor.push.remote("trainer-log", {model_id: {"forward_backward.execute": [1, 1, 1, 0.5, 0.5]},
                                                   "*": {"forward_backward.execute": [1, 1, 1, 0.5, 0.5]}}, {}))
         logs = local_cluster.settings.ray_temp_dir / "session_latest" / "logs"
-        deadline = time.monotonic() + 60
-        lines: list[dict] = []
-        while not lines and time.monotonic() < deadline:
-            time.sleep(1)
-            for path in logs.glob("worker-*.out"):
-                for line in path.read_text(errors="replace").splitlines():
-                    if line.startswith("{") and '"lilo_critical_path"' in line:
-                        record = json.loads(line)
-                        if record.get("trainers") == ["trainer-log"]:
-                            lines.append(record)
-        assert lines, "no lilo_critical_path line in the actor's log"
+
+        def printed() -> list[dict]:
+            records = (json.loads(line) for path in logs.glob("worker-*.out")
+                       for line in path.read_text(errors="replace").splitlines()
+                       if line.startswith("{") and '"lilo_critical_path"' in line)
+            return [record for record in records if record.get("trainers") == ["trainer-log"]]
+
+        # A line the actor is still printing does not parse yet: read again.
+        lines = eventually(printed, "a lilo_critical_path line of trainer-log in the actor's log", every_s=1,
+                           ignoring=(json.JSONDecodeError,))
         assert lines[0]["scope"] == "cluster" and lines[0]["model_id"] == "*"
         assert lines[0]["phases"]["forward_backward.execute"]["count"] == 1
     finally:

@@ -4,7 +4,6 @@ HTTP by the trainer that owns the model."""
 import os
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import ray
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.trainer_actor import TrainerConfig, lower_thread_priority, start_trainer, trainer_name
-from helpers import AUTH, fresh_actor_index, stop_trainer, train_input
+from helpers import AUTH, eventually, fresh_actor_index, stop_trainer, train_input
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import SaturatedError, UnavailableError
@@ -129,9 +128,7 @@ def test_restoring_a_model_is_refused_without_a_free_slot_and_changes_nothing_wh
     # Taken off, its slot filled by others: a restore from its checkpoint has nowhere to go, and says so, instead
     # of recording the model as placed here while the trainer does not hold it.
     ray.get(actor.unload_future.remote(model_id, str(2**40)))
-    deadline = time.monotonic() + 60
-    while ray.get(actor.has_model.remote(model_id)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    eventually(lambda: not ray.get(actor.has_model.remote(model_id)), f"{model_id} unloaded", every_s=0.2)
     fillers = [f"f-{uuid.uuid4().hex[:8]}" for _ in range(ray.get(actor.ready.remote())["free_slots"])]
     for filler in fillers:
         ray.get(actor.create_model.remote(filler, spec))

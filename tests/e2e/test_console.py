@@ -5,7 +5,6 @@ of them. With LILO_CONSOLE_SCREENSHOT=PATH the browser test also saves what it s
 
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,7 +17,7 @@ from tinker import types
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from conftest import TENANT_KEYS
-from helpers import API_KEY, unload_models
+from helpers import API_KEY, eventually, unload_models
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
@@ -143,8 +142,8 @@ def browser():
 def sign_in(driver, key: str) -> None:
     from selenium.webdriver.common.by import By
 
-    field = wait_for(lambda: (found := driver.find_element(By.ID, "api-key")).is_displayed() and found,
-                     "the sign-in form")
+    field = eventually(lambda: (found := driver.find_element(By.ID, "api-key")).is_displayed() and found,
+                       "the console showing the sign-in form")
     field.send_keys(key)
     field.submit()
 
@@ -160,16 +159,6 @@ def bars(driver) -> dict[str, float]:
         return out;""")
 
 
-def wait_for(condition, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"the console did not show {what} within {timeout_s:.0f} s")
-
-
 def test_the_console_page_signs_in_shows_the_models_and_their_bars_and_another_key_sees_none(local_cluster, models,
                                                                                             browser):
     from selenium.webdriver.common.by import By
@@ -177,8 +166,8 @@ def test_the_console_page_signs_in_shows_the_models_and_their_bars_and_another_k
     ours, theirs = models
     browser.get(f"{local_cluster.api_url}/console")
     sign_in(browser, API_KEY)
-    shown = wait_for(lambda: (drawn := bars(browser)) and all(drawn.get(model_id, 0) > 0 for model_id in ours)
-                     and drawn, "the models' bars")
+    shown = eventually(lambda: (drawn := bars(browser)) and all(drawn.get(model_id, 0) > 0 for model_id in ours)
+                       and drawn, "the console showing the models' bars")
     assert theirs not in shown
     assert browser.find_element(By.ID, "tenant").text == "local"
     assert browser.execute_script("return sessionStorage.getItem('lilo.console.key')") == API_KEY
@@ -192,7 +181,8 @@ def test_the_console_page_signs_in_shows_the_models_and_their_bars_and_another_k
     browser.find_element(By.ID, "sign-out").click()
     assert browser.execute_script("return sessionStorage.getItem('lilo.console.key')") is None
     sign_in(browser, TENANT_KEYS["beta"])
-    wait_for(lambda: browser.find_element(By.ID, "tenant").text == "beta", "the other tenant's view")
+    eventually(lambda: browser.find_element(By.ID, "tenant").text == "beta",
+               "the console showing the other tenant's view")
     assert not set(bars(browser)) & {*ours, theirs}
     page = browser.page_source
     assert not any(model_id in page for model_id in [*ours, theirs])

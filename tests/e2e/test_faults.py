@@ -27,7 +27,7 @@ from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
 from cluster.recovery import RECOVERY_ACTOR_NAME
 from conftest import SHARDED_BASE_MODEL
-from helpers import retrieve_finished, unload_models
+from helpers import eventually, retrieve_finished, unload_models
 
 pytestmark = pytest.mark.disruptive
 
@@ -143,17 +143,12 @@ def recovery_actor_pid() -> int:
 
 def recoveries_of(model_id: str, within_s: float = 120.0) -> list[dict]:
     """The recovery actor's history entries naming ``model_id``, once there is one."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            history = ray.get(ray.get_actor(RECOVERY_ACTOR_NAME, namespace=NAMESPACE).history.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ValueError):  # restarting, or not registered again yet
-            history = []
-        found = [event for event in history if model_id in event["models"]]
-        if found:
-            return found
-        time.sleep(0.5)
-    pytest.fail(f"no recovery of {model_id} within {within_s:.0f} s")
+    def found() -> list[dict]:
+        history = ray.get(ray.get_actor(RECOVERY_ACTOR_NAME, namespace=NAMESPACE).history.remote(), timeout=30)
+        return [event for event in history if model_id in event["models"]]
+
+    return eventually(found, f"a recovery of {model_id}", timeout_s=within_s,
+                      ignoring=(ray.exceptions.RayActorError, ValueError))  # restarting, or not registered again yet
 
 
 def test_a_trainer_that_died_while_the_recovery_actor_was_down_is_recovered_when_it_restarts(service, ray_driver,

@@ -147,15 +147,13 @@ def test_a_submission_its_trainer_refuses_fails_its_future_too(local_cluster, ra
 
 
 def test_closing_the_service_client_unloads_its_models_and_frees_their_slots(local_cluster, ray_driver):
-    import time
-
     import httpx
     import ray
 
     from cluster.futures_actor import FUTURES_ACTOR_NAME
     from cluster.local import NAMESPACE
     from cluster.placement import named_actor
-    from helpers import AUTH
+    from helpers import AUTH, eventually
 
     with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
         training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=120)
@@ -168,10 +166,8 @@ def test_closing_the_service_client_unloads_its_models_and_frees_their_slots(loc
     info = httpx.post(f"{local_cluster.api_url}/api/v1/get_info", json={"model_id": model_id}, headers=AUTH,
                       timeout=60)
     assert info.status_code == 410 and "was unloaded" in info.json()["detail"]
-    deadline = time.monotonic() + 60
-    while model_id in ray.get(trainer.model_ids.remote()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert model_id not in ray.get(trainer.model_ids.remote())  # its adapter slot is free again
+    eventually(lambda: model_id not in ray.get(trainer.model_ids.remote()), "its adapter slot free again",
+               every_s=0.2)
 
 
 # On a trainer of one rank, and on the session cluster's trainer sharded over two.

@@ -1,10 +1,10 @@
 """CriticalPath rules, with a hand-driven clock: no Ray, no sleeping."""
 
 import json
-import time
 
 import pytest
 
+from helpers import eventually
 from lilo.timing import critical_path as cp
 from lilo.timing.critical_path import (
     ALL_MODELS, FIRST_MODEL_READY, CriticalPath, Observers, Operation, flatten, phase_of, split_wait,
@@ -297,10 +297,8 @@ def test_a_failing_observer_never_reaches_the_engine_or_the_others(timings, capl
 def test_the_background_drainer_folds_spans_without_a_reader():
     path = CriticalPath(log_line=lambda line: None, drain_every_s=0.01)
     path.span("a", "forward_backward", "gpu", 0.0, 1.0)
-    deadline = time.monotonic() + 10
-    while path.stats.models() != ["a"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert path.stats.models() == ["a"]
+    eventually(lambda: path.stats.models() == ["a"], "the span folded into the stats of a", timeout_s=10,
+               every_s=0.01)
 
 
 def test_a_coalescing_window_is_its_own_phase_and_ends_the_queue_wait_where_it_opened(timings):

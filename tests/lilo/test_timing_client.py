@@ -10,6 +10,7 @@ import pytest
 
 from lilo import timing
 from lilo.timing.critical_path import CriticalPath, Operation
+from helpers import eventually
 from wandb_records import has_exit_record, history_rows, metric_definitions
 
 
@@ -132,9 +133,7 @@ def test_metrics_land_in_an_offline_wandb_run_against_lilo_step(server, tmp_path
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     # finish() can return before W&B's writer process has written the file out on a loaded machine: wait for the
     # run's exit record, which it writes last.
-    deadline = time.monotonic() + 60
-    while not has_exit_record(run_file) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    eventually(lambda: has_exit_record(run_file), f"W&B's exit record in {run_file}", timeout_s=60, every_s=0.2)
     definitions = metric_definitions(run_file)
     assert [(d.glob_name, d.step_metric) for d in definitions] == [("lilo/*", "lilo/step")], history_rows(run_file)
     rows = [row for row in history_rows(run_file) if "lilo/step" in row]

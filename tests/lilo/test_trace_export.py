@@ -11,6 +11,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
+from helpers import eventually
 from lilo.engine.commands import Command
 from lilo.engine.engine import Engine
 from lilo.timing import traces
@@ -102,9 +103,8 @@ def test_a_dead_collector_never_holds_the_caller_and_its_losses_are_counted():
             pass
     ended_s = time.perf_counter() - started
     assert ended_s < 5.0, ended_s  # enqueued only: the exports fail on their own thread
-    deadline = time.monotonic() + 30
-    while processor.counts.failed + processor.counts.dropped < 2000 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    eventually(lambda: processor.counts.failed + processor.counts.dropped >= 2000,
+               lambda: f"2000 spans failed or dropped; counts: {processor.counts}", timeout_s=30, every_s=0.1)
     assert processor.counts.exported == 0
     assert processor.counts.failed + processor.counts.dropped == 2000
 
