@@ -572,16 +572,18 @@ def start_trainer(index: int, base_model: str, config: TrainerConfig, *, num_gpu
     # SPREAD: trainers go to different nodes while there are nodes to go to (GPU trainers spread by their GPU).
     strategy: Any = "SPREAD" if node_id is None else NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     runtime_env: dict[str, Any] | None = None
+    group: PlacementGroup | None = None
     if ranks > 1:
-        strategy = PlacementGroupSchedulingStrategy(rank_placement_group(name, ranks, num_gpus, node_id),
-                                                    placement_group_bundle_index=0)
+        group = rank_placement_group(name, ranks, num_gpus, node_id)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         runtime_env = rank_runtime_env(num_gpus)
     try:
         return TrainerActor.options(name=name, namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
                                     lifetime="detached", scheduling_strategy=strategy,
                                     runtime_env=runtime_env).remote(name, base_model, config, tuple(samplers), ranks)
     except Exception:  # the name taken since the check, say: a group without its trainer would hold GPUs for ever
-        remove_rank_placement_group(name)
+        if group is not None:  # this start's own group only: one found by name may be a trainer's that runs
+            remove_placement_group(group)
         raise
 
 
