@@ -36,7 +36,7 @@ from lilo.engine.commands import SAVING_KINDS, Command, Kind
 from lilo.engine.contract import Backend
 from lilo.engine.fair_share import FairShare
 from lilo.engine.queues import ModelQueue
-from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch
+from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch, turn_order
 from lilo.engine.window import (
     DEFAULT_WINDOW_CAP_MS, FAIR_WINDOW_CAP_S, FAIR_WINDOW_SHARE_OF_PASS, WINDOW_KINDS, Rhythm, awaited, window_s,
 )
@@ -98,7 +98,7 @@ class Engine:
         self._samples: deque[tuple[Command, Future]] = deque()
         self._sample_futures: OrderedDict[str, Future] = OrderedDict()  # request id -> future, the latest ones
         self._rotation: list[str] = [SAMPLING_TURN]
-        self._fair = FairShare(clock)  # each tenant's service, for its share of full passes
+        self._fair = FairShare(clock)  # each tenant's and model's service, for its share of full passes
         self._tenants: dict[str, str] = {}  # model -> its tenant, as its latest command said
         self._lifecycle: deque[Callable[[], None]] = deque()
         self._unloading: dict[str, Future] = {}  # model -> its unload, waiting for the model's queue to run dry
@@ -209,6 +209,7 @@ class Engine:
         self._tenants.pop(model_id, None)
         self._rotation.remove(model_id)
         self._rhythm.forget(model_id)
+        self._fair.forget(model_id)
         return model_queue.drain()
 
     def _model_queue(self, model_id: str) -> ModelQueue:
@@ -280,7 +281,7 @@ class Engine:
         heads = {model: head for model, q in self._queues.items() if (head := q.head()) is not None}
         if self._samples:
             heads[SAMPLING_TURN] = self._samples[0][0]
-        service = self._fair.service(head.tenant for head in heads.values())
+        service = self._fair.service(heads)
         batch = next_batch(heads, self._rotation, self._token_budget, self._coalesce, service)
         if not batch:
             self._window = None
@@ -293,13 +294,14 @@ class Engine:
             anchor, taken = SAMPLING_TURN, self._take_samples()
         else:
             anchor, taken = batch[0].model_id, [self._queues[command.model_id].take_head() for command in batch]
-        self._fair.charge(command for command, _ in taken)
-        # The anchor goes to the back of the rotation: the next turn starts with somebody else.
+        self._fair.charge((SAMPLING_TURN if command.kind == Kind.SAMPLE else command.model_id, command)
+                          for command, _ in taken)
+        # The anchor goes to the back of the rotation: among equals, the next turn starts with somebody else.
         self._rotation.remove(anchor)
         self._rotation.append(anchor)
         batch_models = {command.model_id for command, _ in taken}
-        upcoming = [model for model in self._rotation
-                    if model in heads and model not in batch_models and model != SAMPLING_TURN][:PREFETCH_AHEAD]
+        upcoming = [model for model in turn_order(heads, self._rotation, service)
+                    if model not in batch_models and model != SAMPLING_TURN][:PREFETCH_AHEAD]
         if upcoming:
             self._prefetch(upcoming)
         return lambda: self._run(taken), None

@@ -18,10 +18,11 @@ import tinker
 from tinker import types
 
 from cluster.local import read_state
-from helpers import lilo, own_service, tokens_datum
+from helpers import eventually, lilo, own_service, tokens_datum
 from lilo.settings import load_settings
 
-KEYS = "tml-alpha-key=alpha\ntml-beta-key=beta\ntml-gamma-key=gamma\ntml-delta-key=delta\n"
+KEYS = ("tml-alpha-key=alpha\ntml-beta-key=beta\ntml-gamma-key=gamma\ntml-delta-key=delta\n"
+        "tml-epsilon-key=epsilon\ntml-zeta-key=zeta\n")
 STEP_TOKENS = 1024
 TENANTS = f"""
 [tenants.gamma]
@@ -114,6 +115,40 @@ def test_one_model_of_a_tenant_gets_about_the_steps_of_another_tenants_six(tenan
     # between its forward_backward and optim_step leave passes it cannot be in (measured 0.57 to 0.71 here,
     # bench_tenants), so the bound is well above a sixth and below that.
     assert ratio >= 0.35, (beta_steps, alpha_steps)
+
+
+def test_a_tenants_models_share_its_turns_evenly_while_the_trainer_is_saturated(tenants_service):
+    # Six lockstep clients of one tenant and one of another, a pass that holds two steps: the second tenant's model
+    # takes about half the places, and the first's six share the other half evenly. Before the scheduler kept a
+    # service per model (lilo.engine.fair_share), the one of the six filled in beside the other tenant's anchor kept
+    # its place in the rotation and took nearly every place of its tenant; the rest starved.
+    url, *_ = tenants_service
+    rounds = 4  # the steps each of the six makes on average
+    with client(url, "epsilon") as epsilon, client(url, "zeta") as zeta:
+        six = [epsilon.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=TIMEOUT_S)
+               for _ in range(6)]
+        one = zeta.create_lora_training_client(base_model="lilo/tiny-llama", rank=4).result(timeout=TIMEOUT_S)
+        steps, counting, stop = [0] * 7, threading.Lock(), threading.Event()
+
+        def loop(training: tinker.TrainingClient, n: int) -> None:
+            while not stop.is_set():
+                step(training, 1000 + n)
+                with counting:
+                    steps[n] += 1
+
+        threads = [threading.Thread(target=loop, args=(t, n), daemon=True) for n, t in enumerate([*six, one])]
+        for thread in threads:
+            thread.start()
+        eventually(lambda: sum(steps[:6]) >= rounds * 6, lambda: f"{rounds} rounds of the six's steps; made {steps}",
+                   timeout_s=TIMEOUT_S)
+        made = list(steps[:6])
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=TIMEOUT_S)
+    print(f"steps of one tenant's six models while another's one stepped {steps[6]}: {made}")
+    # Fair, the six finish steps in turn, so their counts stay within a few steps of each other; starving, most stay
+    # at the step or two they made before the others' rhythm took over.
+    assert max(made) - min(made) <= 3 and min(made) >= rounds // 2, made
 
 
 def test_usage_says_what_each_tenant_used_to_it_and_to_the_operator(tenants_service):
