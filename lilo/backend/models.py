@@ -13,39 +13,23 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from lilo.backend.families import TINY
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# The tiny random models of each family lilo trains, built locally (no hub): ``lilo/<name>``
+# (lilo.backend.families). The MoE ones have 8 experts, 2 a token.
+TINY_MODELS: dict[str, tuple[str, Mapping[str, Any]]] = {name: (tiny.model_class, tiny.config)
+                                                          for name, tiny in TINY.items()}
 # The tiny test model, exactly as the benchmarks define "tiny".
-TINY_LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=1000, max_position_embeddings=512)
-
-
-# The tiny random models of each family lilo trains, built locally (no hub): ``lilo/<name>``. The MoE ones have 8
-# experts, 2 a token, in every decoder layer (DeepSeek-V3: all but its first, dense one, beside a shared expert).
-_TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
-                   max_position_embeddings=512)
-TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny-llama": ("Llama", TINY_LLAMA),
-    "tiny-qwen3": ("Qwen3", dict(_TINY_SHAPE, intermediate_size=256, num_key_value_heads=2, head_dim=32)),
-    "tiny-qwen3-moe": ("Qwen3Moe", dict(_TINY_SHAPE, intermediate_size=256, moe_intermediate_size=64,
-                                        num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                                        decoder_sparse_step=1, mlp_only_layers=[])),
-    "tiny-gpt-oss": ("GptOss", dict(_TINY_SHAPE, intermediate_size=64, num_key_value_heads=2, head_dim=32,
-                                    num_local_experts=8, num_experts_per_tok=2, sliding_window=64)),
-    "tiny-deepseek-v3": ("DeepseekV3", dict(_TINY_SHAPE, intermediate_size=256, moe_intermediate_size=64,
-                                            num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                                            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
-                                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-                                            v_head_dim=16, n_group=2, topk_group=1,
-                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-}
+TINY_LLAMA = dict(TINY["tiny-llama"].config)
 
 
 def build_tiny(directory: Path, name: str = "tiny-llama", seed: int = 0, **config: Any) -> Path:
@@ -56,7 +40,7 @@ def build_tiny(directory: Path, name: str = "tiny-llama", seed: int = 0, **confi
     family, shape = TINY_MODELS[name]
     model_class = getattr(transformers, f"{family}ForCausalLM")
     torch.manual_seed(seed)
-    model_class(getattr(transformers, f"{family}Config")(**{**shape, **config})).save_pretrained(directory)
+    model_class(model_class.config_class(**{**shape, **config})).save_pretrained(directory)
     return directory
 
 

@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from lilo.backend.families import TINY
+
 
 @dataclasses.dataclass(frozen=True)
 class BaseModelSpec:
@@ -23,14 +25,9 @@ class BaseModelSpec:
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TINY_PREFIX = "lilo/"
 TINY_BASE_MODEL = "lilo/tiny-llama"
-# Tiny random models generated locally, for tests, one per family lilo trains (lilo.backend.models.TINY_MODELS).
-TINY_FAMILIES = {
-    "tiny-llama": ("llama", "Llama"),
-    "tiny-qwen3": ("qwen3", "Qwen3 (dense)"),
-    "tiny-qwen3-moe": ("qwen3_moe", "Qwen3-MoE (8 experts, 2 a token)"),
-    "tiny-gpt-oss": ("gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),
-    "tiny-deepseek-v3": ("deepseek_v3", "DeepSeek-V3 (multi-head latent attention; 8 routed experts and a shared one)"),
-}
+# Tiny random models generated locally, for tests, one per family lilo trains (lilo.backend.families):
+# name -> (transformers' model_type, what it is).
+TINY_FAMILIES = {name: (tiny.model_type, tiny.description) for name, tiny in TINY.items()}
 
 _REGISTRY: dict[str, BaseModelSpec] = {
     spec.name: spec

@@ -26,7 +26,7 @@ from lilo.backend.checkpoints.paths import PEFT_CONFIG, TINKER_SCHEME, checked_n
 from lilo.backend.checkpoints.state import AdapterState, read_peft, read_state, write_peft, write_state
 from lilo.backend.training.loss_inputs import check_train_input
 from lilo.backend.adapters.bank import LoraBank
-from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, GROUPED, RUNS, projection_kind, target_names
+from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, GROUPED, RUNS
 from lilo.backend.adapters.optimizer import SlotAdamW
 from lilo.backend.paging.store import PagedState, PageRestore, PageStore
 from lilo.backend.paging.policy import PageMove, Room, Tier, choose_victims
@@ -128,9 +128,8 @@ class TorchBackend:
         self._make_room()
         slot = self._free_slots.pop(0)
         generator = torch.Generator().manual_seed(spec.seed) if spec.seed is not None else None
-        targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
         for path, layer in self.layers.items():
-            if projection_kind(path) in targets:
+            if self.bank.trains(path, spec):
                 layer.reset_slot(slot, spec.rank, spec.alpha or spec.rank, generator)
             else:
                 layer.clear_slot(slot)
@@ -250,9 +249,8 @@ class TorchBackend:
         key = (spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed)
         index = self._entry_indices.get(key)
         if index is None:
-            targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
             parts = [self.bank.trained_index(index, spec.rank) for n, path in enumerate(self.layers)
-                     if projection_kind(path) in targets for index in (2 * n, 2 * n + 1)]
+                     if self.bank.trains(path, spec) for index in (2 * n, 2 * n + 1)]
             index = self._entry_indices[key] = torch.cat(parts).to(self.device)
         return index
 
@@ -308,10 +306,9 @@ class TorchBackend:
 
     def set_slot_spec(self, slot: int, spec: LoraSpec) -> None:
         """Tell every LoRA layer what rank and scale the adapter in ``slot`` has there (0: it does not train it)."""
-        targets = set(target_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
         scale = (spec.alpha or spec.rank) / spec.rank
         for path, layer in self.layers.items():
-            layer.set_adapter(slot, spec.rank if projection_kind(path) in targets else 0, scale)
+            layer.set_adapter(slot, spec.rank if self.bank.trains(path, spec) else 0, scale)
 
     def _make_room(self, pinned: Container[str] = ()) -> None:
         """Free a slot if none is: evict the least recently used sampler checkpoint not in ``pinned``."""
@@ -574,10 +571,9 @@ class TorchBackend:
     # --- checkpoints ---------------------------------------------------------------------------------------
     def _slices(self, adapter: Adapter):
         """(key, A or B parameter index, slice of the slot) of every projection the adapter trains."""
-        targets = set(target_names(adapter.spec.train_attn, adapter.spec.train_mlp, adapter.spec.train_unembed))
         rank = adapter.spec.rank
         for n, path in enumerate(self.layers):
-            if projection_kind(path) in targets:
+            if self.bank.trains(path, adapter.spec):
                 # A's first rows, B's first columns (of every expert, for fused experts).
                 yield f"{path}.lora_A", 2 * n, (adapter.slot, Ellipsis, slice(0, rank), slice(None))
                 yield f"{path}.lora_B", 2 * n + 1, (adapter.slot, Ellipsis, slice(0, rank))

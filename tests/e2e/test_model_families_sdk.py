@@ -1,8 +1,8 @@
 """Every model family lilo registers a tiny model of, through the official tinker SDK on a service of its own that
-serves them all (Qwen3 dense, Qwen3-MoE, GPT-OSS, DeepSeek-V3; Llama is the session cluster's): create a LoRA
-adapter training every target, train it, save it for sampling, and sample it, the sampler's logprobs those the
-trainer gives the same tokens; `tinker checkpoint download` of an MoE adapter is a PEFT directory that peft loads
-onto the base model with the service's logprobs."""
+serves them all (Qwen3 dense, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Qwen3.5 and Qwen3.5-MoE with their linear attention;
+Llama is the session cluster's): create a LoRA adapter training every target, train it, save it for sampling, and
+sample it, the sampler's logprobs those the trainer gives the same tokens; `tinker checkpoint download` of an MoE or
+hybrid adapter is a PEFT directory that peft loads onto the base model with the service's logprobs."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,13 +19,14 @@ from lilo.backend.models import load_base_model, model_directory
 
 # Each family's name, and the architecture get_info says it is.
 FAMILIES = {"lilo/tiny-qwen3": "qwen3", "lilo/tiny-qwen3-moe": "qwen3_moe", "lilo/tiny-gpt-oss": "gpt_oss",
-            "lilo/tiny-deepseek-v3": "deepseek_v3"}
+            "lilo/tiny-deepseek-v3": "deepseek_v3", "lilo/tiny-qwen3.5": "qwen3_5_text",
+            "lilo/tiny-qwen3.5-moe": "qwen3_5_moe_text"}
 TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
 def families_service():
-    args = ["--num-cpus", "6", "--trainers", "1", "--sampler-slots", "2", "--timeout", "400"]
+    args = ["--num-cpus", "8", "--trainers", "1", "--sampler-slots", "2", "--timeout", "400"]
     for family in FAMILIES:
         args += ["--base-model", family]
     with own_service(*args) as (url, _):
@@ -86,10 +87,11 @@ def test_get_info_names_the_projections_an_moe_adapter_trains(families_service):
 
 
 # DeepSeek-V3 also trains dense MLPs (its first layer, its shared experts) beside the experts, which peft reads
-# differently for that model type (lilo.backend.checkpoints.state.write_peft).
-@pytest.mark.parametrize("family", ["lilo/tiny-qwen3-moe", "lilo/tiny-deepseek-v3"])
-def test_the_cli_download_of_an_moe_adapter_loads_in_peft_with_the_services_logprobs(families_service, tmp_path,
-                                                                                     family):
+# differently for that model type (lilo.backend.checkpoints.state.write_peft); Qwen3.5-MoE its linear attention, its
+# experts and its shared expert.
+@pytest.mark.parametrize("family", ["lilo/tiny-qwen3-moe", "lilo/tiny-deepseek-v3", "lilo/tiny-qwen3.5-moe"])
+def test_the_cli_download_of_an_adapter_loads_in_peft_with_the_services_logprobs(families_service, tmp_path,
+                                                                                 family):
     from peft import PeftModel
 
     client, service = families_service

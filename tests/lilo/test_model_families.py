@@ -38,6 +38,18 @@ PROJECTIONS = {
                          "mlp": ["mlp.down_proj", "mlp.experts.down_proj", "mlp.experts.gate_up_proj",
                                  "mlp.gate_proj", "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_proj",
                                  "mlp.shared_experts.up_proj", "mlp.up_proj"]},
+    # Gated DeltaNet's projections in 3 of 4 layers, gated attention's in the 4th; its conv1d and its per-head
+    # gates in_proj_a / in_proj_b stay frozen (lilo.backend.families says why).
+    "tiny-qwen3.5": {"attn": ["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj",
+                              "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"],
+                     "mlp": ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"]},
+    # One mixer a layer: Mamba-2 (its in_proj; out_proj frozen), attention, MoE, a plain MLP.
+    "tiny-nemotron-h": {"attn": ["mixer.in_proj", "mixer.k_proj", "mixer.o_proj", "mixer.q_proj", "mixer.v_proj"],
+                        "mlp": ["mixer.down_proj", "mixer.experts.down_proj", "mixer.experts.up_proj",
+                                "mixer.shared_experts.down_proj", "mixer.shared_experts.up_proj", "mixer.up_proj"]},
+    "tiny-gemma4": {"attn": ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"],
+                    "mlp": ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "per_layer_input_gate",
+                            "per_layer_projection"]},
 }
 
 
@@ -45,6 +57,14 @@ PROJECTIONS = {
 def test_the_backend_names_the_projections_each_target_trains(family, tmp_path):
     backend = TorchBackend(load_base_model(build_tiny(tmp_path, family)), max_adapters=1, max_rank=4)
     assert backend.projections == {**PROJECTIONS[family], "unembed": ["lm_head"]}
+
+
+def test_no_family_trains_a_projection_under_another_target_than_any_other_family():
+    from lilo.backend.families import ATTENTION_PROJECTIONS, FAMILIES, MLP_PROJECTIONS
+
+    assert not set(ATTENTION_PROJECTIONS) & set(MLP_PROJECTIONS)
+    for family in FAMILIES:  # and none freezes what it trains
+        assert not set(family.frozen) & set(family.attn + family.mlp), family.name
 
 
 def test_a_family_with_a_projection_lilo_cannot_adapt_is_refused_for_that_target_and_says_which():

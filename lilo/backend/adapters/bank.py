@@ -18,14 +18,12 @@ from torch import nn
 from lilo.backend.adapters.experts import (
     MultiLoRAExperts, expert_projections, is_fused_experts, projection_shape, wrap_experts,
 )
-from lilo.backend.adapters.lora import (
-    ATTENTION_PROJECTIONS, BATCHED, MLP_PROJECTIONS, UNEMBED, MultiLoRALinear, Routing, SlotAdapters,
-)
+from lilo.backend.adapters.lora import BATCHED, UNEMBED, MultiLoRALinear, Routing, SlotAdapters
 from lilo.backend.adapters.slot_memory import slot_zeros
+from lilo.backend.families import Family, family_of
+from lilo.backend.types import LoraSpec
 
 
-# A mixture-of-experts block's router (and a shared expert's gate): frozen, never given an adapter.
-ROUTERS = ("gate", "router", "shared_expert_gate")
 # Per device type, what the bank's rank axis is a multiple of: CUDA's grouped GEMMs (the deltas of
 # ``lora.MultiLoRALinear`` and of fused experts) take bf16 operands whose strides are multiples of 16 bytes, so
 # there ``--max-rank 4`` gets rows of 8 (the padding stays zero, like an adapter's entries past its own rank).
@@ -44,7 +42,8 @@ class LoraBank:
     experts) its adapters, A and B the parameters ``2 n`` and ``2 n + 1`` of ``view`` in that order."""
 
     def __init__(self, model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
-        linears, experts = _targets(model)
+        self.family = family_of(getattr(model.config, "model_type", ""))
+        linears, experts = _targets(model, self.family)
         device = next(model.parameters()).device
         max_rank = bank_rank(max_rank, device)
         shapes = [shape for _, _, linear in linears
@@ -94,15 +93,15 @@ class LoraBank:
     def uncovered(self, model: nn.Module) -> dict[str, list[str]]:
         """What of ``model``'s decoder layers no adapter of this bank reaches, by LoraConfig target (``attn``: the
         attention's, ``mlp``: the rest of a layer): the names of the weight matrices (and fused expert stacks)
-        outside every wrapped projection, less the routers (frozen by design) and norms. Empty lists: every
-        projection a target asks for trains."""
+        outside every wrapped projection, less norms and what stays frozen by design (each family's ``frozen`` in
+        ``lilo.backend.families``). Empty lists: every projection a target asks for trains."""
         wrapped = [path for path, module in model.named_modules()
                    if isinstance(module, (SlotAdapters, MultiLoRAExperts))]
         layers = _layers_prefix(model)
         found: dict[str, set[str]] = {"attn": set(), "mlp": set()}
         for name, parameter in model.named_parameters():
             owner = name.rsplit(".", 1)[0]
-            if (parameter.dim() < 2 or not name.startswith(layers) or owner.rsplit(".", 1)[-1] in ROUTERS
+            if (parameter.dim() < 2 or not name.startswith(layers) or owner.rsplit(".", 1)[-1] in self.family.frozen
                     or any(owner == path or owner.startswith(f"{path}.") for path in wrapped)):
                 continue
             relative = _in_layer(owner, layers)
@@ -116,10 +115,18 @@ class LoraBank:
         layers = _layers_prefix(model)
         found: dict[str, set[str]] = {"attn": set(), "mlp": set(), "unembed": set()}
         for path in self.layers:
-            kind = path.rsplit(".", 1)[-1]
-            target = "attn" if kind in ATTENTION_PROJECTIONS else "mlp" if kind in MLP_PROJECTIONS else "unembed"
-            found[target].add(_in_layer(path, layers) if path.startswith(layers) else path)
+            found[self.target_of(path)].add(_in_layer(path, layers) if path.startswith(layers) else path)
         return {target: sorted(names) for target, names in found.items()}
+
+    def target_of(self, path: str) -> str:
+        """The LoraConfig target (``attn``, ``mlp``, ``unembed``) that trains the projection at ``path``."""
+        kind = path.rsplit(".", 1)[-1]
+        return "attn" if kind in self.family.attn else "mlp" if kind in self.family.mlp else "unembed"
+
+    def trains(self, path: str, spec: LoraSpec) -> bool:
+        """Whether an adapter of ``spec`` trains the projection at ``path``."""
+        target = self.target_of(path)
+        return spec.train_attn if target == "attn" else spec.train_mlp if target == "mlp" else spec.train_unembed
 
     def route(self, slots: Sequence[int] | None, mode: str = BATCHED) -> None:
         """Route batch rows to slots, the deltas run as ``mode`` says; a layer no routed adapter trains runs as the
@@ -142,10 +149,11 @@ def _in_layer(path: str, layers: str) -> str:
     return path[len(layers):].split(".", 1)[-1]
 
 
-def _targets(model: nn.Module) -> tuple[list[tuple[str, nn.Module, nn.Linear]], list[tuple[str, nn.Module, nn.Module]]]:
-    """(path, parent module, child) of every attention, MLP and output linear of ``model``, and of every fused
-    experts module."""
-    names = set(ATTENTION_PROJECTIONS + MLP_PROJECTIONS + (UNEMBED,))
+def _targets(model: nn.Module, family: Family) -> tuple[list[tuple[str, nn.Module, nn.Linear]],
+                                                      list[tuple[str, nn.Module, nn.Module]]]:
+    """(path, parent module, child) of every linear of ``model`` its ``family`` adapts (and the output head), and of
+    every fused experts module."""
+    names = set(family.attn + family.mlp + (UNEMBED,))
     linears, experts = [], []
     for path, module in model.named_modules():
         for child_name, child in module.named_children():

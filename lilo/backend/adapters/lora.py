@@ -24,15 +24,14 @@ import warnings
 import torch
 from torch import nn
 
+from lilo.backend import families
 
-# Every attention projection of the families lilo trains: grouped-query attention's, and multi-head latent
-# attention's (DeepSeek-V3: queries and keys/values through low-rank down and up projections).
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
-                         "kv_b_proj")
-# A dense MLP's linears, and a mixture-of-experts block's fused expert projections (``gate_up_proj``, or
-# ``up_proj`` alone, and ``down_proj``: lilo.backend.adapters.experts).
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
-UNEMBED = "lm_head"
+
+# The projections each LoraConfig target adapts, over every family lilo trains (lilo.backend.families): attention's
+# (grouped-query, multi-head latent, linear), MLPs' and fused experts', and the output head.
+ATTENTION_PROJECTIONS = families.ATTENTION_PROJECTIONS
+MLP_PROJECTIONS = families.MLP_PROJECTIONS
+UNEMBED = families.UNEMBED
 # A row routed to this slot runs through the bare base model (its scale is the layers' trailing zero entry).
 BASE_SLOT = -1
 
@@ -131,6 +130,8 @@ class MultiLoRALinear(SlotAdapters):
             return self.base(x)
         if x.dim() > 3:  # (rows, ..., in), as multi-head latent attention's kv_b_proj sees its latents
             return self.forward(x.reshape(x.shape[0], -1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        if x.dim() == 2:  # (rows x positions, in): the rows flattened, as Qwen3.5-MoE's shared expert sees them
+            return self.forward(x.reshape(len(routing.row_slots), -1, x.shape[-1])).reshape(x.shape[0], -1)
         out = self.base(x)
         if routing.mode == GROUPED:
             return out + self._grouped_delta(x, routing)
@@ -166,12 +167,3 @@ class MultiLoRALinear(SlotAdapters):
         h = torch._grouped_mm(x.reshape(rows * width, -1), a, offs=offsets).view(rows, width, -1)
         h = h * self.scale[routing.row_slots].to(x.dtype).view(-1, 1, 1)
         return torch._grouped_mm(h.reshape(rows * width, -1), b, offs=offsets).view(rows, width, -1)
-
-
-def target_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
-    return ((ATTENTION_PROJECTIONS if train_attn else ()) + (MLP_PROJECTIONS if train_mlp else ())
-            + ((UNEMBED,) if train_unembed else ()))
-
-
-def projection_kind(path: str) -> str:
-    return path.rsplit(".", 1)[-1]

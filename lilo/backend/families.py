@@ -1,0 +1,151 @@
+"""The model families lilo trains, each in one place: which projections each LoraConfig target adapts, what of a
+decoder layer stays frozen and why, and its tiny built-in model (``lilo/tiny-<name>``, random weights built
+locally, for tests).
+
+A projection is named by its module's last name (``q_proj``, ``in_proj_qkv``); a fused MoE experts module's by its
+parameter (``gate_up_proj``). The bank (``lilo.backend.adapters.bank``) wraps every linear and experts projection
+whose name a family lists, in whatever model it loads, so a model of a family not listed here trains where its
+projections share these names, and is refused for a target where some matrix of its layers has a name no family
+adapts or freezes (``uncovered``), saying which. Where Tinker's docs are silent, a sequence mixer's projections
+(attention, linear attention, a state-space mixer) train under ``train_attn`` and the feed-forward side's (dense
+MLPs, experts, per-layer inputs) under ``train_mlp``, as TuFT and peft's ``all-linear`` do; what stays frozen has a
+reason in ``frozen``. This module is pure data: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """A family's tiny random model: ``<model_class>ForCausalLM`` of transformers with ``config``."""
+
+    name: str  # served as lilo/<name>
+    model_class: str
+    config: Mapping[str, Any]
+    model_type: str  # what transformers calls the saved model (get_info's arch)
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # transformers' model_type of the family's checkpoints
+    attn: tuple[str, ...]  # what train_attn adapts
+    mlp: tuple[str, ...]  # what train_mlp adapts
+    frozen: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a layer's matrix no target adapts: why
+    tiny: tuple[Tiny, ...] = ()
+
+
+GQA = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
+MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # multi-head latent attention
+GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+EXPERTS = ("gate_up_proj", "down_proj")  # fused experts (lilo.backend.adapters.experts)
+GATED_DELTANET = ("in_proj_qkv", "in_proj_z", "out_proj")  # Qwen3.5's linear attention
+UNEMBED = "lm_head"
+
+ROUTER = {"gate": "a mixture-of-experts router: its few outputs pick the experts, and an adapter on it would move "
+                  "the routing rather than the experts' work"}
+DELTANET_FROZEN = {
+    "conv1d": "a depthwise causal convolution over the last few tokens (a few taps per channel): no matrix to put a "
+              "low-rank delta on",
+    "in_proj_a": "Gated DeltaNet's decay gate: one output per value head",
+    "in_proj_b": "Gated DeltaNet's write strength (beta): one output per value head",
+}
+
+# The tiny shapes: small enough that a test builds one in a second, with the family's every kind of layer.
+_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
+              max_position_embeddings=512)
+_QWEN3_5 = dict(_SHAPE, num_hidden_layers=4, intermediate_size=256, num_key_value_heads=2, head_dim=32,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                linear_conv_kernel_dim=4)
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama", ("llama", "olmo3"), GQA, GATED_MLP, tiny=(
+        Tiny("tiny-llama", "Llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=1000,
+                                         max_position_embeddings=512), "llama", "Llama"),
+        Tiny("tiny-olmo3", "Olmo3", dict(_SHAPE, intermediate_size=256, num_key_value_heads=2, pad_token_id=0,
+                                         eos_token_id=1, bos_token_id=2), "olmo3",
+             "OLMo 3 (Llama's projections; sliding-window layers, norms after each block)"),
+    )),
+    Family("Qwen3", ("qwen3",), GQA, GATED_MLP, tiny=(
+        Tiny("tiny-qwen3", "Qwen3", dict(_SHAPE, intermediate_size=256, num_key_value_heads=2, head_dim=32),
+             "qwen3", "Qwen3 (dense)"),)),
+    Family("Qwen3-MoE", ("qwen3_moe",), GQA, EXPERTS, ROUTER, tiny=(
+        Tiny("tiny-qwen3-moe", "Qwen3Moe", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
+                                                num_key_value_heads=2, head_dim=32, num_experts=8,
+                                                num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+             "qwen3_moe", "Qwen3-MoE (8 experts, 2 a token)"),)),
+    Family("GPT-OSS", ("gpt_oss",), GQA, EXPERTS, {"router": ROUTER["gate"]}, tiny=(
+        Tiny("tiny-gpt-oss", "GptOss", dict(_SHAPE, intermediate_size=64, num_key_value_heads=2, head_dim=32,
+                                            num_local_experts=8, num_experts_per_tok=2, sliding_window=64),
+             "gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),)),
+    # Kimi K2, K2.5 and K2.6 are this architecture (their text model's model_type is deepseek_v3).
+    Family("DeepSeek-V3", ("deepseek_v3", "glm4_moe"), MLA + GQA, GATED_MLP + EXPERTS, ROUTER, tiny=(
+        Tiny("tiny-deepseek-v3", "DeepseekV3", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
+                                                    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                                    n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                                                    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                                    v_head_dim=16, n_group=2, topk_group=1,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+             "deepseek_v3", "DeepSeek-V3 (multi-head latent attention; 8 routed experts and a shared one)"),
+        Tiny("tiny-glm4-moe", "Glm4Moe", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
+                                              num_key_value_heads=2, head_dim=32, n_routed_experts=8,
+                                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                              n_group=1, topk_group=1),
+             "glm4_moe", "GLM-4.5 (GQA; a dense first layer, then 8 routed experts and a shared one)"),
+    )),
+    # Qwen3.6 and Qwen3.8 are this architecture, as their configs say.
+    Family("Qwen3.5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), GQA + GATED_DELTANET,
+           GATED_MLP + EXPERTS, {**ROUTER, **DELTANET_FROZEN,
+                                 "shared_expert_gate": "one output: the shared expert's weight for each token"},
+           tiny=(Tiny("tiny-qwen3.5", "Qwen3_5", _QWEN3_5, "qwen3_5_text",
+                      "Qwen3.5 (hybrid: Gated DeltaNet linear attention in 3 of 4 layers)"),
+                 Tiny("tiny-qwen3.5-moe", "Qwen3_5Moe",
+                      dict(_QWEN3_5, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+                           num_experts_per_tok=2),
+                      "qwen3_5_moe_text", "Qwen3.5-MoE (hybrid attention; 8 experts, 2 a token, a shared one)"))),
+    # A Mamba-2 mixer's in_proj (x, z, B, C and dt in one) is its sequence mixing, as attention's projections are;
+    # its experts are plain (up, then down: no gate).
+    Family("Nemotron-H", ("nemotron_h",), GQA + ("in_proj",), ("up_proj", "down_proj"),
+           {**ROUTER, "conv1d": DELTANET_FROZEN["conv1d"],
+            "out_proj": "the Mamba-2 mixer's output: its fused kernels read the weight itself, past any adapter, and "
+                        "peft refuses an adapter there on Mamba models, so an export with one would not load"}, tiny=(
+               Tiny("tiny-nemotron-h", "NemotronH",
+                    dict(_SHAPE, num_hidden_layers=4, layers_block_type=["mamba", "moe", "attention", "mlp"],
+                         intermediate_size=256, num_key_value_heads=2, head_dim=32, mamba_num_heads=4,
+                         mamba_head_dim=32, n_groups=1, ssm_state_size=16, chunk_size=16,
+                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                         moe_shared_expert_intermediate_size=64),
+                    "nemotron_h", "Nemotron-H (hybrid: Mamba-2, attention, MoE and MLP layers)"),)),
+    # Gemma 3n and 4 add each layer an input of its own (per-layer embeddings): a gate projection down to it and a
+    # projection back up, beside the MLP, on the feed-forward side.
+    Family("Gemma 4", ("gemma4", "gemma4_text"), GQA, GATED_MLP + ("per_layer_input_gate", "per_layer_projection"),
+           tiny=(Tiny("tiny-gemma4", "Gemma4", dict(_SHAPE, intermediate_size=256, num_key_value_heads=2, head_dim=32,
+                                                    vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16,
+                                                    sliding_window=8,
+                                                    layer_types=["sliding_attention", "full_attention"]),
+                      "gemma4_text", "Gemma 4 (per-layer inputs; sliding and full attention)"),)),
+)
+
+
+def _union(field: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name for family in FAMILIES for name in getattr(family, field)))
+
+
+# What the bank adapts under each target, over every family.
+ATTENTION_PROJECTIONS = _union("attn")
+MLP_PROJECTIONS = _union("mlp")
+TINY: dict[str, Tiny] = {tiny.name: tiny for family in FAMILIES for tiny in family.tiny}
+# A model of a family not listed: what any family adapts, frozen what any family freezes and none adapts.
+ANY_FAMILY = Family("any", (), ATTENTION_PROJECTIONS, MLP_PROJECTIONS,
+                    {name: reason for family in FAMILIES for name, reason in family.frozen.items()
+                     if name not in ATTENTION_PROJECTIONS + MLP_PROJECTIONS})
+
+
+def family_of(model_type: str) -> Family:
+    """The family a checkpoint of transformers' ``model_type`` belongs to (``ANY_FAMILY``: not one listed here)."""
+    return next((family for family in FAMILIES if model_type in family.model_types), ANY_FAMILY)
