@@ -34,6 +34,7 @@ from torch import nn
 
 from engine_bench import batch, run_with_compute_lane
 from lilo.backend.adapters.experts import MultiLoRAExperts, expert_projections, is_fused_experts
+from lilo.backend.families import family_of
 from lilo.backend.models import TINY_MODELS, build_tiny, load_base_model, smollm2_directory
 from lilo.backend.types import AdamParams, LoraSpec
 from lilo.backend.torch_backend import TorchBackend
@@ -41,7 +42,6 @@ from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
 
 RANK = 8
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def gemm_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -71,6 +71,12 @@ def matmul_parameters(model: nn.Module) -> int:
     experts = sum(getattr(m, name).numel() * routed / m.num_experts
                   for m in model.modules() if is_fused_experts(m) for name in expert_projections(m))
     return int(linears + experts)
+
+
+def linear_targets(model: nn.Module) -> list[str]:
+    """peft's ``target_modules``: the linears lilo adapts in the model's family (lilo.backend.families)."""
+    family = family_of(model.config.model_type)
+    return [name for name in family.attn + family.mlp if name != "gate_up_proj"]
 
 
 def fused_targets(model: nn.Module) -> list[str]:
@@ -114,7 +120,7 @@ def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int
 def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) -> float:
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS, lora_dropout=0.0,
+    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=linear_targets(base), lora_dropout=0.0,
                         target_parameters=fused_targets(base) or None)
     model = get_peft_model(copy.deepcopy(base), config, adapter_name="a0")
     names = [f"a{i}" for i in range(adapters)]

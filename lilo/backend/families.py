@@ -83,7 +83,7 @@ FAMILIES: tuple[Family, ...] = (
         Tiny("tiny-gpt-oss", "GptOss", dict(_SHAPE, intermediate_size=64, num_key_value_heads=2, head_dim=32,
                                             num_local_experts=8, num_experts_per_tok=2, sliding_window=64),
              "gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),)),
-    # Kimi K2, K2.5 and K2.6 are this architecture (their text model's model_type is deepseek_v3).
+    # Kimi K2, K2.5 and K2.6's text model is this architecture (its model_type is deepseek_v3).
     Family("DeepSeek-V3", ("deepseek_v3", "glm4_moe"), MLA + GQA, GATED_MLP + EXPERTS, ROUTER, tiny=(
         Tiny("tiny-deepseek-v3", "DeepseekV3", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
                                                     num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,

@@ -79,3 +79,21 @@ def test_a_family_with_a_projection_lilo_cannot_adapt_is_refused_for_that_target
         backend.add_adapter("whole", LoraSpec(rank=4))
     backend.add_adapter("mlp", LoraSpec(rank=4, train_attn=False))
     assert backend.free_slots == 1
+
+
+def test_glm5_is_refused_for_attention_naming_its_sparse_attentions_indexer():
+    # Its indexer would stay frozen (a top-k: no gradient), but transformers' forward over a whole sequence and its
+    # decoding with a cache disagree on it, so lilo does not list the family yet (docs/design.md).
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8, index_topk=4,
+        index_head_dim=8, index_n_heads=2, vocab_size=100, pad_token_id=0))
+    backend = TorchBackend(model, max_adapters=1, max_rank=4, base_model_name="tiny-glm5")
+    assert backend.uncovered == {"attn": ["self_attn.indexer.weights_proj", "self_attn.indexer.wk",
+                                          "self_attn.indexer.wq_b"], "mlp": []}
+    with pytest.raises(InvalidRequestError, match=r"tiny-glm5 \(glm_moe_dsa\) has attn projections"):
+        backend.add_adapter("whole", LoraSpec(rank=4))
