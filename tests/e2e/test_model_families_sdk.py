@@ -1,8 +1,9 @@
 """Every model family lilo registers a tiny model of, through the official tinker SDK on a service of its own that
-serves them all (Qwen3 dense, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Qwen3.5 and Qwen3.5-MoE with their linear attention;
-Llama is the session cluster's): create a LoRA adapter training every target, train it, save it for sampling, and
-sample it, the sampler's logprobs those the trainer gives the same tokens; `tinker checkpoint download` of an MoE or
-hybrid adapter is a PEFT directory that peft loads onto the base model with the service's logprobs."""
+serves them all (Qwen3 dense, Qwen3-MoE, GPT-OSS, DeepSeek-V3, Qwen3.5 and Qwen3.5-MoE with their linear attention,
+Nemotron-H with its Mamba-2 layers, Gemma 4; Llama is the session cluster's, OLMo 3 and GLM-4.5 are tested in the
+library alone, tests/lilo/test_family_lora.py): create a LoRA adapter training every target, train it, save it for
+sampling, and sample it, the sampler's logprobs those the trainer gives the same tokens; `tinker checkpoint download`
+of an MoE or hybrid adapter is a PEFT directory that peft loads onto the base model with the service's logprobs."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,13 +21,14 @@ from lilo.backend.models import load_base_model, model_directory
 # Each family's name, and the architecture get_info says it is.
 FAMILIES = {"lilo/tiny-qwen3": "qwen3", "lilo/tiny-qwen3-moe": "qwen3_moe", "lilo/tiny-gpt-oss": "gpt_oss",
             "lilo/tiny-deepseek-v3": "deepseek_v3", "lilo/tiny-qwen3.5": "qwen3_5_text",
-            "lilo/tiny-qwen3.5-moe": "qwen3_5_moe_text"}
+            "lilo/tiny-qwen3.5-moe": "qwen3_5_moe_text", "lilo/tiny-nemotron-h": "nemotron_h",
+            "lilo/tiny-gemma4": "gemma4_text"}
 TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
 def families_service():
-    args = ["--num-cpus", "8", "--trainers", "1", "--sampler-slots", "2", "--timeout", "400"]
+    args = ["--num-cpus", str(len(FAMILIES) + 2), "--trainers", "1", "--sampler-slots", "2", "--timeout", "400"]
     for family in FAMILIES:
         args += ["--base-model", family]
     with own_service(*args) as (url, _):
