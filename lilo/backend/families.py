@@ -55,6 +55,9 @@ DELTANET_FROZEN = {
     "in_proj_b": "Gated DeltaNet's write strength (beta): one output per value head",
 }
 
+INDEXER = ("DeepSeek Sparse Attention's indexer: it only picks the keys each query attends to (a top-k), so the loss "
+           "gives it no gradient")
+
 # The tiny shapes: small enough that a test builds one in a second, with the family's every kind of layer.
 _SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
               max_position_embeddings=512)
@@ -129,6 +132,17 @@ FAMILIES: tuple[Family, ...] = (
                                                     sliding_window=8,
                                                     layer_types=["sliding_attention", "full_attention"]),
                       "gemma4_text", "Gemma 4 (per-layer inputs; sliding and full attention)"),)),
+    # DeepSeek-V3's attention with a lightning indexer (DeepSeek Sparse Attention), which picks the keys each query
+    # attends to.
+    Family("GLM-5", ("glm_moe_dsa",), MLA, GATED_MLP + EXPERTS,
+           {**ROUTER, **dict.fromkeys(("wq_b", "wk", "weights_proj"), INDEXER)},
+           tiny=(Tiny("tiny-glm5", "GlmMoeDsa", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
+                                                     num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                                                     n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                                                     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                                     v_head_dim=16, head_dim=16, index_topk=8, index_head_dim=32,
+                                                     index_n_heads=8, pad_token_id=0),
+                      "glm_moe_dsa", "GLM-5 (DeepSeek Sparse Attention: an indexer picks 8 keys a query)"),)),
 )
 
 

@@ -27,9 +27,10 @@ SPECS = {"r2": LoraSpec(rank=2, seed=1), "r8": LoraSpec(rank=8, seed=2, train_un
 
 
 # Every family but plain Llama and Qwen3 (tests/lilo/test_torch_backend.py): with fused experts, with linear
-# attention or a state-space mixer, with per-layer inputs and tied embeddings (Gemma 4), with norms after each block.
+# attention or a state-space mixer, with per-layer inputs and tied embeddings (Gemma 4), with a sparse attention's
+# indexer (GLM-5), with norms after each block (OLMo 3).
 FAMILIES = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-            "tiny-nemotron-h", "tiny-gemma4", "tiny-olmo3"]
+            "tiny-nemotron-h", "tiny-gemma4", "tiny-glm5", "tiny-olmo3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -95,7 +96,7 @@ def test_the_bank_puts_adapters_on_every_expert_projection(moe):
     assert not any(path.endswith((".gate", ".router")) for path in backend.layers)
     attention = {name.rsplit(".", 1)[-1] for name, module in moe.named_modules() if isinstance(module, torch.nn.Linear)
                  and ".self_attn." in name}
-    assert attention <= set(ATTENTION_PROJECTIONS)
+    assert attention <= set(ATTENTION_PROJECTIONS) | set(backend.bank.family.frozen)
 
 
 def family_logprobs(model, sample: Datum) -> np.ndarray:

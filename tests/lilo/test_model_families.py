@@ -81,19 +81,16 @@ def test_a_family_with_a_projection_lilo_cannot_adapt_is_refused_for_that_target
     assert backend.free_slots == 1
 
 
-def test_glm5_is_refused_for_attention_naming_its_sparse_attentions_indexer():
-    # Its indexer would stay frozen (a top-k: no gradient), but transformers' forward over a whole sequence and its
-    # decoding with a cache disagree on it, so lilo does not list the family yet (docs/design.md).
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+def test_deepseek_v4_is_refused_naming_what_no_family_adapts():
+    # Compressed attention (kv_proj, a compressor, o_a / o_b) and hyper-connections: no family here names them yet.
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(0)
-    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=16,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8, index_topk=4,
-        index_head_dim=8, index_n_heads=2, vocab_size=100, pad_token_id=0))
-    backend = TorchBackend(model, max_adapters=1, max_rank=4, base_model_name="tiny-glm5")
-    assert backend.uncovered == {"attn": ["self_attn.indexer.weights_proj", "self_attn.indexer.wk",
-                                          "self_attn.indexer.wq_b"], "mlp": []}
-    with pytest.raises(InvalidRequestError, match=r"tiny-glm5 \(glm_moe_dsa\) has attn projections"):
+        num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, vocab_size=100))
+    backend = TorchBackend(model, max_adapters=1, max_rank=4, base_model_name="tiny-v4")
+    assert {"self_attn.kv_proj", "self_attn.o_a_proj", "self_attn.o_b_proj"} <= set(backend.uncovered["attn"])
+    with pytest.raises(InvalidRequestError,
+                       match=r"tiny-v4 \(deepseek_v4\) has attn projections lilo puts no adapter on \(.*kv_proj"):
         backend.add_adapter("whole", LoraSpec(rank=4))
