@@ -141,7 +141,7 @@ def main() -> None:
                         "file, or a new temp dir)")
     args = parser.parse_args()
     if importlib.util.find_spec("vllm") is None:
-        from cluster.sampler_actor import vllm_python
+        from cluster.sampling.actor import vllm_python
 
         python = vllm_python()
         if python is None:

@@ -37,7 +37,8 @@ import ray  # noqa: E402
 
 from cluster.local import connect_driver  # noqa: E402
 from cluster.ports import free_ports  # noqa: E402
-from cluster.trainer_actor import TrainerConfig, start_trainer  # noqa: E402
+from cluster.trainer.actor import start_trainer  # noqa: E402
+from cluster.trainer.config import TrainerConfig  # noqa: E402
 from lilo.backend.types import AdamParams, Datum, LoraSpec, TrainInput  # noqa: E402
 from lilo.engine.commands import Command, Kind  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402

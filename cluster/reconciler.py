@@ -50,12 +50,11 @@ from cluster.local import NAMESPACE
 from cluster.placement import models_placed, named_actor
 from cluster.scaling import GpuNode, Seat, config_has_gpu_workers, may_request_trainer, trainers_to_release, \
     trainers_to_start
-from cluster.sampler_actor import SamplerConfig, sampler_name
-from cluster.sampling_plane import SamplerSeat, sampler_config, start_seat, trainer_gpu_share
+from cluster.sampling.actor import SamplerConfig, sampler_name
+from cluster.sampling.plane import SamplerSeat, sampler_config, start_seat, trainer_gpu_share
 from cluster.timing import get_timing_actor
-from cluster.trainer_actor import (
-    TRAINER_PREFIX, TrainerConfig, remove_rank_placement_group, start_trainer, trainer_name,
-)
+from cluster.trainer.actor import remove_rank_placement_group, start_trainer
+from cluster.trainer.config import TRAINER_PREFIX, TrainerConfig, trainer_name
 from lilo.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -165,7 +165,7 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     from cluster.reconciler import follows_gpus, scaling_config, start_reconciler, starts_cpu_trainers
     from cluster.recovery import start_recovery
     from cluster.timing import get_timing_actor
-    from cluster.trainer_actor import start_trainers, wait_for_trainers
+    from cluster.trainer.actor import start_trainers, wait_for_trainers
 
     # Serve's controller and proxy start (seconds, with the import of the app) while the rest starts; the app itself
     # is deployed only once the previous run's unfinished requests are failed (below).
@@ -235,7 +235,7 @@ def stop_service(settings: Settings, serve_app: Callable[[], ServeApp], progress
         if settings.ray_address is not None:
             from cluster.futures_actor import FUTURES_ACTOR_NAME
             from cluster.timing import TIMING_ACTOR_NAME
-            from cluster.trainer_actor import remove_rank_placement_group
+            from cluster.trainer.actor import remove_rank_placement_group
 
             for name in (TIMING_ACTOR_NAME, FUTURES_ACTOR_NAME, *trainer_names(), *sampler_names()):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))
@@ -250,14 +250,14 @@ def stop_service(settings: Settings, serve_app: Callable[[], ServeApp], progress
 
 def trainer_names() -> list[str]:
     """The named trainers of the connected cluster, sorted."""
-    from cluster.trainer_actor import TRAINER_PREFIX
+    from cluster.trainer.config import TRAINER_PREFIX
 
     return _named_actors(TRAINER_PREFIX)
 
 
 def sampler_names() -> list[str]:
     """The named vLLM sampler actors of the connected cluster, sorted."""
-    from cluster.sampler_actor import SAMPLER_PREFIX
+    from cluster.sampling.actor import SAMPLER_PREFIX
 
     return _named_actors(SAMPLER_PREFIX)
 
@@ -273,8 +273,9 @@ def sampler_seats(settings: Settings) -> list:
     """The sampler actors ``--samplers`` lays out beside the trainers ``start_trainers`` starts."""
     import ray
 
-    from cluster.sampling_plane import sampler_layout
-    from cluster.trainer_actor import trainer_layout, trainer_name
+    from cluster.sampling.plane import sampler_layout
+    from cluster.trainer.actor import trainer_layout
+    from cluster.trainer.config import trainer_name
 
     served = [(trainer_name(index), model) for index, model in enumerate(trainer_layout(settings))]
     return sampler_layout(settings.samplers, served, bool(ray.cluster_resources().get("GPU", 0)),
@@ -285,8 +286,8 @@ def start_samplers(settings: Settings, seats: list, progress: Progress) -> list:
     """Start the vLLM sampler actors of ``seats`` (they load while the trainers do); their handles."""
     if not seats:
         return []
-    from cluster.sampler_actor import sampler_name, vllm_available
-    from cluster.sampling_plane import sampler_config, start_seat
+    from cluster.sampling.actor import sampler_name, vllm_available
+    from cluster.sampling.plane import sampler_config, start_seat
 
     if not vllm_available():
         raise ClusterError(f"--samplers {settings.samplers:g} needs vLLM, which is not installed: run "

@@ -16,8 +16,14 @@ in that process waited, and that was most of the heartbeat's p99. So:
 from __future__ import annotations
 
 import gc
+import logging
+import os
+import sys
+import threading
 
 from cluster.loopback import bind_replica_grpc_to_loopback
+
+logger = logging.getLogger(__name__)
 
 GC_THRESHOLDS = (20_000, 20, 50)
 
@@ -42,3 +48,19 @@ def private_head_worker() -> None:
 def cluster_worker() -> None:
     """Hook on an existing Ray cluster (``lilo up --address``): GC for latency."""
     tune_gc()
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps nicer than it is (at most 19); threads it starts later (torch's)
+    inherit that. On Linux niceness is per thread, so the actor's own threads (its RPCs, its writes to the futures
+    DB) keep their priority."""
+    if nice <= 0:
+        return
+    if sys.platform != "linux":
+        logger.info("compute_nice=%d is applied on Linux only; the compute thread keeps its priority", nice)
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
+    except OSError as error:
+        logger.warning("could not make the compute thread %d steps nicer: %s", nice, error)

@@ -52,7 +52,7 @@ class Settings:
     # Further slots per trainer that only sampler checkpoints use (they also use free training slots): sampling
     # a saved checkpoint works while training models fill every training slot.
     sampler_slots: int = 2
-    # vLLM sampler actors (cluster.sampling_plane): 0 none, the trainers' torch samplers answer every sample; a
+    # vLLM sampler actors (cluster.sampling.plane): 0 none, the trainers' torch samplers answer every sample; a
     # fraction F < 1: one sampler beside each trainer on a share F of its GPU; a whole number N: N per base model,
     # a GPU each. The trainers relay to them the samples they answer exactly; the torch sampler answers the rest.
     samplers: float = 0.0

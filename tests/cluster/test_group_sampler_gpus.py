@@ -19,9 +19,9 @@ PROBE = f"""
 import json, sys
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from cluster.sampler_actor import group_gpu_ids, sampler_strategy
-from cluster.trainer_actor import rank_placement_group
-from cluster.trainer_ranks import assigned_gpu_ids
+from cluster.sampling.actor import group_gpu_ids, sampler_strategy
+from cluster.trainer.actor import rank_placement_group
+from cluster.gpu_groups import assigned_gpu_ids
 
 ray.init(address=sys.argv[1], namespace="lilo", logging_level="ERROR")
 group = rank_placement_group({TRAINER!r}, 2, {1 - SHARE})  # as start_trainer makes it for ranks taking 1 - F

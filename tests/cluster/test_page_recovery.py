@@ -12,7 +12,8 @@ import ray
 import torch
 from safetensors import safe_open
 
-from cluster.trainer_actor import TrainerConfig, start_trainer, trainer_name
+from cluster.trainer.actor import start_trainer
+from cluster.trainer.config import TrainerConfig, trainer_name
 from helpers import eventually, fresh_actor_index, stop_trainer, train_input
 from lilo.backend.paging.files import page_file_name
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest

@@ -1,9 +1,9 @@
-"""Which GPU a rank of a sharded trainer takes, when it sees every GPU of its node (``trainer_ranks.SHARED_GPUS_ENV``:
+"""Which GPU a rank of a sharded trainer takes, when it sees every GPU of its node (``gpu_groups.SHARED_GPUS_ENV``:
 Ray leaves CUDA_VISIBLE_DEVICES as the node has it, and each rank finds the one Ray gave it)."""
 
 import pytest
 
-from cluster.trainer_ranks import SHARED_GPUS_ENV, own_gpu_index, rank_runtime_env
+from cluster.gpu_groups import SHARED_GPUS_ENV, own_gpu_index, rank_runtime_env
 
 
 @pytest.mark.parametrize(("gpu_ids", "visible", "index"), [

@@ -1,6 +1,6 @@
-"""Where --samplers puts the vLLM sampler actors (cluster.sampling_plane.sampler_layout: pure)."""
+"""Where --samplers puts the vLLM sampler actors (cluster.sampling.plane.sampler_layout: pure)."""
 
-from cluster.sampling_plane import SamplerSeat, sampler_layout, samplers_of, trainer_gpu_share
+from cluster.sampling.plane import SamplerSeat, sampler_layout, samplers_of, trainer_gpu_share
 
 TRAINERS = [("lilo-trainer-0", "a"), ("lilo-trainer-1", "b"), ("lilo-trainer-2", "a")]
 

@@ -11,8 +11,8 @@ import ray
 import torch
 from ray.exceptions import ActorAlreadyExistsError
 
-from cluster.trainer_actor import (TrainerConfig, existing_rank_placement_group, remove_rank_placement_group,
-                                   start_trainer, trainer_name)
+from cluster.trainer.actor import existing_rank_placement_group, remove_rank_placement_group, start_trainer
+from cluster.trainer.config import TrainerConfig, trainer_name
 from helpers import fresh_actor_index, stop_trainer
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_state

@@ -13,7 +13,9 @@ import ray
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
-from cluster.trainer_actor import TrainerConfig, lower_thread_priority, start_trainer, trainer_name
+from cluster.trainer.actor import start_trainer
+from cluster.trainer.config import TrainerConfig, trainer_name
+from cluster.worker_setup import lower_thread_priority
 from helpers import AUTH, eventually, fresh_actor_index, stop_trainer, train_input
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from cluster.sampler_actor import SamplerConfig, sampler_name, start_sampler, vllm_available
+from cluster.sampling.actor import SamplerConfig, sampler_name, start_sampler, vllm_available
 from conftest import TINY_DIRECTORY
 from helpers import fresh_actor_index
 from lilo.backend.checkpoints.paths import local_directory
@@ -106,7 +106,7 @@ def greedy(prompt, **settings) -> SamplingRequest:
 
 def test_the_sampler_modules_load_neither_torch_nor_vllm():
     """The API replicas import the actor's module for its handle; they have neither torch nor vLLM."""
-    script = ("import sys, cluster.sampler_actor, lilo.backend.vllm_sampler\n"
+    script = ("import sys, cluster.sampling.actor, lilo.backend.vllm_sampler\n"
               "print(' '.join(sorted(sys.modules)))\n")
     loaded = set(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
                  .stdout.split())

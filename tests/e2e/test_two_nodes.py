@@ -24,7 +24,7 @@ INSPECT = """
 import json, sys
 import ray
 ray.init(address=sys.argv[1], namespace="lilo", log_to_driver=False)
-from cluster.trainer_actor import trainer_name
+from cluster.trainer.config import trainer_name
 report = {}
 for index in range(2):
     trainer = ray.get_actor(trainer_name(index), namespace="lilo")

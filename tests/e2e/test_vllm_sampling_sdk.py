@@ -12,7 +12,7 @@ import pytest
 import tinker
 from tinker import types
 
-from cluster.sampler_actor import vllm_available
+from cluster.sampling.actor import vllm_available
 from conftest import TINY_DIRECTORY
 from helpers import own_service, tokens_datum
 

@@ -55,7 +55,7 @@ Plan = TrainPlan | SamplePlan
 
 
 class Peers(Protocol):
-    """Rank 0's line to its followers (``cluster.trainer_ranks`` over Ray)."""
+    """Rank 0's line to its followers (``cluster.trainer.ranks`` over Ray)."""
 
     def dispatch(self, plans: Sequence[Plan]) -> Any:
         """Hand plan k to follower k + 1, at once; returns what ``collect`` waits on."""

@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import os
 import queue
-import sys
 import threading
 import uuid
 import weakref
@@ -29,12 +28,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE, ClusterError
-from cluster.sampler_actor import sampler_name
-from cluster.sampling_plane import SamplerRelay, SamplerSeat, samplers_of, trainer_gpu_share
+from cluster.gpu_groups import rank_bundles, rank_group_name, rank_runtime_env
+from cluster.sampling.actor import sampler_name
+from cluster.sampling.plane import SamplerRelay, SamplerSeat, samplers_of, trainer_gpu_share
 from cluster.timing import TimingPublisher, get_timing_actor
-from cluster.trainer_backend import build_backend
-from cluster.trainer_ranks import rank_bundles, rank_group_name, rank_runtime_env
-from cluster.worker_setup import freeze_startup
+from cluster.trainer.backend import build_backend
+from cluster.trainer.config import TrainerConfig, trainer_name
+from cluster.worker_setup import freeze_startup, lower_thread_priority
 from lilo.backend.checkpoints.index import (
     CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, latest_weights, list_checkpoints,
     read_checkpoint_file, weights_spec,
@@ -44,7 +44,6 @@ from lilo.backend.paging.policy import page_file_wins
 from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
-from lilo.engine.window import DEFAULT_WINDOW_CAP_MS
 from lilo.errors import NotFoundError, TooLargeError, UnavailableError, failure_category
 from lilo.futures.sequences import RecordedSample
 from lilo.futures.store import Completion
@@ -57,48 +56,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-TRAINER_PREFIX = "lilo-trainer-"
 # How long a failed write of results to the futures DB waits before it is tried again.
 RETRY_WRITE_S = 1.0
-
-
-def trainer_name(index: int) -> str:
-    return f"{TRAINER_PREFIX}{index}"
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-    """What every trainer of a service is built with, its name and base model aside: built from the settings once
-    (``from_settings``) and handed to each trainer as it is."""
-
-    max_adapters: int
-    max_rank: int
-    sampler_slots: int
-    # "auto" (CUDA when the trainer has a GPU), "cpu" or "cuda".
-    device: str
-    compute_nice: int
-    # None: the backend's temporary directory (tests), or the default model cache.
-    checkpoint_dir: Path | None = None
-    model_cache_dir: Path | None = None
-    # Paging (lilo.backend.paging.policy): host memory per trainer (None: a share of its node's), disk per trainer, and
-    # the directory under which each trainer keeps its page files (None: beside the checkpoints). 0 and 0: none.
-    host_adapter_mb: int | None = 0
-    disk_adapter_gb: float = 0.0
-    page_dir: Path | None = None
-    # Padded tokens per pass (None: sized from the device's free memory) and the coalescing window's cap.
-    max_batch_tokens: int | None = None
-    coalesce_window_ms: float = DEFAULT_WINDOW_CAP_MS
-    # The trainer process's memory cap in GB (lilo.backend.training.memory_cap; None: the default, 0: none).
-    memory_gb: float | None = None
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> TrainerConfig:
-        return cls(max_adapters=settings.max_adapters, max_rank=settings.max_rank,
-                   sampler_slots=settings.sampler_slots, device=settings.device, compute_nice=settings.compute_nice,
-                   checkpoint_dir=settings.home / "checkpoints", host_adapter_mb=settings.host_adapter_mb,
-                   disk_adapter_gb=settings.disk_adapter_gb, page_dir=settings.home / "pages",
-                   max_batch_tokens=settings.max_batch_tokens, coalesce_window_ms=settings.coalesce_window_ms,
-                   memory_gb=settings.trainer_memory_gb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +82,7 @@ class TrainerActor:
         self.name = name
         self.base_model = base_model
         self.ranks = ranks  # more than 1: the base sharded over this actor (rank 0) and its followers
-        self._peers: Any = None  # its followers (cluster.trainer_ranks.RankPeers)
+        self._peers: Any = None  # its followers (cluster.trainer.ranks.RankPeers)
         self._sampler_names = tuple(samplers)  # the vLLM sampler actors this trainer relays samples to
         self._relay: SamplerRelay | None = None
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
@@ -144,7 +103,7 @@ class TrainerActor:
         try:
             group = None
             if self.ranks > 1:
-                from cluster.trainer_ranks import RankPeers
+                from cluster.trainer.ranks import RankPeers
 
                 self._peers = RankPeers(self.name, self.base_model, config, self.ranks, ray_gpus())
                 group = self._peers.group
@@ -178,7 +137,7 @@ class TrainerActor:
 
     def _dispatch(self, engine: Engine, command: Command) -> Future:
         """Hand ``command`` to the engine, or, for a sample one of this trainer's vLLM samplers answers, to that
-        sampler (``cluster.sampling_plane``); a sampler checkpoint's save completes once it is published to them."""
+        sampler (``cluster.sampling.plane``); a sampler checkpoint's save completes once it is published to them."""
         relay = self._relay
         if relay is not None and command.kind == Kind.SAMPLE:
             sampler = relay.choose(command)
@@ -217,7 +176,7 @@ class TrainerActor:
     async def rank_info(self) -> list[dict[str, Any]]:
         """Each rank of this trainer: where it runs (node, pid, GPU) and what it holds (``rank_memory``), rank 0
         first; with the bytes the group exchanged so far on rank 0's (``TorchBackend.exchanged``)."""
-        from cluster.trainer_ranks import rank_memory, rank_place
+        from cluster.trainer.ranks import rank_memory, rank_place
 
         backend = (await self._loaded()).backend
         own = {**rank_place(0), **rank_memory(backend), "exchanged": dict(backend.exchanged)}
@@ -510,22 +469,6 @@ class TrainerActor:
         await asyncio.to_thread(self._torch_thread.join)  # the compute lane returns once its execution ends
         models = sorted(model_id for model_id in engine.model_ids() if backend.holds(model_id))
         return await asyncio.to_thread(lambda: [backend.save_now(model_id, save_as) for model_id in models])
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Make the calling thread ``nice`` steps nicer than it is (at most 19); threads it starts later (torch's)
-    inherit that. On Linux niceness is per thread, so the actor's own threads (its RPCs, its writes to the futures
-    DB) keep their priority."""
-    if nice <= 0:
-        return
-    if sys.platform != "linux":
-        logger.info("compute_nice=%d is applied on Linux only; the compute thread keeps its priority", nice)
-        return
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
-    except OSError as error:
-        logger.warning("could not make the compute thread %d steps nicer: %s", nice, error)
 
 
 def recorded_prompt_of(command: Command) -> Sequence[int] | None:

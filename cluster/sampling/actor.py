@@ -31,7 +31,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.local import NAMESPACE, ClusterError
-from cluster.trainer_ranks import assigned_gpu_ids, rank_group_name
+from cluster.gpu_groups import assigned_gpu_ids, rank_group_name
 from lilo.backend.types import SamplingRequest
 from lilo.engine.contract import SampleResult
 from lilo.errors import LiloError
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 SAMPLER_PREFIX = "lilo-sampler-"
 # The sampler environment's interpreter, when it is not the checkout's .venv-vllm (another path on every node).
 VLLM_PYTHON_ENV = "LILO_VLLM_PYTHON"
-CHECKOUT_VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+CHECKOUT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 # How long a sampler whose engine died waits for its last answers to leave before its process exits (Ray then
 # starts it again, with no adapters: ``ready``'s incarnation changes).
 DEAD_ENGINE_EXIT_S = 1.0

@@ -25,10 +25,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.trainer_backend import build_backend
+from cluster.gpu_groups import assigned_gpu_ids, rank_runtime_env
+from cluster.trainer.backend import build_backend
+from cluster.worker_setup import lower_thread_priority
 
 if TYPE_CHECKING:
-    from cluster.trainer_actor import TrainerConfig
+    from cluster.trainer.config import TrainerConfig
     from lilo.backend.sharding.group import RankGroup
     from lilo.backend.sharding.plans import Plan
 
@@ -36,36 +38,6 @@ logger = logging.getLogger(__name__)
 
 # How long rank 0 waits, after a failed pass, for its failures to reach the futures DB before it exits.
 EXIT_AFTER_FAILURE_S = 2.0
-# A sharded trainer's ranks see every GPU of their node, as Ray Train's torch workers do: NCCL on NVSwitch machines
-# mishandles ranks whose visible devices do not overlap (docs/design.md). Each rank then picks its own GPU by the
-# id Ray gave it (``own_gpu_index``).
-SHARED_GPUS_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-
-
-def rank_runtime_env(gpus: float) -> dict[str, Any] | None:
-    """The runtime environment of a rank of a sharded trainer that has ``gpus`` GPU: its node's GPUs all visible;
-    without GPUs, None (the job's own, as for any actor)."""
-    return {"env_vars": SHARED_GPUS_ENV} if gpus else None
-
-
-def assigned_gpu_ids() -> list[str]:
-    """The ids of the GPUs Ray gave this process (none on CPU)."""
-    return [str(gpu) for gpu in ray.get_gpu_ids()]
-
-
-def own_gpu_index(gpu_ids: Sequence[str], visible: str | None) -> int:
-    """This process's GPU as torch numbers it: Ray's id of it (``gpu_ids``, one) among the devices it sees
-    (``CUDA_VISIBLE_DEVICES``: all of the node's when unset, or the node's own list, whose entries Ray's ids are)."""
-    if len(gpu_ids) != 1:
-        raise RuntimeError(f"A rank of a sharded trainer holds one GPU; Ray gave this one {list(gpu_ids)}.")
-    listed = [device.strip() for device in visible.split(",")] if visible else None
-    if listed is None:
-        return int(gpu_ids[0])
-    if gpu_ids[0] not in listed:
-        raise RuntimeError(f"GPU {gpu_ids[0]} is not among this process's CUDA_VISIBLE_DEVICES ({visible}).")
-    return listed.index(gpu_ids[0])
-
-
 def rendezvous_file(trainer: str) -> Path:
     """A fresh file for the group of ``trainer`` to meet at (its ranks share a node); its earlier groups' go."""
     directory = Path(tempfile.gettempdir()) / "lilo-rank-groups"
@@ -73,18 +45,6 @@ def rendezvous_file(trainer: str) -> Path:
     for stale in directory.glob(f"{trainer}-*"):
         stale.unlink(missing_ok=True)
     return directory / f"{trainer}-{uuid.uuid4().hex}"
-
-
-def rank_group_name(trainer: str) -> str:
-    """The name of a sharded trainer's placement group (detached, like the trainer)."""
-    return f"{trainer}-ranks"
-
-
-def rank_bundles(ranks: int, gpus: float) -> list[dict[str, float]]:
-    """The placement group bundles of a trainer of ``ranks`` ranks whose ranks take ``gpus`` GPU each: one CPU and
-    a whole GPU each (where a rank takes less, a vLLM sampler beside the group has the rest of every bundle's GPU,
-    ``cluster.sampler_actor.group_gpu_ids``); without GPUs, one CPU."""
-    return [{"CPU": 1.0, **({"GPU": 1.0} if gpus else {})} for _ in range(ranks)]
 
 
 def rank_place(rank: int) -> dict[str, Any]:
@@ -123,7 +83,6 @@ class RankActor:
         self._loading = self._torch.submit(self._load, trainer, base_model, config, group)
 
     def _load(self, trainer: str, base_model: str, config: TrainerConfig, group: RankGroup) -> Any:
-        from cluster.trainer_actor import lower_thread_priority
         from lilo.backend.sharding.follower import Follower
 
         lower_thread_priority(config.compute_nice)
@@ -155,7 +114,7 @@ class RankPeers:
         placement: PlacementGroup | None = get_current_placement_group()
         if placement is None:
             raise RuntimeError(f"Trainer {trainer} has {ranks} ranks but runs in no placement group; start it with "
-                               "cluster.trainer_actor.start_trainer.")
+                               "cluster.trainer.actor.start_trainer.")
         self.actors = [
             RankActor.options(num_cpus=1, num_gpus=gpus, runtime_env=rank_runtime_env(gpus),
                               scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -1,5 +1,5 @@
 """Building a trainer's ``TorchBackend`` on its torch thread: the same for a 1-rank trainer and for each rank of a
-sharded one (``cluster.trainer_ranks``). Torch is imported inside: Ray imports the actor modules in processes that
+sharded one (``cluster.trainer.ranks``). Torch is imported inside: Ray imports the actor modules in processes that
 hold a trainer's handle and need no torch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cluster.trainer_actor import TrainerConfig
+    from cluster.trainer.config import TrainerConfig
     from lilo.backend.sharding.group import RankGroup
 
 logger = logging.getLogger(__name__)
@@ -27,10 +27,10 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
 
     directory = model_directory(base_model, config.model_cache_dir)
     device = resolve_device(config.device)
-    if group is not None and device.type == "cuda":  # it sees all of its node's GPUs (trainer_ranks.SHARED_GPUS_ENV)
+    if group is not None and device.type == "cuda":  # it sees all of its node's GPUs (gpu_groups.SHARED_GPUS_ENV)
         import torch
 
-        from cluster.trainer_ranks import assigned_gpu_ids, own_gpu_index
+        from cluster.gpu_groups import assigned_gpu_ids, own_gpu_index
 
         device = torch.device("cuda", own_gpu_index(assigned_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
     sharded = None

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import ray
 
 from cluster.placement import named_actor
-from cluster.sampler_actor import SamplerConfig, start_sampler
+from cluster.sampling.actor import SamplerConfig, start_sampler
 from lilo.backend.checkpoints.paths import TINKER_SCHEME, local_directory
 from lilo.backend.types import SamplingRequest
 from lilo.backend.vllm_sampler import vllm_unsupported
