@@ -178,6 +178,7 @@ def start_private_head(settings: Settings) -> str:
         raise RuntimeError("Ray was imported before the local environment was set; call prepare_environment().")
     import ray
 
+    os.environ.update(settings.model_paths_env())  # this process deploys, and may ask the registry, too
     settings.ray_temp_dir.mkdir(parents=True, exist_ok=True)
     context = ray.init(
         namespace=NAMESPACE,
@@ -205,6 +206,7 @@ def connect_existing(settings: Settings) -> str:
     """Connect to the Ray cluster at ``settings.ray_address`` (for example "auto" on a `ray up` head)."""
     import ray
 
+    os.environ.update(settings.model_paths_env())
     context = ray.init(address=settings.ray_address, namespace=NAMESPACE, log_to_driver=False,
                        runtime_env={"worker_process_setup_hook": "cluster.worker_setup.cluster_worker",
                                     "env_vars": serve_env(settings)})
@@ -216,8 +218,9 @@ def serve_env(settings: Settings) -> dict[str, str]:
     itself, so a request crosses no proxy process on its way in (one hop and one process's CPU less per request).
     Serve still starts its proxy on the head, as a fallback router, on a port of its own that nobody is sent to.
     And OpenTelemetry's variables as ``lilo up`` has them, so every part exports traces where they say
-    (``lilo.timing.traces``)."""
+    (``lilo.timing.traces``). And where the base models served from a directory under a name of their own lie."""
     return {**{name: value for name, value in os.environ.items() if name.startswith("OTEL_")},
+            **settings.model_paths_env(),
             "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(settings.http_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(settings.http_port + 1),

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from lilo.api_keys import ApiKeyConfigError, load_key_digests
-from lilo.backend.registry import DEFAULT_BASE_MODEL, is_servable, unservable_message
+from lilo.backend.registry import DEFAULT_BASE_MODEL, MODEL_PATHS_ENV, is_servable, unservable_message
 from lilo.futures.paths import default_db_path
 from lilo.tenant_policy import TenantsFileError, read_tenants_file
 
@@ -38,6 +39,8 @@ class Settings:
     # None: every CPU of this machine.
     num_cpus: int | None = None
     base_models: tuple[str, ...] = (DEFAULT_BASE_MODEL,)
+    # Base models served under a name of their own from a local directory (--base-model NAME=PATH): (name, path).
+    model_paths: tuple[tuple[str, str], ...] = ()
     # Trainer actors: None means one per GPU, or one on a machine without GPUs.
     trainers: int | None = None
     # Adapter slots per trainer: how many training models one trainer holds at once.
@@ -166,6 +169,11 @@ class Settings:
         """The most ranks any base model's trainers span."""
         return max(self.model_ranks.values())
 
+    def model_paths_env(self) -> dict[str, str]:
+        """The environment a process needs to find the base models served from a directory under a name of their
+        own (``lilo.backend.registry.served_paths``)."""
+        return {MODEL_PATHS_ENV: json.dumps(dict(self.model_paths))} if self.model_paths else {}
+
     def validate(self) -> "Settings":
         _, overrides = parse_trainer_ranks(self.trainer_ranks)
         if self.tenants_file is not None:
@@ -250,7 +258,12 @@ class Settings:
             raise SettingsError(f"--max-body-mb must be at least 1, got {self.max_body_mb}.")
         if not self.base_models:
             raise SettingsError("Configure at least one base model (--base-model NAME).")
-        unknown = [name for name in self.base_models if not is_servable(name)]
+        for name, path in self.model_paths:
+            if not (Path(path) / "config.json").is_file():
+                raise SettingsError(f"--base-model {name}={path}: {path} holds no config.json; point it at a directory "
+                                    "holding a transformers model (its config.json, weights and tokenizer).")
+        served = dict(self.model_paths)
+        unknown = [name for name in self.base_models if name not in served and not is_servable(name)]
         if unknown:
             raise SettingsError(unservable_message(unknown))
         if self.ray_address is None and len(str(self.ray_temp_dir)) > MAX_RAY_TEMP_DIR_CHARS:
@@ -344,5 +357,17 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
         if field in values:
             values[field] = Path(values[field]).expanduser().absolute()
     if "base_models" in values:
-        values["base_models"] = tuple(values["base_models"])
+        values["base_models"], values["model_paths"] = _split_model_paths(values["base_models"])
     return Settings(**values).validate()
+
+
+def _split_model_paths(entries: Iterable[str]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """``--base-model`` entries, each a name or ``NAME=PATH``: the names, and (name, absolute path) of each served
+    from a directory under a name of its own."""
+    names, paths = [], []
+    for entry in entries:
+        name, separator, path = entry.partition("=")
+        names.append(name.strip())
+        if separator:
+            paths.append((name.strip(), str(Path(path.strip()).expanduser().absolute())))
+    return tuple(names), tuple(paths)

@@ -134,8 +134,10 @@ def _convert_smollm2(target: Path) -> None:
 def model_directory(name: str, cache_dir: Path | None = None) -> Path:
     """The local directory of a served base model, made on first use (the tiny ones: generated; SmolLM2: from its
     GGUF)."""
-    from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_PREFIX
+    from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_PREFIX, served_paths
 
+    if name in served_paths():  # served under a name of its own (lilo up --base-model NAME=PATH)
+        return Path(served_paths()[name])
     cache = cache_dir or default_cache_dir()
     if name == DEFAULT_BASE_MODEL:
         return smollm2_directory(cache)

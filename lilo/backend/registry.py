@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -51,8 +52,29 @@ def known_base_models() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+# Base models served under a name of their own from a local directory (``lilo up --base-model NAME=PATH``): the
+# names and directories as a JSON object in this variable, which ``lilo up`` sets in its own process and in every
+# process of its Ray job, on every node.
+MODEL_PATHS_ENV = "LILO_MODEL_PATHS"
+
+
+def served_paths() -> dict[str, str]:
+    """The base models served from a directory under a name of their own: name -> directory."""
+    raw = os.environ.get(MODEL_PATHS_ENV)
+    return json.loads(raw) if raw else {}
+
+
+def local_directory_of(name: str) -> Path | None:
+    """Where a served base model's files lie on this machine: the directory it is served from under its name, or
+    the name itself when it is a directory; None for a registered name or a hub id."""
+    path = served_paths().get(name)
+    if path is not None:
+        return Path(path)
+    return Path(name) if (Path(name) / "config.json").is_file() else None
+
+
 def is_servable(name: str) -> bool:
-    return name in _REGISTRY or (Path(name) / "config.json").is_file() or bool(HUB_ID.match(name))
+    return name in _REGISTRY or local_directory_of(name) is not None or bool(HUB_ID.match(name))
 
 
 def unservable_message(names: list[str]) -> str:
@@ -61,18 +83,21 @@ def unservable_message(names: list[str]) -> str:
 
 
 def base_model_spec(name: str) -> BaseModelSpec:
-    if name in _REGISTRY:
+    directory = local_directory_of(name)
+    if name in _REGISTRY and directory is None:
         return _REGISTRY[name]
     if not is_servable(name):
         raise KeyError(unservable_message([name]))
-    config_file = Path(name) / "config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
+    if directory is not None:
+        config = json.loads((directory / "config.json").read_text())
+        where = "a local directory" if str(directory) == name else f"from {directory}"
     else:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(name).to_dict()
-    where = "a local directory" if config_file.is_file() else "from the hub"
-    return BaseModelSpec(name, max_context_length=int(config.get("max_position_embeddings", 2048)),
+        where = "from the hub"
+    # A vision-language checkpoint (Qwen3.5's) keeps its language model's facts in text_config.
+    text = config.get("text_config") or config
+    return BaseModelSpec(name, max_context_length=int(text.get("max_position_embeddings", 2048)),
                          description=f"{config.get('model_type', 'a model')} {where}",
                          arch=str(config.get("model_type", "unknown")))

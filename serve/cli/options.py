@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--disk-adapter-gb", type=float,
                     help="disk under the home per trainer for models paged out of host memory (default 16)")
     up.add_argument(
-        "--base-model", dest="base_models", action="append", metavar="NAME",
-        help="base model to serve; repeat for several, the first is the default",
+        "--base-model", dest="base_models", action="append", metavar="NAME[=PATH]",
+        help="base model to serve (a registered name, a model directory, a hub id; NAME=PATH serves the directory "
+             "PATH under the name NAME, e.g. the hub id clients ask for); repeat for several, the first is the default",
     )
     up.add_argument(
         "--address", dest="ray_address",

@@ -50,11 +50,13 @@ def recipe_environment(api_url: str) -> dict[str, str]:
     return environment
 
 
-def run_recipe(module: str, api_url: str, cwd: Path | None = None, **arguments: object) -> subprocess.CompletedProcess:
-    """``python -m <module> key=value ...`` (the recipe's chz command line), in ``cwd`` where given."""
+def run_recipe(module: str, api_url: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+               **arguments: object) -> subprocess.CompletedProcess:
+    """``python -m <module> key=value ...`` (the recipe's chz command line), in ``cwd`` where given, with ``env``
+    added to the offline user's environment."""
     command = [sys.executable, "-m", module, *(f"{key}={value}" for key, value in arguments.items())]
-    return subprocess.run(command, env=recipe_environment(api_url), cwd=cwd, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S)
+    return subprocess.run(command, env={**recipe_environment(api_url), **(env or {})}, cwd=cwd,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S)
 
 
 def failure_report(run: subprocess.CompletedProcess) -> str:

@@ -28,6 +28,32 @@ def test_base_models_from_environment_keep_their_order():
     assert settings.base_models == ("lilo/tiny-llama", DEFAULT_BASE_MODEL)
 
 
+def test_a_base_model_served_from_a_directory_under_a_name_of_its_own(tmp_path, monkeypatch):
+    import json
+
+    from lilo.backend.models import build_tiny, model_directory
+    from lilo.backend.registry import MODEL_PATHS_ENV, base_model_spec, is_servable
+
+    directory = build_tiny(tmp_path / "tiny", "tiny-qwen3.5")
+    settings = load_settings(env={"LILO_BASE_MODELS": f"lilo/tiny-llama,Qwen/Qwen3.5-9B-Base={directory}"})
+    assert settings.base_models == ("lilo/tiny-llama", "Qwen/Qwen3.5-9B-Base")
+    assert settings.model_paths == (("Qwen/Qwen3.5-9B-Base", str(directory)),)
+    environment = settings.model_paths_env()
+    assert json.loads(environment[MODEL_PATHS_ENV]) == {"Qwen/Qwen3.5-9B-Base": str(directory)}
+    # A process with that environment (every one of lilo's Ray job) finds the model's files and facts by the name.
+    monkeypatch.setenv(MODEL_PATHS_ENV, environment[MODEL_PATHS_ENV])
+    assert model_directory("Qwen/Qwen3.5-9B-Base") == directory and is_servable("Qwen/Qwen3.5-9B-Base")
+    spec = base_model_spec("Qwen/Qwen3.5-9B-Base")
+    assert (spec.arch, spec.max_context_length) == ("qwen3_5_text", 512) and str(directory) in spec.description
+    assert load_settings(env={}).model_paths_env() == {}
+
+
+def test_a_base_model_directory_without_a_model_is_refused_saying_what_to_point_at(tmp_path):
+    with pytest.raises(SettingsError, match=rf"--base-model org/name={tmp_path}: {tmp_path} holds no config.json; "
+                                            r"point it at a directory holding a transformers model"):
+        load_settings(env={}, base_models=[f"org/name={tmp_path}"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
