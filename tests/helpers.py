@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import itertools
 import json
 import os
@@ -365,3 +366,24 @@ def paged_timings(directory: Path, models: int = 2):
     finally:
         engine.stop()
     return engine.timings, model_ids
+
+
+def backend_with(base, specs: dict, **options):
+    """A TorchBackend over a copy of the model ``base`` holding a fresh adapter of each of ``specs`` (model id ->
+    LoraSpec)."""
+    from lilo.backend.torch_backend import TorchBackend
+
+    backend = TorchBackend(copy.deepcopy(base), **options)
+    for model_id, spec in specs.items():
+        backend.add_adapter(model_id, spec)
+    return backend
+
+
+def weighted_datum(seed: int, length: int):
+    """A lilo Datum of ``length`` random tokens, each trained to predict the next, with random weights."""
+    from lilo.backend.types import Datum
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 1000, length)
+    return Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
+                                                      "weights": rng.random(length).round(2).tolist()})

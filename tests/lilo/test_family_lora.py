@@ -7,12 +7,11 @@ the family's forward with it merged, coalesced adapters of different ranks get t
 adapter that does not train the MLP leaves every expert alone, and the PEFT export loads in peft with the service's
 logprobs."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 
+from helpers import backend_with, weighted_datum
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_peft
 from lilo.backend.adapters.experts import expert_projections, is_fused_experts, projection_shape
@@ -51,17 +50,11 @@ def moe(family):
 
 
 def backend_of(base, specs, **options) -> TorchBackend:
-    backend = TorchBackend(copy.deepcopy(base), max_adapters=4, max_rank=8, **options)
-    for model_id, spec in specs.items():
-        backend.add_adapter(model_id, spec)
-    return backend
+    return backend_with(base, specs, max_adapters=4, max_rank=8, **options)
 
 
 def datum(seed: int, length: int = 21) -> Datum:
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 1000, length)
-    return Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
-                                                      "weights": rng.random(length).round(2).tolist()})
+    return weighted_datum(seed, length)
 
 
 def fb(model_id: str, seq: int, data) -> Command:

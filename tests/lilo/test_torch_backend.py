@@ -3,10 +3,10 @@
 import copy
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
+from helpers import backend_with, weighted_datum
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.models import load_base_model
 from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SaveRequest, TrainInput
@@ -17,17 +17,11 @@ from lilo.errors import InvalidRequestError
 
 
 def fresh_backend(base, specs: dict[str, LoraSpec]) -> TorchBackend:
-    backend = TorchBackend(copy.deepcopy(base), max_adapters=8, max_rank=16)
-    for model_id, spec in specs.items():
-        backend.add_adapter(model_id, spec)
-    return backend
+    return backend_with(base, specs, max_adapters=8, max_rank=16)
 
 
 def datum(seed: int, length: int = 24) -> Datum:
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 1000, length)
-    return Datum(tokens=tokens.tolist(), loss_inputs={
-        "target_tokens": np.roll(tokens, -1).tolist(), "weights": rng.random(length).round(2).tolist()})
+    return weighted_datum(seed, length)
 
 
 def step(model_id: str, seq: int, data, loss_fn="cross_entropy", config=None) -> Command:
