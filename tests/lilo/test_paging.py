@@ -115,8 +115,14 @@ def moe_base(tmp_path_factory):
     return load_base_model(build_tiny(tmp_path_factory.mktemp("moe"), "tiny-qwen3-moe"))
 
 
+@pytest.fixture(scope="module")
+def hybrid_base(tmp_path_factory):
+    """A tiny Qwen3.5-MoE: its linear attention's adapters page with its experts' and the rest."""
+    return load_base_model(build_tiny(tmp_path_factory.mktemp("hybrid"), "tiny-qwen3.5-moe"))
+
+
 @pytest.mark.parametrize("host_mb, disk_mb", [(64, 0), (0, 64)], ids=["host", "disk"])
-@pytest.mark.parametrize("model", ["base", "moe_base"])
+@pytest.mark.parametrize("model", ["base", "moe_base", "hybrid_base"])
 def test_a_model_paged_out_after_every_step_trains_bit_for_bit_as_one_resident(request, model, tmp_path, host_mb,
                                                                                disk_mb):
     resident, paged = resident_and_paged(request.getfixturevalue(model), tmp_path, host_mb, disk_mb)
