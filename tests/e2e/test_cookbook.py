@@ -50,12 +50,12 @@ def recipe_environment(api_url: str) -> dict[str, str]:
     return environment
 
 
-def run_recipe(module: str, api_url: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+def run_recipe(module: str, api_url: str, cwd: Path | None = None, variables: dict[str, str] | None = None,
                **arguments: object) -> subprocess.CompletedProcess:
-    """``python -m <module> key=value ...`` (the recipe's chz command line), in ``cwd`` where given, with ``env``
-    added to the offline user's environment."""
+    """``python -m <module> key=value ...`` (the recipe's chz command line), in ``cwd`` where given, with
+    ``variables`` added to the offline user's environment (a recipe argument may itself be called ``env``)."""
     command = [sys.executable, "-m", module, *(f"{key}={value}" for key, value in arguments.items())]
-    return subprocess.run(command, env={**recipe_environment(api_url), **(env or {})}, cwd=cwd,
+    return subprocess.run(command, env={**recipe_environment(api_url), **(variables or {})}, cwd=cwd,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RECIPE_TIMEOUT_S)
 
 

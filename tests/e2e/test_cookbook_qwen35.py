@@ -78,7 +78,7 @@ def test_chat_sl_runs_on_qwen35_under_its_name_with_its_own_renderer(qwen35_serv
     url, cache = qwen35_service
     dataset = write_addition_conversations(tmp_path / "additions.jsonl", count=32)
     log_path = tmp_path / "log"
-    run = run_recipe("tinker_cookbook.recipes.chat_sl.train", url, env={"HF_HOME": str(cache)},
+    run = run_recipe("tinker_cookbook.recipes.chat_sl.train", url, variables={"HF_HOME": str(cache)},
                      model_name=NAME, renderer_name="qwen3_5", dataset=dataset, batch_size=4, num_epochs=1,
                      learning_rate=1e-2, lora_rank=8, max_length=128, log_path=log_path)
     assert run.returncode == 0, failure_report(run)
