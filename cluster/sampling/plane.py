@@ -150,7 +150,10 @@ class SamplerRelay:
         self._watchers = [asyncio.get_running_loop().create_task(self._watch(name)) for name in self.names]
 
     async def _watch(self, name: str) -> None:
-        """Mark ``name`` ready once it answers ``ready`` (its engine loaded), and again after it restarted."""
+        """Mark ``name`` ready once it answers ``ready`` (its engine loaded), and again after it restarted. Why it is
+        not ready is logged when that changes, not on every poll: an engine that cannot load the base model (a family
+        vLLM does not run on this device) never becomes ready."""
+        reported = None
         while True:
             if name not in self._ready:
                 try:
@@ -158,10 +161,14 @@ class SamplerRelay:
                     self._context = info.get("max_model_len")
                     self._loaded[name] = {}  # a (re)started sampler holds nothing yet
                     self._ready.add(name)
+                    reported = None
                     logger.info("sampler %s is ready; samples it can answer go to it", name)
                 except (ValueError, ray.exceptions.RayActorError) as error:
-                    logger.warning("sampler %s is not ready (%s); the torch sampler answers meanwhile", name,
-                                   str(error).splitlines()[0])
+                    reason = str(error).splitlines()[0]
+                    if reason != reported:
+                        reported = reason
+                        logger.warning("sampler %s is not ready (%s); the torch sampler answers meanwhile", name,
+                                       reason)
             await asyncio.sleep(READY_POLL_S)
 
     def _count(self, what: str) -> None:
