@@ -101,7 +101,7 @@ FAMILIES: tuple[Family, ...] = (
                                               n_group=1, topk_group=1),
              "glm4_moe", "GLM-4.5 (GQA; a dense first layer, then 8 routed experts and a shared one)"),
     )),
-    # Qwen3.6 and Qwen3.8 are this architecture, as their configs say.
+    # Qwen3.6 and Qwen3.8 are served as this architecture: transformers 5.24 has no model type of their own.
     Family("Qwen3.5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), GQA + GATED_DELTANET,
            GATED_MLP + EXPERTS, {**ROUTER, **DELTANET_FROZEN,
                                  "shared_expert_gate": "one output: the shared expert's weight for each token"},
