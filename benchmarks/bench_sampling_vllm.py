@@ -42,7 +42,7 @@ def default_workload(directory: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from lilo.backend.checkpoints.state import AdapterState, write_peft
-    from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+    from lilo.backend.families import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
     from lilo.backend.models import model_directory
     from lilo.backend.registry import DEFAULT_BASE_MODEL
     from lilo.backend.types import LoraSpec

@@ -136,8 +136,9 @@ def model_directory(name: str, cache_dir: Path | None = None) -> Path:
     GGUF)."""
     from lilo.backend.registry import DEFAULT_BASE_MODEL, TINY_PREFIX, served_paths
 
-    if name in served_paths():  # served under a name of its own (lilo up --base-model NAME=PATH)
-        return Path(served_paths()[name])
+    served = served_paths().get(name)
+    if served is not None:  # served under a name of its own (lilo up --base-model NAME=PATH)
+        return Path(served)
     cache = cache_dir or default_cache_dir()
     if name == DEFAULT_BASE_MODEL:
         return smollm2_directory(cache)

@@ -15,7 +15,7 @@ from helpers import backend_with, weighted_datum
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_peft
 from lilo.backend.adapters.experts import expert_projections, is_fused_experts, projection_shape
-from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS
+from lilo.backend.families import ATTENTION_PROJECTIONS
 from lilo.backend.models import build_tiny, load_base_model
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SaveRequest, TrainInput

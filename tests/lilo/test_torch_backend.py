@@ -642,7 +642,7 @@ def test_micro_batches_accumulate_the_same_gradients_as_one_pass(base):
 def test_gradients_equal_a_peft_reference_model(base):
     from peft import LoraConfig, get_peft_model
 
-    from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+    from lilo.backend.families import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 
     spec = LoraSpec(rank=4, alpha=8, seed=3)
     backend = fresh_backend(base, {"a": spec})

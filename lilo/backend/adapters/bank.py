@@ -18,9 +18,9 @@ from torch import nn
 from lilo.backend.adapters.experts import (
     MultiLoRAExperts, expert_projections, is_fused_experts, projection_shape, wrap_experts,
 )
-from lilo.backend.adapters.lora import BATCHED, UNEMBED, MultiLoRALinear, Routing, SlotAdapters
+from lilo.backend.adapters.lora import BATCHED, MultiLoRALinear, Routing, SlotAdapters
 from lilo.backend.adapters.slot_memory import slot_zeros
-from lilo.backend.families import Family, family_of
+from lilo.backend.families import UNEMBED, Family, family_of
 from lilo.backend.types import LoraSpec
 
 

@@ -24,14 +24,7 @@ import warnings
 import torch
 from torch import nn
 
-from lilo.backend import families
 
-
-# The projections each LoraConfig target adapts, over every family lilo trains (lilo.backend.families): attention's
-# (grouped-query, multi-head latent, linear), MLPs' and fused experts', and the output head.
-ATTENTION_PROJECTIONS = families.ATTENTION_PROJECTIONS
-MLP_PROJECTIONS = families.MLP_PROJECTIONS
-UNEMBED = families.UNEMBED
 # A row routed to this slot runs through the bare base model (its scale is the layers' trailing zero entry).
 BASE_SLOT = -1
 

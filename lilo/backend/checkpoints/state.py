@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from lilo.backend.checkpoints.paths import META_FILE, PEFT_CONFIG, PEFT_WEIGHTS, STATE_FILE
 from lilo.backend.adapters.experts import EXPERT_ORDER
-from lilo.backend.adapters.lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
+from lilo.backend.families import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
 
