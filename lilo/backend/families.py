@@ -2,14 +2,16 @@
 decoder layer stays frozen and why, and its tiny built-in model (``lilo/tiny-<name>``, random weights built
 locally, for tests).
 
-A projection is named by its module's last name (``q_proj``, ``in_proj_qkv``); a fused MoE experts module's by its
-parameter (``gate_up_proj``). The bank (``lilo.backend.adapters.bank``) wraps every linear and experts projection
-whose name a family lists, in whatever model it loads, so a model of a family not listed here trains where its
-projections share these names, and is refused for a target where some matrix of its layers has a name no family
-adapts or freezes (``uncovered``), saying which. Where Tinker's docs are silent, a sequence mixer's projections
-(attention, linear attention, a state-space mixer) train under ``train_attn`` and the feed-forward side's (dense
-MLPs, experts, per-layer inputs) under ``train_mlp``, as TuFT and peft's ``all-linear`` do; what stays frozen has a
-reason in ``frozen``. This module is pure data: no torch, no transformers.
+A projection is named by its module's last name (``q_proj``, ``in_proj_qkv``), or its last few where one name means
+two things in a layer (``compressor.gate_proj`` beside the MLP's ``gate_proj``: the longest name that fits decides);
+a fused MoE experts module's by its parameter (``gate_up_proj``). A frozen name freezes that module and all inside
+it (``indexer``), or names a parameter (``compressor.position_bias``). The bank (``lilo.backend.adapters.bank``)
+wraps every linear and experts projection whose name a family lists, in whatever model it loads, so a model of a
+family not listed here trains where its projections share these names, and is refused for a target where some matrix
+of its layers has a name no family adapts or freezes (``uncovered``), saying which. Where Tinker's docs are silent,
+a sequence mixer's projections (attention, linear attention, a state-space mixer) train under ``train_attn`` and the
+feed-forward side's (dense MLPs, experts, per-layer inputs) under ``train_mlp``, as TuFT and peft's ``all-linear``
+do; what stays frozen has a reason in ``frozen``. This module is pure data: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class Family:
     mlp: tuple[str, ...]  # what train_mlp adapts
     frozen: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a layer's matrix no target adapts: why
     tiny: tuple[Tiny, ...] = ()
+    # Whether a left-padded prompt decodes as that prompt alone does; where not, the sampler batches only prompts of
+    # one length together.
+    left_padding: bool = True
 
 
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
@@ -86,7 +91,8 @@ FAMILIES: tuple[Family, ...] = (
         Tiny("tiny-gpt-oss", "GptOss", dict(_SHAPE, intermediate_size=64, num_key_value_heads=2, head_dim=32,
                                             num_local_experts=8, num_experts_per_tok=2, sliding_window=64),
              "gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),)),
-    # Kimi K2, K2.5 and K2.6's text model is this architecture (its model_type is deepseek_v3).
+    # Kimi K2, K2.5 and K2.6's language model is this architecture (model_type deepseek_v3); a K2.5 / K2.6 checkpoint
+    # (kimi_k25, vision-language) loads as it (lilo.backend.models.language_model_of).
     Family("DeepSeek-V3", ("deepseek_v3", "glm4_moe"), MLA + GQA, GATED_MLP + EXPERTS, ROUTER, tiny=(
         Tiny("tiny-deepseek-v3", "DeepseekV3", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
                                                     num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
@@ -143,6 +149,32 @@ FAMILIES: tuple[Family, ...] = (
                                                      v_head_dim=16, head_dim=16, index_topk=8, index_head_dim=32,
                                                      index_n_heads=8, pad_token_id=0),
                       "glm_moe_dsa", "GLM-5 (DeepSeek Sparse Attention: an indexer picks 8 keys a query)"),)),
+    # Compressed attention: one shared key-value head (kv_proj), a compressor per compressed layer that pools blocks
+    # of tokens into extra keys (its kv_proj and gate_proj), an indexer that picks some of them, and a grouped output
+    # projection; the residual stream is several (hyper-connections).
+    Family("DeepSeek-V4", ("deepseek_v4",), ("q_a_proj", "q_b_proj", "kv_proj", "compressor.gate_proj", "o_b_proj"),
+           GATED_MLP + EXPERTS,
+           {**ROUTER, "indexer": INDEXER,
+            "o_a_proj": "the grouped output projection (one block-diagonal matrix, each group projecting its own "
+                        "heads): peft has no adapter for it, so an export with one would not load; o_b_proj, "
+                        "which mixes the groups into the hidden state, trains",
+            "compressor.position_bias": "a learned bias per place within a compressed block: no projection",
+            **dict.fromkeys(("attn_hc", "ffn_hc"), "a hyper-connection: a handful of weights per token that mix the "
+                                                   "layer's few residual streams (hc_mult), no projection of the "
+                                                   "hidden state")},
+           tiny=(Tiny("tiny-deepseek-v4", "DeepseekV4",
+                      dict(_SHAPE, num_hidden_layers=3, moe_intermediate_size=64, head_dim=32, qk_rope_head_dim=8,
+                           q_lora_rank=32, o_groups=2, o_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2,
+                           n_shared_experts=1, sliding_window=8, hc_mult=2, index_n_heads=4, index_head_dim=32,
+                           index_topk=4,
+                           layer_types=["sliding_attention", "compressed_sparse_attention",
+                                        "heavily_compressed_attention"],
+                           mlp_layer_types=["hash_moe", "moe", "moe"],
+                           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
+                      "deepseek_v4", "DeepSeek-V4 (compressed and sparse attention, hyper-connections; 8 experts, "
+                                     "a shared one)"),),
+           # Its compressors pool blocks of a row's tokens by their place in the row, pads included.
+           left_padding=False),
 )
 
 
@@ -158,6 +190,24 @@ TINY: dict[str, Tiny] = {tiny.name: tiny for family in FAMILIES for tiny in fami
 ANY_FAMILY = Family("any", (), ATTENTION_PROJECTIONS, MLP_PROJECTIONS,
                     {name: reason for family in FAMILIES for name, reason in family.frozen.items()
                      if name not in ATTENTION_PROJECTIONS + MLP_PROJECTIONS})
+
+
+def _names(entry: str, path: str) -> bool:
+    """Whether ``entry``'s dotted names (``compressor.gate_proj``) appear in ``path``, adjacent and in order: the
+    module at ``path`` is, or lies inside, one ``entry`` names."""
+    parts, names = path.split("."), entry.split(".")
+    return any(parts[i:i + len(names)] == names for i in range(len(parts) - len(names) + 1))
+
+
+def role_of(family: Family, path: str) -> str | None:
+    """What ``family`` does with the module or parameter at ``path``: ``"frozen"`` (it, or a module it lies in, is
+    frozen by design), ``"attn"`` or ``"mlp"`` (the target that adapts it: the longest name that fits), or None."""
+    if any(_names(entry, path) for entry in family.frozen):
+        return "frozen"
+    fits = [entry for entry in family.attn + family.mlp if path == entry or path.endswith(f".{entry}")]
+    if not fits:
+        return None
+    return "attn" if max(fits, key=len) in family.attn else "mlp"
 
 
 def family_of(model_type: str) -> Family:

@@ -66,14 +66,52 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 def load_base_model(source: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype | str | None = None) -> nn.Module:
     """``from_pretrained`` on a directory or hub id, onto ``device`` in ``dtype`` (default: the device's compute
-    dtype; ``"auto"``: as stored); the weights are frozen."""
-    from transformers import AutoModelForCausalLM
+    dtype; ``"auto"``: as stored); the weights are frozen. A vision-language checkpoint loads as its language model
+    (``language_model_of``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     device = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype or compute_dtype(device)).to(device)
+    dtype = dtype or compute_dtype(device)
+    config = AutoConfig.from_pretrained(str(source))
+    if causal_lm_config(config) is config:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    else:
+        model = language_model_of(source, dtype)
+    model = model.to(device)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model.eval()
+
+
+def causal_lm_config(config: Any) -> Any:
+    """The config of the causal language model lilo loads from a checkpoint of ``config``: ``config`` itself where
+    transformers has a causal LM for it, else its ``text_config`` (a vision-language checkpoint it loads only
+    whole)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not hasattr(config, "text_config"):
+        return config
+    return config.text_config
+
+
+def language_model_of(source: str | Path, dtype: torch.dtype | str) -> nn.Module:
+    """The causal language model inside a vision-language checkpoint that transformers loads only whole (Kimi K2.5
+    and K2.6: ``kimi_k25``, its language model DeepSeek-V3's): loaded whole, as transformers converts its weights,
+    then its language model and output head moved into the text model's own causal-LM class; the vision tower is
+    dropped. Its logits on text are the whole model's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    whole = AutoModelForImageTextToText.from_pretrained(str(source), dtype=dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(whole.config.text_config)
+    model.model, model.lm_head = whole.model.language_model, whole.lm_head
+    # Tied as the whole model ties them (its config says so, not the text config), so a copy saved from here loads so.
+    model.config.tie_word_embeddings = model.lm_head.weight is model.get_input_embeddings().weight
+    left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if left:
+        raise ValueError(f"{source}: the language model of this {whole.config.model_type} checkpoint does not fill "
+                         f"{type(model).__name__} ({', '.join(left[:3])} are missing); lilo cannot load it.")
+    return model
 
 
 def load_decoder(directory: Path) -> Callable[[Sequence[int]], str] | None:

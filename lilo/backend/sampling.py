@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from lilo.backend.families import family_of
 from lilo.backend.types import PromptTargets, SamplingRequest
 from lilo.engine.contract import AltTokens, SampleResult, TargetLogprobs, TopK
 from lilo.errors import InvalidRequestError
@@ -124,7 +125,17 @@ def _filters(settings: SamplingRequest, logits: torch.Tensor) -> bool:
 def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], None],
              requests: Sequence[SamplingRequest], slots: Sequence[int],
              decode: Decode | None = None) -> list[SampleResult]:
-    """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation."""
+    """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation, or one per
+    prompt length for a family whose cache cannot take left-padded prompts."""
+    lengths = {len(request.prompt) for request in requests}
+    if len(lengths) > 1 and not family_of(getattr(model.config, "model_type", "")).left_padding:
+        results: list[SampleResult | None] = [None] * len(requests)
+        for length in lengths:
+            indices = [i for i, request in enumerate(requests) if len(request.prompt) == length]
+            generated = generate(model, route, [requests[i] for i in indices], [slots[i] for i in indices], decode)
+            for i, result in zip(indices, generated):
+                results[i] = result
+        return results  # type: ignore[return-value]
     device = next(model.parameters()).device
     rows = [Row(i, slots[i], request, _generator(request.seed, k), stop_reason=None if request.max_tokens else LENGTH)
             for i, request in enumerate(requests) for k in range(request.num_samples)]

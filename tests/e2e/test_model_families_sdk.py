@@ -22,7 +22,8 @@ from lilo.backend.models import load_base_model, model_directory
 FAMILIES = {"lilo/tiny-qwen3": "qwen3", "lilo/tiny-qwen3-moe": "qwen3_moe", "lilo/tiny-gpt-oss": "gpt_oss",
             "lilo/tiny-deepseek-v3": "deepseek_v3", "lilo/tiny-qwen3.5": "qwen3_5_text",
             "lilo/tiny-qwen3.5-moe": "qwen3_5_moe_text", "lilo/tiny-nemotron-h": "nemotron_h",
-            "lilo/tiny-gemma4": "gemma4_text"}
+            "lilo/tiny-gemma4": "gemma4_text", "lilo/tiny-glm5": "glm_moe_dsa", "lilo/tiny-olmo3": "olmo3",
+            "lilo/tiny-deepseek-v4": "deepseek_v4"}
 TIMEOUT_S = 180
 
 

@@ -15,7 +15,7 @@ from helpers import backend_with, weighted_datum
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_peft
 from lilo.backend.adapters.experts import expert_projections, is_fused_experts, projection_shape
-from lilo.backend.families import ATTENTION_PROJECTIONS
+from lilo.backend.families import role_of
 from lilo.backend.models import build_tiny, load_base_model
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SaveRequest, TrainInput
@@ -27,9 +27,10 @@ SPECS = {"r2": LoraSpec(rank=2, seed=1), "r8": LoraSpec(rank=8, seed=2, train_un
 
 # Every family but plain Llama and Qwen3 (tests/lilo/test_torch_backend.py): with fused experts, with linear
 # attention or a state-space mixer, with per-layer inputs and tied embeddings (Gemma 4), with a sparse attention's
-# indexer (GLM-5), with norms after each block (OLMo 3).
+# indexer (GLM-5), with norms after each block (OLMo 3), with compressed attention and hyper-connections
+# (DeepSeek-V4: its sampler batches only prompts of one length).
 FAMILIES = ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-            "tiny-nemotron-h", "tiny-gemma4", "tiny-glm5", "tiny-olmo3"]
+            "tiny-nemotron-h", "tiny-gemma4", "tiny-glm5", "tiny-olmo3", "tiny-deepseek-v4"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -85,11 +86,12 @@ def test_the_bank_puts_adapters_on_every_expert_projection(moe):
             layer = backend.layers[f"{path}.{name}"]
             assert tuple(layer.lora_A.shape) == (slots, experts, 8, fan_in)
             assert tuple(layer.lora_B.shape) == (slots, experts, fan_out, 8)
-    # The router is not wrapped; every attention projection the family has is.
+    # The router is not wrapped; every other linear of the layers is, or is frozen by design.
     assert not any(path.endswith((".gate", ".router")) for path in backend.layers)
-    attention = {name.rsplit(".", 1)[-1] for name, module in moe.named_modules() if isinstance(module, torch.nn.Linear)
-                 and ".self_attn." in name}
-    assert attention <= set(ATTENTION_PROJECTIONS) | set(backend.bank.family.frozen)
+    linears = [name for name, module in moe.named_modules() if isinstance(module, torch.nn.Linear)
+               and ".layers." in name]
+    assert linears and all(name in backend.layers or role_of(backend.bank.family, name) == "frozen"
+                           for name in linears)
 
 
 def family_logprobs(model, sample: Datum) -> np.ndarray:

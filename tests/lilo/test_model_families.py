@@ -50,6 +50,14 @@ PROJECTIONS = {
     "tiny-gemma4": {"attn": ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"],
                     "mlp": ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "per_layer_input_gate",
                             "per_layer_projection"]},
+    # The attention's one key-value head and its compressor's pooling (in the compressed layers), its queries and
+    # the grouped output's mixing; the indexer, the grouped o_a_proj and the hyper-connections stay frozen.
+    "tiny-deepseek-v4": {"attn": ["self_attn.compressor.gate_proj", "self_attn.compressor.kv_proj",
+                                  "self_attn.kv_proj", "self_attn.o_b_proj", "self_attn.q_a_proj",
+                                  "self_attn.q_b_proj"],
+                         "mlp": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj",
+                                 "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_proj",
+                                 "mlp.shared_experts.up_proj"]},
 }
 
 
@@ -81,21 +89,6 @@ def test_a_family_with_a_projection_lilo_cannot_adapt_is_refused_for_that_target
     assert backend.free_slots == 1
 
 
-def test_deepseek_v4_is_refused_naming_what_no_family_adapts():
-    # Compressed attention (kv_proj, a compressor, o_a / o_b) and hyper-connections: no family here names them yet.
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, vocab_size=100))
-    backend = TorchBackend(model, max_adapters=1, max_rank=4, base_model_name="tiny-v4")
-    assert {"self_attn.kv_proj", "self_attn.o_a_proj", "self_attn.o_b_proj"} <= set(backend.uncovered["attn"])
-    with pytest.raises(InvalidRequestError,
-                       match=r"tiny-v4 \(deepseek_v4\) has attn projections lilo puts no adapter on \(.*kv_proj"):
-        backend.add_adapter("whole", LoraSpec(rank=4))
-
-
 def test_a_qwen35_checkpoint_as_the_hub_ships_it_loads_its_language_model_and_trains_whole(tmp_path):
     # The hub's Qwen3.5 checkpoints are vision-language (model_type qwen3_5, the language model under text_config):
     # lilo loads the language model alone, whose logits are the whole model's on text.
@@ -116,3 +109,46 @@ def test_a_qwen35_checkpoint_as_the_hub_ships_it_loads_its_language_model_and_tr
         assert torch.allclose(model(input_ids=tokens).logits, whole(input_ids=tokens).logits, atol=1e-6)
     backend = TorchBackend(model, max_adapters=1, max_rank=4)
     assert backend.uncovered == {"attn": [], "mlp": []} and backend.bank.family.name == "Qwen3.5"
+
+
+def kimi_k25_checkpoint(directory):
+    """A tiny Kimi K2.5 / K2.6 checkpoint as the hub ships one: vision-language (kimi_k25), which transformers loads
+    only whole, its language model DeepSeek-V3's stored under language_model.model.layers; and the whole model."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from lilo.backend.families import TINY
+
+    vision = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, patch_size=14)
+    torch.manual_seed(0)
+    whole = transformers.Kimi_K25ForConditionalGeneration(transformers.Kimi_K25Config(
+        text_config=dict(TINY["tiny-deepseek-v3"].config, model_type="deepseek_v3"), vision_config=vision))
+    whole.save_pretrained(directory)
+    weights = directory / "model.safetensors"  # transformers 5.24 writes the layers back as "blocks"
+    save_file({key.replace("language_model.model.blocks.", "language_model.model.layers."): tensor
+               for key, tensor in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    assert any(key.startswith("language_model.model.layers.") for key in load_file(weights))
+    return directory, whole
+
+
+def test_a_kimi_k25_checkpoint_loads_its_language_model_and_trains_whole(tmp_path):
+    directory, whole = kimi_k25_checkpoint(tmp_path)
+    model = load_base_model(directory)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    tokens = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=tokens).logits, whole(input_ids=tokens).logits, atol=1e-6)
+    backend = TorchBackend(model, max_adapters=1, max_rank=4)
+    assert backend.uncovered == {"attn": [], "mlp": []} and backend.bank.family.name == "DeepSeek-V3"
+
+
+def test_a_kimi_k25_checkpoint_is_written_for_sharded_ranks_as_its_language_model(tmp_path):
+    from lilo.backend.sharding.native_layout import converts_on_load, native_layout
+
+    directory, whole = kimi_k25_checkpoint(tmp_path / "kimi")
+    native = native_layout(directory, tmp_path / "cache")
+    assert native != directory and not converts_on_load(native)
+    model = load_base_model(native)
+    tokens = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=tokens).logits, whole(input_ids=tokens).logits, atol=1e-6)

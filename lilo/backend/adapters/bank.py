@@ -20,7 +20,7 @@ from lilo.backend.adapters.experts import (
 )
 from lilo.backend.adapters.lora import BATCHED, MultiLoRALinear, Routing, SlotAdapters
 from lilo.backend.adapters.slot_memory import slot_zeros
-from lilo.backend.families import UNEMBED, Family, family_of
+from lilo.backend.families import UNEMBED, Family, family_of, role_of
 from lilo.backend.types import LoraSpec
 
 
@@ -101,7 +101,7 @@ class LoraBank:
         found: dict[str, set[str]] = {"attn": set(), "mlp": set()}
         for name, parameter in model.named_parameters():
             owner = name.rsplit(".", 1)[0]
-            if (parameter.dim() < 2 or not name.startswith(layers) or owner.rsplit(".", 1)[-1] in self.family.frozen
+            if (parameter.dim() < 2 or not name.startswith(layers) or role_of(self.family, name) == "frozen"
                     or any(owner == path or owner.startswith(f"{path}.") for path in wrapped)):
                 continue
             relative = _in_layer(owner, layers)
@@ -120,8 +120,7 @@ class LoraBank:
 
     def target_of(self, path: str) -> str:
         """The LoraConfig target (``attn``, ``mlp``, ``unembed``) that trains the projection at ``path``."""
-        kind = path.rsplit(".", 1)[-1]
-        return "attn" if kind in self.family.attn else "mlp" if kind in self.family.mlp else "unembed"
+        return role_of(self.family, path) or "unembed"
 
     def trains(self, path: str, spec: LoraSpec) -> bool:
         """Whether an adapter of ``spec`` trains the projection at ``path``."""
@@ -153,12 +152,12 @@ def _targets(model: nn.Module, family: Family) -> tuple[list[tuple[str, nn.Modul
                                                       list[tuple[str, nn.Module, nn.Module]]]:
     """(path, parent module, child) of every linear of ``model`` its ``family`` adapts (and the output head), and of
     every fused experts module."""
-    names = set(family.attn + family.mlp + (UNEMBED,))
     linears, experts = [], []
     for path, module in model.named_modules():
         for child_name, child in module.named_children():
             child_path = f"{path}.{child_name}" if path else child_name
-            if child_name in names and isinstance(child, nn.Linear):
+            adapted = child_name == UNEMBED or role_of(family, child_path) in ("attn", "mlp")
+            if adapted and isinstance(child, nn.Linear):
                 linears.append((child_path, module, child))
             elif is_fused_experts(child):
                 experts.append((child_path, module, child))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from lilo.backend.checkpoints.paths import META_FILE, PEFT_CONFIG, PEFT_WEIGHTS, STATE_FILE
 from lilo.backend.adapters.experts import EXPERT_ORDER
-from lilo.backend.families import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, UNEMBED
+from lilo.backend.families import ANY_FAMILY, UNEMBED, role_of
 from lilo.backend.types import LoraSpec
 from lilo.errors import InvalidRequestError
 
@@ -77,13 +78,15 @@ def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
         else:
             weights[f"base_model.model.{key}.weight"] = tensor.contiguous()
     save_file(weights, str(directory / PEFT_WEIGHTS))
-    targets = sorted({key.rsplit(".", 2)[-2] for key in adapters if key.endswith(".lora_A")
+    # Each projection by its path within a decoder layer (``self_attn.q_proj``; peft matches a name's end), not its
+    # last name alone: a frozen module may share that (DeepSeek-V4's indexer.kv_proj beside the attention's kv_proj).
+    targets = sorted({_in_layer(key.rsplit(".", 1)[0]) for key in adapters if key.endswith(".lora_A")
                       and key.rsplit(".", 1)[0] not in experts})
     # Beside fused experts, a dense MLP's linears are named by their weights, as parameters: peft reads the
     # gate_proj / up_proj / down_proj modules of an MoE model (DeepSeek-V3, Qwen2-MoE) as transformers 4's expert
     # linears and retargets them at the fused experts, but leaves target_parameters as written. A 2-D parameter's
     # A and B are a linear's (peft's ParamWrapper), so the weights file is the same either way.
-    dense_mlp = sorted(set(targets) & set(MLP_PROJECTIONS)) if experts else []
+    dense_mlp = [target for target in targets if role_of(ANY_FAMILY, target) == "mlp"] if experts else []
     targets = [target for target in targets if target not in dense_mlp]
     config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
@@ -95,6 +98,11 @@ def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
         config["target_parameters"] = _expert_targets(experts) + [f"{name}.weight" for name in dense_mlp]
     (directory / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     return directory
+
+
+def _in_layer(path: str) -> str:
+    """A module's path within its decoder layer (``self_attn.q_proj``), or the whole path outside the layers."""
+    return re.sub(r"^.*?\blayers\.\d+\.", "", path)
 
 
 def _expert_parameters(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[str, int]]:
@@ -148,9 +156,9 @@ def read_peft(directory: Path) -> AdapterState:
                                                 if name.endswith(".weight")}
     expert_names = [name.rsplit(".", 1)[-1] for name in parameters if not name.endswith(".weight")]
     rank = int(config["r"])
-    spec = LoraSpec(rank=rank, alpha=float(config["lora_alpha"]),
-                    train_attn=bool(targets & set(ATTENTION_PROJECTIONS)),
-                    train_mlp=bool(targets & set(MLP_PROJECTIONS) or expert_names), train_unembed=UNEMBED in targets)
+    roles = {role_of(ANY_FAMILY, target) for target in targets}
+    spec = LoraSpec(rank=rank, alpha=float(config["lora_alpha"]), train_attn="attn" in roles,
+                    train_mlp="mlp" in roles or bool(expert_names), train_unembed=UNEMBED in targets)
     prefix, suffix = "base_model.model.", ".weight"
     expert_module = _expert_module(config) if expert_names else None
     tensors = {}

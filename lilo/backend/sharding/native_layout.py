@@ -45,8 +45,10 @@ def model_tensor_names(directory: Path) -> set[str]:
     """The names of the tensors the model of ``directory``'s config holds (built on the meta device: no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lilo.backend.models import causal_lm_config
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        model = AutoModelForCausalLM.from_config(causal_lm_config(AutoConfig.from_pretrained(directory)))
     return set(model.state_dict())
 
 
@@ -101,6 +103,7 @@ def write_native_copy(source: Path, target: Path) -> None:
     for path in source.iterdir():
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
             shutil.copy2(path, target / path.name)
+    model.config.save_pretrained(target)  # the model's own (a vision-language checkpoint's: its language model's)
 
 
 def distinct_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
