@@ -21,6 +21,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     from lilo.backend.training.batch_tokens import size_batch_tokens
     from lilo.backend.training.memory_cap import cap_bytes, cap_memory
     from lilo.backend.models import compute_dtype, load_base_model, load_decoder, model_directory, resolve_device
+    from lilo.backend.kernels import kernel_report
     from lilo.backend.paging.policy import host_adapter_bytes
     from lilo.backend.sharding.group import join, load_sharded_base
     from lilo.backend.torch_backend import TorchBackend
@@ -55,6 +56,9 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
         backend.model, backend.device, backend.slot_state_bytes(), free_under_cap,
         reserved_bytes=sharded.gathered_peak_bytes if sharded else 0)
     if not follower:
+        kernels = kernel_report(backend.bank.family, backend.device.type)
+        if kernels:
+            logger.info("%s: %s", name, kernels)
         logger.info("%s: passes of at most %d padded tokens%s%s", name, backend.max_batch_tokens,
                     "" if config.max_batch_tokens else " (sized from the device's free memory)",
                     f" per rank, over {group.world} ranks" if group else "")

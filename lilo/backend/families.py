@@ -42,6 +42,9 @@ class Family:
     # Whether a left-padded prompt decodes as that prompt alone does; where not, the sampler batches only prompts of
     # one length together.
     left_padding: bool = True
+    # The fast kernels its layers take where installed (module: pip package), else transformers' torch reference
+    # path: right, but slow on a GPU.
+    kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
@@ -111,6 +114,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen3.5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), GQA + GATED_DELTANET,
            GATED_MLP + EXPERTS, {**ROUTER, **DELTANET_FROZEN,
                                  "shared_expert_gate": "one output: the shared expert's weight for each token"},
+           kernels={"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"},
            tiny=(Tiny("tiny-qwen3.5", "Qwen3_5", _QWEN3_5, "qwen3_5_text",
                       "Qwen3.5 (hybrid: Gated DeltaNet linear attention in 3 of 4 layers)"),
                  Tiny("tiny-qwen3.5-moe", "Qwen3_5Moe",
@@ -122,7 +126,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("Nemotron-H", ("nemotron_h",), GQA + ("in_proj",), ("up_proj", "down_proj"),
            {**ROUTER, "conv1d": DELTANET_FROZEN["conv1d"],
             "out_proj": "the Mamba-2 mixer's output: its fused kernels read the weight itself, past any adapter, and "
-                        "peft refuses an adapter there on Mamba models, so an export with one would not load"}, tiny=(
+                        "peft refuses an adapter there on Mamba models, so an export with one would not load"},
+           kernels={"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}, tiny=(
                Tiny("tiny-nemotron-h", "NemotronH",
                     dict(_SHAPE, num_hidden_layers=4, layers_block_type=["mamba", "moe", "attention", "mlp"],
                          intermediate_size=256, num_key_value_heads=2, head_dim=32, mamba_num_heads=4,

@@ -152,3 +152,16 @@ def test_a_kimi_k25_checkpoint_is_written_for_sharded_ranks_as_its_language_mode
     tokens = torch.randint(0, 1000, (1, 12))
     with torch.no_grad():
         assert torch.allclose(model(input_ids=tokens).logits, whole(input_ids=tokens).logits, atol=1e-6)
+
+
+def test_the_kernel_report_says_which_fast_kernels_run_and_what_to_install_for_the_others():
+    from lilo.backend.families import FAMILIES, Family
+    from lilo.backend.kernels import kernel_report
+
+    family = Family("Hybrid", (), (), (), kernels={"json": "json-kernels", "no_such_kernels_here": "fast-scan"})
+    assert kernel_report(family, "cuda") == (
+        "Hybrid layers: fast kernels from json-kernels; the torch reference path for what fast-scan would run "
+        "(not installed; pip install fast-scan for its kernels)")
+    assert kernel_report(family, "cpu").endswith("fast-scan would run (not installed)")
+    assert kernel_report(FAMILIES[0], "cuda") is None  # Llama: no kernels of its own
+    assert {family.name for family in FAMILIES if family.kernels} == {"Qwen3.5", "Nemotron-H"}
