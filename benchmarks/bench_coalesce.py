@@ -34,7 +34,7 @@ from torch import nn
 
 from engine_bench import batch, run_with_compute_lane
 from lilo.backend.adapters.experts import MultiLoRAExperts, expert_projections, is_fused_experts
-from lilo.backend.families import family_of
+from lilo.backend.families import family_of, role_of
 from lilo.backend.models import TINY_MODELS, build_tiny, load_base_model, smollm2_directory
 from lilo.backend.types import AdamParams, LoraSpec
 from lilo.backend.torch_backend import TorchBackend
@@ -74,9 +74,11 @@ def matmul_parameters(model: nn.Module) -> int:
 
 
 def linear_targets(model: nn.Module) -> list[str]:
-    """peft's ``target_modules``: the linears lilo adapts in the model's family (lilo.backend.families)."""
+    """peft's ``target_modules``: the linears lilo adapts in the model's family (lilo.backend.families), each by its
+    whole path (a frozen module may share a last name: DeepSeek-V4's indexer.kv_proj)."""
     family = family_of(model.config.model_type)
-    return [name for name in family.attn + family.mlp if name != "gate_up_proj"]
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and role_of(family, name) in ("attn", "mlp")]
 
 
 def fused_targets(model: nn.Module) -> list[str]:

@@ -8,7 +8,9 @@ second. The package's own ``__init__`` imports the ``llm`` tool, so the file is 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -40,7 +42,14 @@ def build_tiny(directory: Path, name: str = "tiny-llama", seed: int = 0, **confi
     family, shape = TINY_MODELS[name]
     model_class = getattr(transformers, f"{family}ForCausalLM")
     torch.manual_seed(seed)
-    model_class(model_class.config_class(**{**shape, **config})).save_pretrained(directory)
+    model = model_class(model_class.config_class(**{**shape, **config}))
+    for module in model.modules():
+        # DeepSeek-V4's hash routers: a fixed token-to-experts table that a checkpoint brings (zeros at init, which
+        # would send every token to expert 0 twice); here distinct random experts per token.
+        if isinstance(getattr(module, "tid2eid", None), torch.Tensor):
+            vocab, top_k = module.tid2eid.shape
+            module.tid2eid.copy_(torch.rand(vocab, module.num_experts).argsort(-1)[:, :top_k])
+    model.save_pretrained(directory)
     return directory
 
 
@@ -182,5 +191,7 @@ def model_directory(name: str, cache_dir: Path | None = None) -> Path:
         return smollm2_directory(cache)
     tiny = name.removeprefix(TINY_PREFIX)
     if name.startswith(TINY_PREFIX) and tiny in TINY_MODELS:
-        return made_once(cache / tiny, lambda target: build_tiny(target, tiny))
+        # Named by its shape too: a cache a change of the tiny shape left behind is not used.
+        shape = hashlib.sha256(json.dumps(TINY_MODELS[tiny], sort_keys=True).encode()).hexdigest()[:8]
+        return made_once(cache / f"{tiny}-{shape}", lambda target: build_tiny(target, tiny))
     return Path(name)  # a local directory (or a hub id, where one is reachable)

@@ -8,13 +8,14 @@ mates: a row's LoRA delta and gradient touch only its own slot, and losses are p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import tempfile
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Any, Collection, Container, Sequence
+from typing import Any, Collection, Container, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -397,10 +398,11 @@ class TorchBackend:
         input_ids, mask = (t.to(self.device) for t in _padded([row.datum.tokens for row in batch]))
         self._route([row.slot for row in batch])
         try:
-            with torch.set_grad_enabled(not forward_only), recomputed_layers(self.decoder_layers, recompute):
+            with (torch.set_grad_enabled(not forward_only), recomputed_layers(self.decoder_layers, recompute),
+                  self._embeddings_as_leaf(self.sharded is not None and not forward_only)):
                 # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal
                 # path. No KV cache: a training pass never decodes further, and the model's default builds one.
-                hidden = self.decoder(**self._decoder_inputs(input_ids, forward_only), use_cache=False,
+                hidden = self.decoder(input_ids=input_ids, use_cache=False,
                                       attention_mask=None if bool(mask.all()) else mask).last_hidden_state
                 targets = _padded_targets([row.datum.loss_inputs["target_tokens"] for row in batch]).to(self.device)
                 target_logprobs = token_logprobs.target_logprobs(hidden, self.model.get_output_embeddings(), targets)
@@ -417,12 +419,21 @@ class TorchBackend:
             self._route(None)
         return [(logprobs, elementwise, float(loss.detach())) for logprobs, elementwise, loss in per_row[:len(rows)]]
 
-    def _decoder_inputs(self, input_ids: torch.Tensor, forward_only: bool) -> dict[str, torch.Tensor]:
-        if self.sharded is None or forward_only:
-            return {"input_ids": input_ids}
-        # The embeddings as a leaf that wants its gradient: every rank's backward then runs through every layer,
-        # whichever projections its rows' adapters train, so FSDP's gathers there come in the same order on all.
-        return {"inputs_embeds": self.decoder.get_input_embeddings()(input_ids).detach().requires_grad_()}
+    @contextlib.contextmanager
+    def _embeddings_as_leaf(self, wanted: bool) -> Iterator[None]:
+        """With ``wanted``, the embeddings' output a leaf that wants its gradient: every rank's backward then runs
+        through every layer, whichever projections its rows' adapters train, so FSDP's gathers there come in the
+        same order on all. A hook, not ``inputs_embeds``: some families' layers read the token ids too
+        (DeepSeek-V4's hash routing, Gemma 4's per-layer inputs)."""
+        if not wanted:
+            yield
+            return
+        handle = self.decoder.get_input_embeddings().register_forward_hook(
+            lambda module, args, output: output.detach().requires_grad_())
+        try:
+            yield
+        finally:
+            handle.remove()
 
     # --- the rank group (lilo.backend.sharding) -------------------------------------------------------------
     def _rows_on_group(self, rows: Sequence[TrainRow],

@@ -47,9 +47,11 @@ def _trainers(tmp_path_factory, base_model, ranks):
     return start_trainer(index, base_model, config, num_cpus=1, ranks=ranks), config, trainer_name(index)
 
 
-# The tiny model, the tiny MoE one (its fused experts sharded with their layers), and the demo's real one
+# The tiny model, the tiny MoE one (its fused experts sharded with their layers), DeepSeek-V4 (its hash routing
+# reads the token ids beside the embeddings), and the demo's real one
 # (SmolLM2-135M: 30 layers, tied embeddings, 49k vocabulary).
-@pytest.fixture(scope="module", params=["lilo/tiny-llama", "lilo/tiny-qwen3-moe", DEFAULT_BASE_MODEL])
+@pytest.fixture(scope="module", params=["lilo/tiny-llama", "lilo/tiny-qwen3-moe", "lilo/tiny-deepseek-v4",
+                                        DEFAULT_BASE_MODEL])
 def pair(request, ray_driver, tmp_path_factory):
     started = []
     try:

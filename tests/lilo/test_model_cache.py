@@ -30,6 +30,7 @@ def test_trainers_starting_together_make_the_cached_model_once_and_all_use_it(tm
     answers = [results.get(timeout=300) for _ in starts]
     for start in starts:
         start.join(timeout=60)
-    assert answers == [str(tmp_path / "tiny-llama")] * STARTS
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["tiny-llama", "tiny-llama.lock"]
-    assert load_base_model(tmp_path / "tiny-llama").config.hidden_size == 256
+    made = Path(answers[0])
+    assert made.parent == tmp_path and made.name.startswith("tiny-llama-") and answers == [str(made)] * STARTS
+    assert sorted(path.name for path in tmp_path.iterdir()) == [made.name, f"{made.name}.lock"]
+    assert load_base_model(made).config.hidden_size == 256
