@@ -161,9 +161,11 @@ def base_only_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: 
     vocab = base.config.vocab_size
     tokens = torch.as_tensor(rng.integers(0, vocab, (adapters * rows, seq)))
 
+    # The embeddings' output a leaf that wants its gradient (a hook: some families read the token ids in their layers).
+    model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.detach().requires_grad_())
+
     def one_step() -> None:
-        hidden = model.get_input_embeddings()(tokens).detach().requires_grad_(True)
-        logits = model(inputs_embeds=hidden, use_cache=False).logits
+        logits = model(input_ids=tokens, use_cache=False).logits
         nn.functional.cross_entropy(logits.flatten(0, 1).float(), torch.roll(tokens, -1, dims=1).flatten(),
                                     reduction="sum").backward()
 
