@@ -29,6 +29,8 @@ class Tiny:
     config: Mapping[str, Any]
     model_type: str  # what transformers calls the saved model (get_info's arch)
     description: str
+    head: str = "ForCausalLM"  # the transformers class is <model_class><head>
+    image_processor: Mapping[str, Any] | None = None  # a vision-language model's (Qwen2-VL's image processor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Family:
     # The fast kernels its layers take where installed (module: pip package), else transformers' torch reference
     # path: right, but slow on a GPU.
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Whether it takes images: loaded whole (vision tower and language model), adapters on the language model only.
+    images: bool = False
 
 
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
@@ -182,6 +186,44 @@ FAMILIES: tuple[Family, ...] = (
            # Its compressors pool blocks of a row's tokens by their place in the row, pads included.
            left_padding=False),
 )
+
+
+# Qwen-VL's image processors: a token per 2 x 2 patches, at most 64 tokens an image here so tiny images stay tiny.
+def _qwen_vl_images(patch: int) -> dict[str, Any]:
+    side = patch * 2
+    return dict(patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=side * side * 4,
+                max_pixels=side * side * 64, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+_VL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=2048, bos_token_id=1,
+                eos_token_id=2)
+# The four vision tokens at the top of the tiny vocabulary (a test's tokenizer adds them there).
+_VL_TOKENS = dict(vision_start_token_id=996, vision_end_token_id=997, image_token_id=998, video_token_id=999)
+
+VISION_FAMILIES: tuple[Family, ...] = (
+    Family("Qwen3-VL", ("qwen3_vl", "qwen3_vl_text"), GQA, GATED_MLP, images=True, tiny=(
+        Tiny("tiny-qwen3-vl", "Qwen3VL",
+             dict(text_config=dict(_VL_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+                  vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                                     num_position_embeddings=64, deepstack_visual_indexes=[1]),
+                  **_VL_TOKENS),
+             "qwen3_vl", "Qwen3-VL (a vision tower with deepstack features; 3-D rotary positions)",
+             head="ForConditionalGeneration", image_processor=_qwen_vl_images(16)),)),
+    Family("Qwen2.5-VL", ("qwen2_5_vl", "qwen2_5_vl_text"), GQA, GATED_MLP, images=True, tiny=(
+        Tiny("tiny-qwen2.5-vl", "Qwen2_5_VL",
+             dict(text_config=dict(_VL_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "mrope_section": [2, 3, 3]}),
+                  vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                                     fullatt_block_indexes=[1]),
+                  **_VL_TOKENS),
+             "qwen2_5_vl", "Qwen2.5-VL (a windowed vision tower with gated MLPs; 3-D rotary positions)",
+             head="ForConditionalGeneration", image_processor=_qwen_vl_images(14)),)),
+)
+FAMILIES += VISION_FAMILIES
 
 
 def _union(field: str) -> tuple[str, ...]:

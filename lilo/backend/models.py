@@ -7,6 +7,7 @@ second. The package's own ``__init__`` imports the ``llm`` tool, so the file is 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -20,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lilo.backend.families import TINY
+from lilo.backend.families import TINY, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,10 @@ def build_tiny(directory: Path, name: str = "tiny-llama", seed: int = 0, **confi
     through the real path; ``config`` overrides the tiny shape (a vocabulary to match some tokenizer, say)."""
     import transformers
 
-    family, shape = TINY_MODELS[name]
-    model_class = getattr(transformers, f"{family}ForCausalLM")
+    tiny = TINY[name]
+    model_class = getattr(transformers, f"{tiny.model_class}{tiny.head}")
     torch.manual_seed(seed)
-    model = model_class(model_class.config_class(**{**shape, **config}))
+    model = model_class(model_class.config_class(**{**tiny.config, **config}))
     for module in model.modules():
         # DeepSeek-V4's hash routers: a fixed token-to-experts table that a checkpoint brings (zeros at init, which
         # would send every token to expert 0 twice); here distinct random experts per token.
@@ -50,6 +51,8 @@ def build_tiny(directory: Path, name: str = "tiny-llama", seed: int = 0, **confi
             vocab, top_k = module.tid2eid.shape
             module.tid2eid.copy_(torch.rand(vocab, module.num_experts).argsort(-1)[:, :top_k])
     model.save_pretrained(directory)
+    if tiny.image_processor is not None:
+        transformers.Qwen2VLImageProcessorPil(**tiny.image_processor).save_pretrained(directory)
     return directory
 
 
@@ -75,14 +78,18 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 def load_base_model(source: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype | str | None = None) -> nn.Module:
     """``from_pretrained`` on a directory or hub id, onto ``device`` in ``dtype`` (default: the device's compute
-    dtype; ``"auto"``: as stored); the weights are frozen. A vision-language checkpoint loads as its language model
-    (``language_model_of``)."""
+    dtype; ``"auto"``: as stored); the weights are frozen. A vision-language checkpoint loads whole where its family
+    takes images (``Family.images``), else as its language model (``language_model_of``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = torch.device(device)
     dtype = dtype or compute_dtype(device)
     config = AutoConfig.from_pretrained(str(source))
-    if causal_lm_config(config) is config:
+    if family_of(config.model_type).images:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(str(source), dtype=dtype)
+    elif causal_lm_config(config) is config:
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
     else:
         model = language_model_of(source, dtype)
@@ -192,6 +199,6 @@ def model_directory(name: str, cache_dir: Path | None = None) -> Path:
     tiny = name.removeprefix(TINY_PREFIX)
     if name.startswith(TINY_PREFIX) and tiny in TINY_MODELS:
         # Named by its shape too: a cache a change of the tiny shape left behind is not used.
-        shape = hashlib.sha256(json.dumps(TINY_MODELS[tiny], sort_keys=True).encode()).hexdigest()[:8]
+        shape = hashlib.sha256(json.dumps(dataclasses.asdict(TINY[tiny]), sort_keys=True).encode()).hexdigest()[:8]
         return made_once(cache / f"{tiny}-{shape}", lambda target: build_tiny(target, tiny))
     return Path(name)  # a local directory (or a hub id, where one is reachable)

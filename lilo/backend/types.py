@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -58,6 +59,23 @@ class Datum:
     # Which sampled sequence each token came from (``Datum.with_provenance``); only losses that need what the
     # sampler recorded read it.
     provenance: Provenance | None = None
+    # Its images, in order; their positions in ``tokens`` hold the base model's image token.
+    images: tuple[DatumImage, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DatumImage:
+    """An image of a datum (or a prompt): its bytes as sent (PNG or JPEG), and the ``tokens`` positions from
+    ``offset`` it stands for (what the client said it expects, until the ingress has counted them)."""
+
+    data: bytes
+    format: str
+    offset: int
+    tokens: int | None
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ import zstandard
 from google.protobuf.message import DecodeError
 
 from lilo.backend.provenance import PROMPT, RECORDED_INPUTS, SAMPLED, Provenance, Span
-from lilo.backend.types import Datum, TrainInput
+from lilo.backend.types import Datum, DatumImage, TrainInput
+from lilo.backend.vision import PENDING
 from lilo.errors import InvalidRequestError, TooLargeError
 from lilo.protocol import tinker_schema
 
@@ -89,23 +90,45 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 def _datum(index: int, message: pb.Datum) -> Datum:
     tokens: list[np.ndarray] = []
-    for chunk in message.model_input:
+    images: list[DatumImage] = []
+    length = 0
+    for number, chunk in enumerate(message.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind is None:
             raise InvalidRequestError(f"Datum {index} has an empty model_input chunk; send encoded_text chunks.")
-        if kind != "encoded_text":
-            raise InvalidRequestError(f"Datum {index}: {kind} chunks are not supported by this server; send text.")
-        if len(chunk.encoded_text.tokens) % 4:
-            raise InvalidRequestError(f"Datum {index}: encoded_text tokens are {len(chunk.encoded_text.tokens)} "
-                                      "bytes, not a whole number of int32 token ids.")
-        tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+        if kind == "image":
+            image = _image(index, number, chunk.image, length)
+            images.append(image)
+            tokens.append(np.full(image.tokens or 0, PENDING, dtype=np.int32))
+        elif kind == "encoded_text":
+            if len(chunk.encoded_text.tokens) % 4:
+                raise InvalidRequestError(f"Datum {index}: encoded_text tokens are {len(chunk.encoded_text.tokens)} "
+                                          "bytes, not a whole number of int32 token ids.")
+            tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+        else:
+            raise InvalidRequestError(f"Datum {index}, chunk {number}: {kind} (audio) chunks are not supported by "
+                                      "this server; send text and images.")
+        length += len(tokens[-1])
     inputs = {name: _tensor(index, name, tensor) for name, tensor in message.loss_fn_inputs.items()}
     reserved = sorted(set(inputs) & set(RECORDED_INPUTS))
     if reserved:
         raise InvalidRequestError(f"Datum {index}: {', '.join(reserved)} are filled in by the server from what the "
                                   "sampler recorded; leave them out.")
     return Datum(tokens=np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32), loss_inputs=inputs,
-                 provenance=_provenance(index, message))
+                 provenance=_provenance(index, message), images=tuple(images))
+
+
+def _image(index: int, number: int, message: pb.ImageChunk, offset: int) -> DatumImage:
+    """An image chunk of a training datum: its targets and weights cover the positions it stands for, so the client
+    says how many (``expected_tokens``; the ingress checks the count once it knows the base model)."""
+    if not message.HasField("expected_tokens"):
+        raise InvalidRequestError(f"Datum {index}, chunk {number}: the image chunk has no expected_tokens; a training "
+                                  "datum's targets and weights cover the image's positions, so send how many (the "
+                                  "cookbook's image_to_chunk computes it).")
+    if message.HasField("override_dimensions"):
+        raise InvalidRequestError(f"Datum {index}, chunk {number}: override_dimensions is not supported; resize the "
+                                  "image itself.")
+    return DatumImage(message.data, message.format, offset, message.expected_tokens)
 
 
 def _provenance(index: int, message: pb.Datum) -> Provenance | None:

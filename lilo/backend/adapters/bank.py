@@ -153,12 +153,14 @@ def _targets(model: nn.Module, family: Family) -> tuple[list[tuple[str, nn.Modul
     """(path, parent module, child) of every linear of ``model`` its ``family`` adapts (and the output head), and of
     every fused experts module."""
     linears, experts = [], []
+    layers = _layers_prefix(model)  # the language model's: a vision tower's projections are not adapted
     for path, module in model.named_modules():
         for child_name, child in module.named_children():
             child_path = f"{path}.{child_name}" if path else child_name
-            adapted = child_name == UNEMBED or role_of(family, child_path) in ("attn", "mlp")
+            adapted = child_name == UNEMBED or (child_path.startswith(layers)
+                                                and role_of(family, child_path) in ("attn", "mlp"))
             if adapted and isinstance(child, nn.Linear):
                 linears.append((child_path, module, child))
-            elif is_fused_experts(child):
+            elif is_fused_experts(child) and child_path.startswith(layers):
                 experts.append((child_path, module, child))
     return linears, experts

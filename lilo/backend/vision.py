@@ -1,0 +1,146 @@
+"""Image inputs, as Tinker takes them: an image chunk (PNG or JPEG bytes) stands for N positions of the base model's
+image token, N from the image's size and the model's image processor (``preprocessor_config.json``): Qwen-VL's
+resize to a multiple of patch x merge pixels within its pixel bounds, one token per merge x merge patches.
+
+The ingress checks each image (``checked_image``: format, size, a decompression bomb, whether it decodes) and lays
+it out (``ImageLayout.lay_out``); the bytes travel to the trainer as sent (a JPEG is far smaller than its pixels),
+which turns them into the vision tower's input (``ImageLayout.pixel_inputs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from lilo.backend.types import DatumImage
+from lilo.errors import InvalidRequestError
+
+MAX_IMAGE_BYTES = 2 * 2**20  # Tinker's docs: 2 MB an image at most
+# Past this many pixels a small file is a decompression bomb (a 2 MB PNG of one colour can claim billions).
+MAX_IMAGE_PIXELS = 40_000_000
+MAGIC = {"png": (b"\x89PNG\r\n\x1a\n",), "jpeg": (b"\xff\xd8\xff",)}
+# Where an image's positions sit in a datum's tokens until the base model's image token is known (the route does).
+PENDING = -1
+
+
+def checked_image(data: bytes, format: str, where: str) -> tuple[int, int]:
+    """(width, height) of an image chunk's bytes, refused with a sentence saying what to change where it is not a
+    whole PNG or JPEG of at most ``MAX_IMAGE_BYTES`` and ``MAX_IMAGE_PIXELS``. ``where``: "Datum 2, chunk 1"."""
+    from PIL import Image, UnidentifiedImageError
+
+    if format not in MAGIC:
+        raise InvalidRequestError(f"{where}: image format {format!r} is not supported; send png or jpeg.")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidRequestError(f"{where}: the image is {len(data):,} bytes, over the {MAX_IMAGE_BYTES:,} an image "
+                                  "may be; send it smaller (re-encode as JPEG, or downscale).")
+    if not data.startswith(MAGIC[format]):
+        raise InvalidRequestError(f"{where}: the image's bytes are not a {format.upper()} file; send the file's "
+                                  "bytes and its format (png or jpeg).")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise InvalidRequestError(f"{where}: the image claims {width} x {height} pixels, over the "
+                                          f"{MAX_IMAGE_PIXELS:,} lilo decodes; downscale it.")
+            image.load()  # a truncated or corrupt file fails here, not on the trainer
+    except Image.DecompressionBombError:  # PIL's own bound, past ours: the same answer
+        raise InvalidRequestError(f"{where}: the image claims more pixels than the {MAX_IMAGE_PIXELS:,} lilo "
+                                  "decodes; downscale it.") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise InvalidRequestError(f"{where}: the image does not decode ({error}); send a whole {format} file.") \
+            from None
+    return width, height
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLayout:
+    """How a vision-language base model takes images: its image token, and its image processor's patches (Qwen-VL's:
+    ``patch_size`` pixels a side, ``merge_size`` x ``merge_size`` of them a token, the image first resized to a
+    multiple of both within ``min_pixels`` and ``max_pixels``). Plain numbers, so the ingress counts tokens without
+    transformers; ``pixel_inputs`` (the trainer's) runs the model's own processor from ``directory``."""
+
+    image_token_id: int
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    directory: str
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) after the processor's resize: each side a multiple of patch x merge, the area within the
+        pixel bounds, the aspect ratio kept as near as that allows."""
+        factor = self.patch_size * self.merge_size
+        if max(width, height) > 200 * min(width, height):
+            raise InvalidRequestError(f"An image of {width} x {height} is too narrow; its sides may differ by 200 "
+                                      "times at most.")
+        side_w, side_h = round(width / factor) * factor, round(height / factor) * factor
+        if side_w * side_h > self.max_pixels:
+            scale = math.sqrt(width * height / self.max_pixels)
+            side_w = max(factor, math.floor(width / scale / factor) * factor)
+            side_h = max(factor, math.floor(height / scale / factor) * factor)
+        elif side_w * side_h < self.min_pixels:
+            scale = math.sqrt(self.min_pixels / (width * height))
+            side_w = math.ceil(width * scale / factor) * factor
+            side_h = math.ceil(height * scale / factor) * factor
+        return side_w, side_h
+
+    def token_count(self, width: int, height: int) -> int:
+        """The positions an image of ``width`` x ``height`` fills: one per merge x merge patches after the resize."""
+        side_w, side_h = self.resized(width, height)
+        return (side_w // self.patch_size) * (side_h // self.patch_size) // self.merge_size**2
+
+    def lay_out(self, tokens: Sequence[int], images: Sequence[DatumImage], where: str,
+                ) -> tuple[list[int], tuple[DatumImage, ...]]:
+        """``tokens`` with each image's positions (``PENDING``, or none where the client did not say how many) as
+        this model's image token, N of them, and the images with their offsets and counts; refused where the
+        client's count is not N, naming both."""
+        laid: list[int] = []
+        placed = []
+        taken = 0
+        for number, image in enumerate(images):
+            laid.extend(tokens[taken:image.offset])
+            taken = image.offset + (image.tokens or 0)
+            width, height = checked_image(image.data, image.format, f"{where}, image {number}")
+            count = self.token_count(width, height)
+            if image.tokens is not None and image.tokens != count:
+                raise InvalidRequestError(
+                    f"{where}, image {number}: expected_tokens is {image.tokens}, but a {width} x {height} image is "
+                    f"{count} tokens for this base model; send expected_tokens={count} (the cookbook's "
+                    "image_to_chunk computes it from the model's image processor) or leave it out.")
+            placed.append(dataclasses.replace(image, offset=len(laid), tokens=count))
+            laid.extend([self.image_token_id] * count)
+        laid.extend(tokens[taken:])
+        return laid, tuple(placed)
+
+    def pixel_inputs(self, images: Sequence[DatumImage]) -> dict[str, Any]:
+        """The vision tower's input for ``images``, in order: ``pixel_values`` and ``image_grid_thw``."""
+        from PIL import Image
+
+        decoded = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
+        return dict(_processor(self.directory)(images=decoded, return_tensors="pt"))
+
+
+def image_layout(directory: Path) -> ImageLayout | None:
+    """The image layout of the model in ``directory``, or None where it takes no images (no vision tower in its
+    config, or no image processor beside it)."""
+    config = json.loads((directory / "config.json").read_text())
+    processor_file = directory / "preprocessor_config.json"
+    if "vision_config" not in config or "image_token_id" not in config or not processor_file.exists():
+        return None
+    processor = json.loads(processor_file.read_text())
+    size = processor.get("size") or {}
+    return ImageLayout(int(config["image_token_id"]), int(processor["patch_size"]), int(processor["merge_size"]),
+                       int(size.get("shortest_edge", processor.get("min_pixels", 0))),
+                       int(size.get("longest_edge", processor.get("max_pixels", 0))), str(directory))
+
+
+@functools.lru_cache(maxsize=8)
+def _processor(directory: str) -> Any:
+    from transformers import AutoImageProcessor
+
+    # PIL's backend: torchvision's wheels here are CUDA builds, and the two agree on the pixels.
+    return AutoImageProcessor.from_pretrained(directory, backend="pil")

@@ -1,0 +1,78 @@
+"""Image inputs at the ingress: an image's token count is the one the model's own image processor gives it, and an
+image that is not a whole PNG or JPEG within the limits, or whose expected_tokens disagree, is refused saying what
+to change."""
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from lilo.backend.families import TINY
+from lilo.backend.models import build_tiny
+from lilo.backend.types import DatumImage
+from lilo.backend.vision import MAX_IMAGE_BYTES, PENDING, checked_image, image_layout
+from lilo.errors import InvalidRequestError
+
+
+def encoded(width: int, height: int, format: str = "jpeg", seed: int = 0) -> bytes:
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG" if format == "jpeg" else "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl"])
+def layout(request, tmp_path_factory):
+    return image_layout(build_tiny(tmp_path_factory.mktemp(request.param), request.param))
+
+
+@pytest.mark.parametrize("width, height", [(70, 100), (32, 32), (1, 1), (640, 480), (13, 900), (3000, 2000)])
+def test_an_images_token_count_is_its_processors(layout, width, height):
+    data = encoded(width, height)
+    grid = layout.pixel_inputs([DatumImage(data, "jpeg", 0, None)])["image_grid_thw"]
+    assert layout.token_count(width, height) == int(grid.prod()) // layout.merge_size**2
+
+
+def test_images_are_laid_out_as_the_models_image_token_and_a_wrong_count_is_refused_naming_both(layout):
+    image = encoded(70, 100)
+    count = layout.token_count(70, 100)
+    tokens = [5, 6, *[PENDING] * count, 7]
+    laid, placed = layout.lay_out(tokens, [DatumImage(image, "jpeg", 2, count)], "Datum 0")
+    assert laid == [5, 6, *[layout.image_token_id] * count, 7] and placed[0].offset == 2
+    # Without a count (a sampling prompt may leave it out) the image's positions are inserted.
+    laid, placed = layout.lay_out([5, 6, 7], [DatumImage(image, "jpeg", 2, None)], "Prompt")
+    assert laid == [5, 6, *[layout.image_token_id] * count, 7] and placed[0].tokens == count
+    with pytest.raises(InvalidRequestError, match=rf"expected_tokens is {count + 1}, but a 70 x 100 image is "
+                                                  rf"{count} tokens"):
+        layout.lay_out([5, 6, *[PENDING] * (count + 1), 7], [DatumImage(image, "jpeg", 2, count + 1)], "Datum 0")
+
+
+def test_a_text_only_model_has_no_image_layout(tmp_path):
+    assert image_layout(build_tiny(tmp_path, "tiny-llama")) is None
+    assert TINY["tiny-qwen3-vl"].image_processor is not None
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A valid PNG header claiming ``width`` x ``height`` pixels, and little else."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + \
+        chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("data, format, message", [
+    (encoded(8, 8), "gif", "format 'gif' is not supported; send png or jpeg"),
+    (encoded(8, 8, "png"), "jpeg", "not a JPEG file"),
+    (b"\xff\xd8\xff" + b"\0" * (MAX_IMAGE_BYTES + 1), "jpeg", "over the 2,097,152 an image may be"),
+    (bomb_png(8_000, 8_000), "png", "claims 8000 x 8000 pixels, over the 40,000,000"),
+    (bomb_png(100_000, 100_000), "png", "claims more pixels than the 40,000,000"),
+    (encoded(64, 64)[:300], "jpeg", "does not decode"),
+], ids=["format", "not-that-format", "too-large", "bomb", "huge-bomb", "truncated"])
+def test_a_bad_image_is_refused_saying_what_to_change(data, format, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        checked_image(data, format, "Datum 0, chunk 1")
+    assert checked_image(encoded(9, 7), "jpeg", "Datum 0") == (9, 7)
