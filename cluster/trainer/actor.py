@@ -163,7 +163,7 @@ class TrainerActor:
         loaded = await self._loaded()
         loaded.engine.timings.mark(SERVING_READY)
         backend = loaded.backend
-        eos = backend.model.config.eos_token_id
+        eos = backend.model.config.get_text_config().eos_token_id
         room = backend.room_by_tier()
         return {"name": self.name, "base_model": self.base_model, "ranks": self.ranks,
                 "free_slots": room.total, "room": room._asdict(),

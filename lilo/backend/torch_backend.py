@@ -35,7 +35,10 @@ from lilo.backend.training.recompute import recomputed_layers
 from lilo.backend.sharding.exchange import broadcast_slots, sum_gradients
 from lilo.backend.sharding.group import ShardedBase
 from lilo.backend.sharding.plans import Peers, Plan, SamplePlan, SlotUpdate, TrainPlan, TrainRow
-from lilo.backend.types import AdamParams, Datum, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
+from lilo.backend.types import (
+    AdamParams, Datum, DatumImage, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput,
+)
+from lilo.backend.vision import ImageLayout, multimodal_inputs
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import ForwardBackwardResult, LoadResult, OptimStepResult, SampleResult, SaveResult
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError, TooLargeError, UnavailableError
@@ -61,9 +64,14 @@ class TorchBackend:
                  checkpoint_dir: Path | None = None,
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  decode: sampling.Decode | None = None, host_adapter_bytes: int = 0, disk_adapter_bytes: int = 0,
-                 page_dir: Path | None = None, sharded: ShardedBase | None = None, optimizer: bool = True) -> None:
+                 page_dir: Path | None = None, sharded: ShardedBase | None = None, optimizer: bool = True,
+                 images: ImageLayout | None = None) -> None:
         self.model = model.eval()
         self.decoder = model.get_decoder()
+        # A vision-language model's image layout, and its multimodal model (vision tower and language model), which
+        # a pass with images runs instead of the language model alone.
+        self.images = images
+        self.multimodal = model.model if images is not None else None
         self.device = next(model.parameters()).device
         self.decode = decode  # the base model's detokenizer, for stop strings
         self.max_batch_tokens = max_batch_tokens
@@ -396,14 +404,19 @@ class TorchBackend:
         rows runs an idle one, as it must take part in the pass's collectives."""
         batch = list(rows) or [_IDLE_ROW]
         input_ids, mask = (t.to(self.device) for t in _padded([row.datum.tokens for row in batch]))
+        images = [image for row in batch for image in row.datum.images]
         self._route([row.slot for row in batch])
         try:
             with (torch.set_grad_enabled(not forward_only), recomputed_layers(self.decoder_layers, recompute),
                   self._embeddings_as_leaf(self.sharded is not None and not forward_only)):
                 # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal
                 # path. No KV cache: a training pass never decodes further, and the model's default builds one.
-                hidden = self.decoder(input_ids=input_ids, use_cache=False,
-                                      attention_mask=None if bool(mask.all()) else mask).last_hidden_state
+                attention_mask = None if bool(mask.all()) else mask
+                if images:
+                    hidden = self._multimodal_hidden(input_ids, attention_mask, images)
+                else:
+                    hidden = self.decoder(input_ids=input_ids, use_cache=False,
+                                          attention_mask=attention_mask).last_hidden_state
                 targets = _padded_targets([row.datum.loss_inputs["target_tokens"] for row in batch]).to(self.device)
                 target_logprobs = token_logprobs.target_logprobs(hidden, self.model.get_output_embeddings(), targets)
                 per_row = []
@@ -418,6 +431,16 @@ class TorchBackend:
         finally:
             self._route(None)
         return [(logprobs, elementwise, float(loss.detach())) for logprobs, elementwise, loss in per_row[:len(rows)]]
+
+    def _multimodal_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           images: Sequence[DatumImage]) -> torch.Tensor:
+        """The last hidden states of a pass whose rows hold ``images`` (in row order): through the multimodal model,
+        the image features (the frozen vision tower's, no gradient) in place of their tokens' embeddings, positions
+        from the model's own multimodal rotary index."""
+        if self.images is None or self.multimodal is None:
+            raise InvalidRequestError(f"Base model {self.base_model_name!r} takes no images; send text only.")
+        inputs = multimodal_inputs(self.multimodal, self.images, input_ids, attention_mask, images)
+        return self.multimodal(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
     @contextlib.contextmanager
     def _embeddings_as_leaf(self, wanted: bool) -> Iterator[None]:
@@ -510,7 +533,7 @@ class TorchBackend:
         """The most tokens one datum may have here: a row longer than the budget runs alone, its layers recomputed
         (``batch_tokens.longest_sequence``)."""
         dtype_bytes = next(self.model.parameters()).element_size()
-        return batch_tokens.longest_sequence(self.model.config, dtype_bytes, self.max_batch_tokens)
+        return batch_tokens.longest_sequence(self.model.config.get_text_config(), dtype_bytes, self.max_batch_tokens)
 
     def check_fits(self, train: TrainInput) -> None:
         """Refuse (413) a request with a datum no pass of this trainer can hold, before anything of it runs."""

@@ -144,3 +144,24 @@ def _processor(directory: str) -> Any:
 
     # PIL's backend: torchvision's wheels here are CUDA builds, and the two agree on the pixels.
     return AutoImageProcessor.from_pretrained(directory, backend="pil")
+
+
+def multimodal_inputs(model: Any, layout: ImageLayout, input_ids: Any, attention_mask: Any,
+                      images: Sequence[DatumImage]) -> dict[str, Any]:
+    """The keyword arguments of a multimodal model's forward (Qwen-VL's ``model.model``) for rows ``input_ids``
+    holding ``images`` in row order: the image features, computed once by the frozen vision tower without
+    gradients, and the positions of the model's own multimodal rotary index (without them Qwen2.5-VL falls back to
+    1-D positions, silently)."""
+    import torch
+
+    device = input_ids.device
+    pixels = layout.pixel_inputs(images)
+    grid = pixels["image_grid_thw"].to(device)
+    kinds = (input_ids == layout.image_token_id).int()
+    positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=grid,
+                                        attention_mask=attention_mask)
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        features = model.get_image_features(pixels["pixel_values"].to(device, dtype), grid, return_dict=True)
+    return dict(input_ids=input_ids, position_ids=positions, mm_token_type_ids=kinds, image_grid_thw=grid,
+                mm_encoder_outputs={"image": features})

@@ -24,6 +24,7 @@ from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission, unloaded_error
 from lilo.protocol.proto import ForwardBackwardCall
 from serve.tinker.actors import ANSWER_WITHIN_S, Actors
+from serve.tinker.images import has_images, image_fingerprints, with_images_laid_out
 from serve.tinker.requests import (
     Body, CreateModelRequest, FinishSessionRequest, LoadWeightsRequest, ModelRequest, OptimStepRequest,
     SaveWeightsRequest,
@@ -210,8 +211,12 @@ class Training:
         # Stored (fingerprinted) as the client sent it: a retry is compared with what it sent, not with the records.
         stored = {"loss_fn": train.loss_fn, "loss_config": dict(train.loss_config),
                   "data": [{"tokens": d.tokens, "inputs": dict(d.loss_inputs),
-                            "provenance": d.provenance and dataclasses.asdict(d.provenance)} for d in train.data]}
+                            "provenance": d.provenance and dataclasses.asdict(d.provenance),
+                            **({"images": image_fingerprints(d.images)} if d.images else {})} for d in train.data]}
         async with self._submissions.spending_seq(call.model_id, call.seq_id, tenant):
+            if has_images(train):
+                model = await self._futures.model.remote(call.model_id, tenant)
+                train = await with_images_laid_out(train, model["base_model"])
             check_train_input(train)
             if train.loss_fn in NEEDS_PROVENANCE:
                 records = await self._futures.recorded_sequences.remote(

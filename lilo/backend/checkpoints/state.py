@@ -91,13 +91,26 @@ def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
     config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": state.spec.rank, "lora_alpha": state.spec.alpha or state.spec.rank, "lora_dropout": 0.0,
-        "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "target_modules": _nested_targets(adapters, targets) or targets, "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True,
     }
     if experts:
         config["target_parameters"] = _expert_targets(experts) + [f"{name}.weight" for name in dense_mlp]
     (directory / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     return directory
+
+
+def _nested_targets(adapters: dict[str, torch.Tensor], targets: list[str]) -> str | None:
+    """For a language model nested in a larger one (a vision-language model's ``model.language_model.layers``),
+    ``target_modules`` as the regular expression peft takes, anchored at its layers: a vision tower's projections
+    of the same names (Qwen2.5-VL's ``mlp.gate_proj``) stay bare. None for a plain causal LM's ``model.layers``."""
+    prefixes = {match.group(1) for key in adapters if (match := re.match(r"^(.*?\blayers\.)\d+\.", key))}
+    if prefixes <= {"model.layers."}:
+        return None
+    in_layer = [re.escape(target) for target in targets if target != UNEMBED]
+    pattern = f"({'|'.join(map(re.escape, sorted(prefixes)))})\\d+\\.({'|'.join(in_layer)})"
+    return f"{pattern}|{UNEMBED}" if UNEMBED in targets else pattern
 
 
 def _in_layer(path: str) -> str:
@@ -151,15 +164,14 @@ def read_peft(directory: Path) -> AdapterState:
     config = json.loads((directory / PEFT_CONFIG).read_text())
     weights = load_file(str(directory / PEFT_WEIGHTS))
     parameters = config.get("target_parameters", [])
-    # A dense linear named by its weight (``gate_proj.weight``, see write_peft) is a target module like any other.
-    targets = set(config["target_modules"]) | {name.removesuffix(".weight") for name in parameters
-                                                if name.endswith(".weight")}
     expert_names = [name.rsplit(".", 1)[-1] for name in parameters if not name.endswith(".weight")]
     rank = int(config["r"])
-    roles = {role_of(ANY_FAMILY, target) for target in targets}
-    spec = LoraSpec(rank=rank, alpha=float(config["lora_alpha"]), train_attn="attn" in roles,
-                    train_mlp="mlp" in roles or bool(expert_names), train_unembed=UNEMBED in targets)
     prefix, suffix = "base_model.model.", ".weight"
+    # What trains, read from the weights themselves (target_modules may be a list or a regular expression).
+    paths = {key[len(prefix):].rsplit(".lora_A", 1)[0] for key in weights if ".lora_A" in key}
+    roles = {role_of(ANY_FAMILY, _in_layer(path.replace(".base_layer", ""))) for path in paths}
+    spec = LoraSpec(rank=rank, alpha=float(config["lora_alpha"]), train_attn="attn" in roles,
+                    train_mlp="mlp" in roles or bool(expert_names), train_unembed=UNEMBED in paths)
     expert_module = _expert_module(config) if expert_names else None
     tensors = {}
     for key, tensor in weights.items():

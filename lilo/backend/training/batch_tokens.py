@@ -93,6 +93,7 @@ def size_batch_tokens(model: Any, device: Any, slot_bytes: int = 0, capped_free_
         free_bytes = max(0, psutil.virtual_memory().available - slot_bytes)
         if capped_free_bytes is not None:
             free_bytes = min(free_bytes, capped_free_bytes)
-    free_bytes = max(0, free_bytes - logit_slice_bytes(model.config) - reserved_bytes)
+    text = model.config.get_text_config()  # a vision-language model's language model
+    free_bytes = max(0, free_bytes - logit_slice_bytes(text) - reserved_bytes)
     dtype_bytes = next(model.parameters()).element_size()
-    return budget_tokens(free_bytes, activation_bytes_per_token(model.config, dtype_bytes), device.type)
+    return budget_tokens(free_bytes, activation_bytes_per_token(text, dtype_bytes), device.type)

@@ -1,0 +1,133 @@
+"""Rows with images on a vision-language base model (tiny Qwen3-VL, with deepstack features; tiny Qwen2.5-VL, whose
+vision tower has gated MLPs that must not be adapted): the image reaches the language model, rows with images and
+text-only rows of different adapters coalesced give each its own pass's loss and gradients, and the PEFT export
+loads in peft with the service's logprobs on an image datum."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import backend_with
+from lilo.backend.checkpoints.paths import local_directory
+from lilo.backend.models import build_tiny, load_base_model
+from lilo.backend.types import AdamParams, Datum, DatumImage, LoraSpec, SaveRequest, TrainInput
+from lilo.backend.vision import image_layout, multimodal_inputs
+from lilo.engine.commands import Command, Kind
+
+SPECS = {"r2": LoraSpec(rank=2, seed=1), "r8": LoraSpec(rank=8, seed=2, train_unembed=True),
+         "attn": LoraSpec(rank=4, seed=3, train_mlp=False)}
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl"])
+def directory(request, tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def base(directory):
+    return load_base_model(directory)
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def image_datum(layout, seed: int, size: tuple[int, int] = (70, 100), before: int = 5, after: int = 6) -> Datum:
+    """Text, vision start, the image's tokens, vision end, text: as the cookbook's renderers lay an image out, its
+    positions' targets and weights zero."""
+    rng = np.random.default_rng(seed)
+    data = jpeg(*size, seed)
+    count = layout.token_count(*size)
+    tokens = [*rng.integers(0, 990, before), 996, *[layout.image_token_id] * count, 997, *rng.integers(0, 990, after)]
+    targets = np.roll(np.asarray(tokens), -1)
+    weights = rng.random(len(tokens)).round(2)
+    image = slice(before + 1, before + 1 + count)
+    targets[image], weights[image] = 0, 0.0
+    return Datum(tokens=tokens, loss_inputs={"target_tokens": targets.tolist(), "weights": weights.tolist()},
+                 images=(DatumImage(data, "jpeg", before + 1, count),))
+
+
+def text_datum(seed: int, length: int = 17) -> Datum:
+    tokens = np.random.default_rng(seed).integers(0, 990, length)
+    return Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
+                                                      "weights": [1.0] * length})
+
+
+def fb(model_id: str, seq: int, data, forward_only: bool = False) -> Command:
+    train = TrainInput(data=data)
+    return Command(model_id, seq, Kind.FORWARD if forward_only else Kind.FORWARD_BACKWARD, f"{model_id}:{seq}",
+                   payload=train, tokens=train.tokens)
+
+
+def grads(backend, model_id: str) -> dict[str, torch.Tensor]:
+    slot = backend.adapters[model_id].slot
+    return {f"{path}.{factor}": getattr(layer, factor).grad[slot].clone()
+            for path, layer in backend.layers.items() for factor in ("lora_A", "lora_B")}
+
+
+def test_no_adapter_sits_in_the_vision_tower(base, directory):
+    backend = backend_with(base, {}, images=image_layout(directory))
+    assert backend.layers and not any("visual" in path for path in backend.layers)
+    assert backend.uncovered == {"attn": [], "mlp": []}
+
+
+def test_the_image_reaches_the_language_model(base, directory):
+    layout = image_layout(directory)
+    backend = backend_with(base, {"r2": SPECS["r2"]}, images=layout)
+    one, other = image_datum(layout, 1), image_datum(layout, 1)
+    other = Datum(one.tokens, one.loss_inputs, images=(DatumImage(jpeg(70, 100, 99), "jpeg", 6, one.images[0].tokens),))
+    losses = [backend.forward_backward([fb("r2", 1, [datum], True)], forward_only=True)[0]["metrics"]["loss:sum"]
+              for datum in (one, other)]
+    assert losses[0] != losses[1]
+    # And its positions are the model's multimodal rotary index, not a running count.
+    ids = torch.as_tensor([one.tokens])
+    positions = multimodal_inputs(backend.multimodal, layout, ids, None, one.images)["position_ids"]
+    assert positions.shape == (3, 1, len(one.tokens)) and int(positions.max()) < len(one.tokens) - 1
+
+
+def test_coalesced_image_and_text_rows_get_their_own_passes_losses_and_gradients(base, directory):
+    layout = image_layout(directory)
+    data = {"r2": [image_datum(layout, 1), text_datum(2)], "r8": [image_datum(layout, 3, size=(40, 40))],
+            "attn": [text_datum(4, length=25)]}
+    together = backend_with(base, SPECS, images=layout)
+    results = together.forward_backward([fb(m, 1, rows) for m, rows in data.items()], forward_only=False)
+    for (model_id, rows), result in zip(data.items(), results):
+        alone = backend_with(base, SPECS, images=layout)
+        own = alone.forward_backward([fb(model_id, 1, rows)], forward_only=False)[0]
+        assert np.isclose(result["metrics"]["loss:sum"], own["metrics"]["loss:sum"], rtol=1e-5)
+        ours, theirs = grads(together, model_id), grads(alone, model_id)
+        for key in theirs:
+            assert torch.allclose(ours[key], theirs[key], rtol=1e-4, atol=1e-6), (model_id, key)
+        assert any(float(grad.abs().max()) > 0 for grad in theirs.values())
+
+
+def test_the_peft_export_loads_in_peft_with_the_services_logprobs_on_an_image(base, directory, tmp_path):
+    from peft import PeftModel
+
+    layout = image_layout(directory)
+    backend = backend_with(base, {"r8": SPECS["r8"]}, images=layout, checkpoint_dir=tmp_path)
+    for seq in (1, 3):
+        backend.forward_backward([fb("r8", seq, [image_datum(layout, seq)])], forward_only=False)
+        backend.optim_step([Command("r8", seq + 1, Kind.OPTIM_STEP, f"r8:{seq + 1}",
+                                    payload=AdamParams(learning_rate=1e-2))])
+    save = Command("r8", 5, Kind.SAVE_WEIGHTS_FOR_SAMPLER, "save", payload=SaveRequest(name="vl"))
+    exported = local_directory(tmp_path, backend.persist_checkpoint(save, backend.capture_checkpoint(save))["path"])
+    sample = image_datum(layout, 9)
+    ours = backend.forward_backward([fb("r8", 6, [sample], True)], forward_only=True)[0]["loss_fn_outputs"][0]
+    peft_model = PeftModel.from_pretrained(load_base_model(directory), exported)
+    assert not any("visual" in name and "lora_" in name for name, _ in peft_model.named_parameters())
+    ids = torch.as_tensor([sample.tokens])
+    pixels = layout.pixel_inputs(sample.images)
+    kinds = (ids == layout.image_token_id).int()
+    positions, _ = peft_model.base_model.model.model.get_rope_index(ids, mm_token_type_ids=kinds,
+                                                                   image_grid_thw=pixels["image_grid_thw"])
+    logits = peft_model(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                        mm_token_type_ids=kinds, position_ids=positions).logits[0]
+    theirs = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(sample.loss_inputs["target_tokens"])[:, None])
+    assert np.allclose(ours["logprobs"], theirs.squeeze(-1).detach().numpy(), atol=1e-5)
