@@ -25,6 +25,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     from lilo.backend.paging.policy import host_adapter_bytes
     from lilo.backend.sharding.group import join, load_sharded_base
     from lilo.backend.torch_backend import TorchBackend
+    from lilo.backend.vision import image_layout
 
     directory = model_directory(base_model, config.model_cache_dir)
     device = resolve_device(config.device)
@@ -49,7 +50,8 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
                            base_model_name=base_model, decode=load_decoder(directory),
                            host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
                            disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),
-                           page_dir=page_dir, sharded=sharded, optimizer=not follower)
+                           page_dir=page_dir, sharded=sharded, optimizer=not follower,
+                           images=image_layout(directory))
     # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
     free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
     backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(

@@ -76,3 +76,21 @@ def test_a_bad_image_is_refused_saying_what_to_change(data, format, message):
     with pytest.raises(InvalidRequestError, match=message):
         checked_image(data, format, "Datum 0, chunk 1")
     assert checked_image(encoded(9, 7), "jpeg", "Datum 0") == (9, 7)
+
+
+def test_the_wire_takes_image_chunks_with_their_counts_and_refuses_audio():
+    from lilo.protocol.proto import decode_forward_backward, pb
+
+    def request(*chunks):
+        return pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy", data=[
+            pb.Datum(model_input=list(chunks))]).SerializeToString()
+
+    text = pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=np.asarray([5, 6], "<i4").tobytes()))
+    image = pb.Chunk(image=pb.ImageChunk(data=encoded(8, 8), format="jpeg", expected_tokens=4))
+    (datum,) = decode_forward_backward(request(text, image, text)).train.data
+    assert list(datum.tokens) == [5, 6, PENDING, PENDING, PENDING, PENDING, 5, 6]
+    assert [(i.offset, i.tokens, i.format) for i in datum.images] == [(2, 4, "jpeg")]
+    with pytest.raises(InvalidRequestError, match="chunk 1: the image chunk has no expected_tokens"):
+        decode_forward_backward(request(text, pb.Chunk(image=pb.ImageChunk(data=encoded(8, 8), format="jpeg"))))
+    with pytest.raises(InvalidRequestError, match=r"chunk 0: dmel \(audio\) chunks are not supported"):
+        decode_forward_backward(request(pb.Chunk(dmel=pb.DmelChunk())))

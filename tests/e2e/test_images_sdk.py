@@ -1,0 +1,99 @@
+"""Images through the real SDK on a vision-language base model (lilo/tiny-qwen3-vl): image chunks train and score
+as the cookbook's renderers lay them out (vision start, the image, vision end; targets and weights zero at the
+image's positions), two adapters' image rows coalesce, and what lilo cannot take is refused with a sentence:
+images on a text-only base model, an expected_tokens that is not the image's count, a file that is not an image."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import tinker
+from PIL import Image
+from tinker import types
+
+from helpers import API_KEY, own_service
+from lilo.backend.models import model_directory
+from lilo.backend.vision import image_layout
+
+VL, TEXT = "lilo/tiny-qwen3-vl", "lilo/tiny-llama"
+VISION_START, VISION_END = 996, 997
+TIMEOUT_S = 180
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def image_datum(seed: int, expected_tokens: int | None = None, size: tuple[int, int] = (70, 100),
+                data: bytes | None = None) -> types.Datum:
+    """Text, vision start, an image, vision end, text; the image's positions neither targeted nor weighted."""
+    rng = np.random.default_rng(seed)
+    before, after = rng.integers(0, 990, 4).tolist(), rng.integers(0, 990, 5).tolist()
+    count = image_layout(model_directory(VL)).token_count(*size)
+    image = types.ImageChunk(data=data or jpeg(*size, seed), format="jpeg",
+                             expected_tokens=count if expected_tokens is None else expected_tokens)
+    model_input = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[*before, VISION_START]), image,
+                                           types.EncodedTextChunk(tokens=[VISION_END, *after])])
+    length = len(before) + 1 + image.expected_tokens + 1 + len(after)
+    targets = rng.integers(0, 990, length)
+    weights = np.ones(length, dtype=np.float32)
+    targets[len(before) + 1:len(before) + 1 + count] = 0
+    weights[len(before) + 1:len(before) + 1 + count] = 0.0
+    return types.Datum(model_input=model_input, loss_fn_inputs={"target_tokens": targets.tolist(),
+                                                                "weights": weights.tolist()})
+
+
+@pytest.fixture(scope="module")
+def service():
+    with own_service("--num-cpus", "4", "--trainers", "1", "--base-model", VL, "--base-model", TEXT) as (url, _):
+        with tinker.ServiceClient(base_url=url, api_key=API_KEY) as client:
+            yield client
+
+
+def test_image_rows_of_two_adapters_train_and_score(service):
+    client = service
+    trainers = [client.create_lora_training_client(base_model=VL, rank=4, seed=seed).result(timeout=TIMEOUT_S)
+                for seed in (1, 2)]
+    losses = {0: [], 1: []}
+    for _ in range(4):
+        # Both adapters' steps sent before either is waited on: they coalesce into one pass.
+        futures = [training.forward_backward([image_datum(n), image_datum(n + 10, size=(40, 64))], "cross_entropy")
+                   for n, training in enumerate(trainers)]
+        for n, future in enumerate(futures):
+            losses[n].append(future.result(timeout=TIMEOUT_S).metrics["loss:sum"])
+        for training in trainers:
+            training.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT_S)
+    assert all(steps[-1] < steps[0] for steps in losses.values()), losses
+    scored = trainers[0].forward([image_datum(0)], "cross_entropy").result(timeout=TIMEOUT_S)
+    logprobs = scored.loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(logprobs) == image_datum(0).model_input.length and np.isfinite(logprobs).all()
+
+
+def refusal(call) -> str:
+    with pytest.raises(tinker.APIStatusError) as refused:
+        call().result(timeout=TIMEOUT_S)
+    assert 400 <= refused.value.status_code < 500
+    return str(refused.value)
+
+
+def test_what_lilo_cannot_take_is_refused_saying_what_to_change(service):
+    client = service
+    text = client.create_lora_training_client(base_model=TEXT, rank=4).result(timeout=TIMEOUT_S)
+    message = refusal(lambda: text.forward_backward([image_datum(1)], "cross_entropy"))
+    assert "takes no images" in message and TEXT in message
+    vision = client.create_lora_training_client(base_model=VL, rank=4).result(timeout=TIMEOUT_S)
+    count = image_layout(model_directory(VL)).token_count(70, 100)
+    message = refusal(lambda: vision.forward_backward([image_datum(2, expected_tokens=count + 3)], "cross_entropy"))
+    assert f"expected_tokens is {count + 3}, but a 70 x 100 image is {count} tokens" in message
+    png_as_jpeg = io.BytesIO()
+    Image.new("RGB", (70, 100)).save(png_as_jpeg, "PNG")
+    message = refusal(lambda: vision.forward_backward([image_datum(3, data=png_as_jpeg.getvalue())], "cross_entropy"))
+    assert "not a JPEG file" in message
+    # The refused steps lost nothing: the model trains on.
+    result = vision.forward_backward([image_datum(4)], "cross_entropy").result(timeout=TIMEOUT_S)
+    assert np.isfinite(result.metrics["loss:sum"])
