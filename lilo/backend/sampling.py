@@ -24,6 +24,7 @@ import torch
 
 from lilo.backend.families import family_of
 from lilo.backend.types import PromptTargets, SamplingRequest
+from lilo.backend.vision import ImageLayout, multimodal_inputs
 from lilo.engine.contract import AltTokens, SampleResult, TargetLogprobs, TopK
 from lilo.errors import InvalidRequestError
 
@@ -124,7 +125,7 @@ def _filters(settings: SamplingRequest, logits: torch.Tensor) -> bool:
 
 def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], None],
              requests: Sequence[SamplingRequest], slots: Sequence[int],
-             decode: Decode | None = None) -> list[SampleResult]:
+             decode: Decode | None = None, images: ImageLayout | None = None) -> list[SampleResult]:
     """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation, or one per
     prompt length for a family whose cache cannot take left-padded prompts."""
     lengths = {len(request.prompt) for request in requests}
@@ -132,7 +133,8 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
         results: list[SampleResult | None] = [None] * len(requests)
         for length in lengths:
             indices = [i for i, request in enumerate(requests) if len(request.prompt) == length]
-            generated = generate(model, route, [requests[i] for i in indices], [slots[i] for i in indices], decode)
+            generated = generate(model, route, [requests[i] for i in indices], [slots[i] for i in indices], decode,
+                                 images)
             for i, result in zip(indices, generated):
                 results[i] = result
         return results  # type: ignore[return-value]
@@ -158,8 +160,16 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
             # The prefill's logits at every position (rows x width x vocabulary: gigabytes for a long prompt and
             # many samples) only as far back as some row's prompt logprobs need them; else the last position's.
             keep = logits_to_keep(requests)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        logits_to_keep=keep)
+            prompt_images = [image for row in rows for image in row.settings.images]
+            if prompt_images and images is not None:
+                inputs = multimodal_inputs(model.model, images, ids, mask, prompt_images)
+                out = model(**inputs, attention_mask=mask, use_cache=True, logits_to_keep=keep)
+                # Multimodal rotary positions (3 axes): each row's next token one past its furthest position.
+                positions = inputs["position_ids"].amax(dim=(0, 2)).view(1, -1, 1).expand(3, -1, 1)
+            else:
+                out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            logits_to_keep=keep)
+                positions = positions[:, -1:]
             for r, row in enumerate(rows):
                 if row.settings.scores_prompt and row.request not in prompt_scores:
                     prompt_scores[row.request] = _prompt_scores(out.logits[r].cpu(), ids[r].cpu(), row.settings)
@@ -181,7 +191,7 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
                 if all(row.stop_reason is not None for row in rows):
                     break
                 mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], dim=1)
-                positions = positions[:, -1:] + 1
+                positions = positions + 1
                 out = model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,
                             cache=cache, use_cache=True)
                 logits, cache = out.logits[:, -1].float().cpu(), out.cache

@@ -499,7 +499,8 @@ class TorchBackend:
 
         def own() -> list[SampleResult]:
             self.exchanged["weights"] += broadcast_slots(self.bank.weights, updates, self._entry_index)
-            return sampling.generate(self.model, self._route_sampling, requests, slots, self.decode)
+            return sampling.generate(self.model, self._route_sampling, requests, slots, self.decode,
+                                     self.images)
 
         return self._on_group([plan] * (self.ranks - 1), own)[0]
 
@@ -582,6 +583,9 @@ class TorchBackend:
                     request: SamplingRequest = commands[i].payload
                     slot = BASE_SLOT if request.base_only else self._sampling_slot(commands[i].model_id, pinned)
                     sampling.validate(request, self.vocab_size, self.decode)
+                    if request.images and self.images is None:
+                        raise InvalidRequestError(f"Base model {self.base_model_name!r} takes no images; send text "
+                                                  "only.")
                     valid.append(i)
                     slots.append(slot)
                 except SaturatedError as error:
@@ -596,7 +600,8 @@ class TorchBackend:
                 if self.peers is not None:
                     generated = self._generate_on_group(requests, slots)
                 else:
-                    generated = sampling.generate(self.model, self._route_sampling, requests, slots, self.decode)
+                    generated = sampling.generate(self.model, self._route_sampling, requests, slots, self.decode,
+                                                  self.images)
                 for i, result in zip(valid, generated):
                     results[i] = result
             waiting = deferred

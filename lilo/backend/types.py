@@ -158,6 +158,8 @@ class SamplingRequest:
     base_only: bool = False  # the bare base model, no adapter (the request named only a base model)
     # Record each returned sequence (prompt, tokens, logprobs) for training with stable_reinforce.
     record_stability_info: bool = False
+    # The prompt's images, in order; their positions in ``prompt`` hold the base model's image token.
+    images: tuple[DatumImage, ...] = ()
 
     @property
     def scores_prompt(self) -> bool:

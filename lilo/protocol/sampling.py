@@ -6,9 +6,12 @@ change (the ingress answers 422), so a bad sample never becomes a stored future.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Mapping, Sequence
 
-from lilo.backend.types import PromptTargets, SamplingRequest, is_int
+from lilo.backend.types import DatumImage, PromptTargets, SamplingRequest, is_int
+from lilo.backend.vision import PENDING, ImageLayout
 from lilo.errors import InvalidRequestError
 
 MAX_NUM_SAMPLES = 128
@@ -18,12 +21,14 @@ MAX_TOPK = 20
 
 
 def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_context_length: int,
-                          eos_token_ids: Sequence[int], base_only: bool) -> SamplingRequest:
-    """``body`` is the SDK's SampleRequest as JSON; the ids and lengths are those of the base model it runs on."""
+                          eos_token_ids: Sequence[int], base_only: bool,
+                          images: ImageLayout | None = None) -> SamplingRequest:
+    """``body`` is the SDK's SampleRequest as JSON; the ids, lengths and image layout (None: it takes no images) are
+    those of the base model it runs on."""
     record = body.get("record_stability_info")
     if record is not None and not isinstance(record, bool):
         raise InvalidRequestError(f"record_stability_info must be true or false, not {record!r}.")
-    prompt = prompt_tokens(body.get("prompt") or {})
+    prompt, prompt_images = prompt_tokens(body.get("prompt") or {}, images)
     if not prompt:
         raise InvalidRequestError("The prompt is empty; send at least one token.")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
@@ -65,7 +70,7 @@ def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_conte
                            prompt_logprobs_last_n=last_n, topk_prompt_logprobs=topk_prompt,
                            topk_sample_logprobs=topk_sample, target_prompt_logprobs=targets,
                            prompt_alt_tokens_k=alt_tokens, base_only=base_only,
-                           record_stability_info=bool(record))
+                           record_stability_info=bool(record), images=prompt_images)
 
 
 def topk_count(body: Mapping[str, Any], field: str) -> int:
@@ -122,21 +127,60 @@ def scored_suffix(last_n: Any, prompt_logprobs: bool, prompt_length: int) -> int
     return int(last_n)
 
 
-def prompt_tokens(model_input: Mapping[str, Any]) -> list[int]:
-    """The tokens of a ModelInput (``{"chunks": [...]}``); only text chunks are supported."""
+IMAGE_CHUNKS = ("image", "image_asset_pointer")
+
+
+def has_images(model_input: Mapping[str, Any]) -> bool:
+    chunks = model_input.get("chunks") or []
+    return isinstance(chunks, list) and any(isinstance(chunk, dict) and chunk.get("type") in IMAGE_CHUNKS
+                                            for chunk in chunks)
+
+
+def prompt_tokens(model_input: Mapping[str, Any],
+                  images: ImageLayout | None = None) -> tuple[list[int], tuple[DatumImage, ...]]:
+    """The tokens of a ModelInput (``{"chunks": [...]}``) and its images, each laid out by ``images`` (the base
+    model's; None: it takes none)."""
     chunks = model_input.get("chunks") or []
     if not isinstance(chunks, list) or not all(isinstance(chunk, dict) for chunk in chunks):
         raise InvalidRequestError("prompt.chunks must be a list of chunk objects such as "
                                   '{"type": "encoded_text", "tokens": [1, 2]}.')
     tokens: list[int] = []
-    for chunk in chunks:
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise InvalidRequestError(f"{chunk.get('type')} chunks are not supported by this server; send text.")
+    pending: list[DatumImage] = []
+    for number, chunk in enumerate(chunks):
+        kind = chunk.get("type", "encoded_text")
+        if kind in IMAGE_CHUNKS:
+            pending.append(_image(number, chunk, len(tokens)))
+            tokens.extend([PENDING] * (pending[-1].tokens or 0))
+            continue
+        if kind != "encoded_text":
+            raise InvalidRequestError(f"Prompt chunk {number}: {kind} chunks are not supported by this server; send "
+                                      "text and images.")
         chunk_tokens = chunk.get("tokens") or []
         if not isinstance(chunk_tokens, list) or not all(is_int(token) for token in chunk_tokens):
             raise InvalidRequestError("The prompt's tokens must be a list of integer token ids.")
         tokens.extend(chunk_tokens)
-    return tokens
+    if not pending:
+        return tokens, ()
+    if images is None:
+        raise InvalidRequestError("This base model takes no images (it has no vision tower); send text only.")
+    laid, placed = images.lay_out(tokens, pending, "The prompt")
+    return laid, placed
+
+
+def _image(number: int, chunk: Mapping[str, Any], offset: int) -> DatumImage:
+    """A prompt's image chunk (its bytes base64 in JSON); a pointer to an image is refused, saying so."""
+    if chunk.get("type") == "image_asset_pointer":
+        raise InvalidRequestError(f"Prompt chunk {number}: image_asset_pointer chunks are not resolved by this "
+                                  "server (it reads no image store); send the image's bytes in an image chunk.")
+    try:
+        data = base64.b64decode(chunk.get("data") or "", validate=True)
+    except (binascii.Error, TypeError):
+        raise InvalidRequestError(f"Prompt chunk {number}: the image's data is not base64; send the file's bytes "
+                                  "base64-encoded.") from None
+    expected = chunk.get("expected_tokens")
+    if expected is not None and (not is_int(expected) or expected < 0):
+        raise InvalidRequestError(f"Prompt chunk {number}: expected_tokens must be a whole number of tokens.")
+    return DatumImage(data, str(chunk.get("format")), offset, expected)
 
 
 def stops(stop: str | Sequence[str] | Sequence[int] | None, eos_token_ids: Sequence[int],

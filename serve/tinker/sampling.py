@@ -29,9 +29,10 @@ from lilo.backend.types import SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError
 from lilo.futures.store import Submission, unknown_sampling_session_error
-from lilo.protocol.sampling import decode_sample_request
+from lilo.protocol.sampling import decode_sample_request, has_images as has_image_chunks
 from lilo.tenants import may_see
 from serve.tinker.actors import Actors
+from serve.tinker.images import image_fingerprints, layout_of
 from serve.tinker.requests import CreateSamplingSessionRequest, SampleRequest, SaveWeightsRequest
 from serve.tinker.submissions import Submissions
 
@@ -52,6 +53,7 @@ class Route:
     trainer: str
     tenant: str | None  # whose session it is
     model_path: str | None  # the sampler checkpoint; None: the bare base model
+    base_model: str
     vocab_size: int
     max_context_length: int
     eos_token_ids: Sequence[int]
@@ -91,7 +93,7 @@ class SamplingRouter:
             checkpoint_trainer = await self._futures.trainer_of.remote(sampler_run(model_path)) if model_path else None
             trainer = await self.trainer_for(sampling_session_id, session["base_model"], checkpoint_trainer)
             fact = (await self.trainer_facts())[trainer]
-            route = Route(trainer, session["tenant"], model_path, fact["vocab_size"],
+            route = Route(trainer, session["tenant"], model_path, session["base_model"], fact["vocab_size"],
                           base_model_spec(session["base_model"]).max_context_length, fact["eos_token_ids"])
             if len(self._routes) >= MAX_ROUTES:
                 self._routes.clear()
@@ -170,15 +172,19 @@ class Sampling:
         route = await self._router.route(sampling_session_id, tenant)
         # Decoded from the SDK's JSON as sent: the scoring fields newer SDKs add (topk_prompt_logprobs, ...) are
         # extras of SampleRequest, which lilo.protocol.sampling reads with the rest.
-        sample = decode_sample_request(request.model_dump(), vocab_size=route.vocab_size,
-                                       max_context_length=route.max_context_length,
-                                       eos_token_ids=route.eos_token_ids, base_only=route.model_path is None)
+        body = request.model_dump()
+        images = await layout_of(route.base_model) if has_image_chunks(body.get("prompt") or {}) else None
+        sample = decode_sample_request(body, vocab_size=route.vocab_size, max_context_length=route.max_context_length,
+                                       eos_token_ids=route.eos_token_ids, base_only=route.model_path is None,
+                                       images=images)
         # The backend samples through the checkpoint named by the command's model id (a base-model sample through
         # none; its id then only labels its timing).
         command = Command(route.model_path or sampling_session_id, request.seq_id, Kind.SAMPLE, "", payload=sample,
                           tokens=sample.num_samples * (len(sample.prompt) + sample.max_tokens))
         request_id = await self._submissions.submit_to(
-            Submission(sampling_session_id, Kind.SAMPLE, dataclasses.asdict(sample), seq_id=request.seq_id,
+            Submission(sampling_session_id, Kind.SAMPLE,
+                       {**dataclasses.asdict(sample), "images": image_fingerprints(sample.images)},
+                       seq_id=request.seq_id,
                        tenant=tenant, trainer=route.trainer), command)
         return {"request_id": str(request_id), "type": Kind.SAMPLE,
                 "sample_sequence_ids": [f"{request_id}:{k}" for k in range(sample.num_samples)]}

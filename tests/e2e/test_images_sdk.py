@@ -97,3 +97,44 @@ def test_what_lilo_cannot_take_is_refused_saying_what_to_change(service):
     # The refused steps lost nothing: the model trains on.
     result = vision.forward_backward([image_datum(4)], "cross_entropy").result(timeout=TIMEOUT_S)
     assert np.isfinite(result.metrics["loss:sum"])
+
+
+def laid_out(model_input: types.ModelInput) -> list[int]:
+    """The prompt's tokens as the server lays them out: each image as its count of the image token."""
+    image_token = image_layout(model_directory(VL)).image_token_id
+    return [token for chunk in model_input.chunks
+            for token in (chunk.tokens if isinstance(chunk, types.EncodedTextChunk)
+                          else [image_token] * chunk.expected_tokens)]
+
+
+def scored(training, model_input: types.ModelInput, continuation: list[int]) -> list[float]:
+    """A training forward's logprob of each token after the first of the prompt and ``continuation``."""
+    tokens = laid_out(model_input) + continuation
+    full = model_input.append(types.EncodedTextChunk(tokens=continuation[:-1])) if continuation else model_input
+    targets = tokens[1:] + ([] if continuation else [0])
+    datum = types.Datum(model_input=full, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)})
+    return training.forward([datum], "cross_entropy").result(timeout=TIMEOUT_S).loss_fn_outputs[0][
+        "logprobs"].tolist()
+
+
+def test_prompts_with_images_sample_and_score_as_training_does(service):
+    client = service
+    training = client.create_lora_training_client(base_model=VL, rank=4, seed=3).result(timeout=TIMEOUT_S)
+    for _ in range(2):
+        training.forward_backward([image_datum(7)], "cross_entropy").result(timeout=TIMEOUT_S)
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT_S)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    prompt = image_datum(8).model_input
+    chunks = list(prompt.chunks)
+    # The docs' own example sends no expected_tokens: the server counts them.
+    unsized = types.ModelInput(chunks=[chunks[0], types.ImageChunk(data=chunks[1].data, format="jpeg"), chunks[2]])
+    response = sampler.sample(prompt=unsized, num_samples=1, sampling_params=types.SamplingParams(
+        max_tokens=5, temperature=1.0, seed=2, stop=[])).result(timeout=TIMEOUT_S)
+    (sequence,) = response.sequences
+    length = prompt.length
+    np.testing.assert_allclose(sequence.logprobs, scored(training, prompt, sequence.tokens)[length - 1:], atol=1e-4)
+    prompt_logprobs = sampler.compute_logprobs(prompt).result(timeout=TIMEOUT_S)
+    assert len(prompt_logprobs) == length and prompt_logprobs[0] is None
+    # Finite at the image's positions too (the cookbook's NLL evaluator sums them, weighted 0), and what training
+    # gives them.
+    np.testing.assert_allclose(prompt_logprobs[1:], scored(training, prompt, [])[:length - 1], atol=1e-4)

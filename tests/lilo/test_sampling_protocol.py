@@ -100,7 +100,11 @@ def test_prompt_logprobs_last_n_scores_a_suffix_of_the_prompt():
     ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": 3}, "ask for 1 to 2"),
     ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "ask for 1 to 2"),
     ({**sdk_body(), "prompt_logprobs": True, "prompt_logprobs_last_n": "2"}, "out of range"),
-    ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "image chunks"),
+    ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "takes no images"),
+    ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "%%", "format": "png"}]}}, "is not base64"),
+    ({**sdk_body(), "prompt": {"chunks": [{"type": "image_asset_pointer", "location": "s3://b/i.png",
+                                           "format": "png"}]}}, "image_asset_pointer chunks are not resolved"),
+    ({**sdk_body(), "prompt": {"chunks": [{"type": "dmel", "data": ""}]}}, "dmel chunks are not supported"),
     # Each of these was a 500 (found by probing asample with a real sampling session).
     ({**sdk_body(), "prompt": {"chunks": "abc"}}, "list of chunk objects"),
     ({**sdk_body(), "prompt": {"chunks": [1]}}, "list of chunk objects"),

@@ -131,3 +131,34 @@ def test_the_peft_export_loads_in_peft_with_the_services_logprobs_on_an_image(ba
                         mm_token_type_ids=kinds, position_ids=positions).logits[0]
     theirs = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(sample.loss_inputs["target_tokens"])[:, None])
     assert np.allclose(ours["logprobs"], theirs.squeeze(-1).detach().numpy(), atol=1e-5)
+
+
+def test_the_sampler_decodes_prompts_with_images_as_the_trainer_scores_them(base, directory):
+    # Two adapters' prompts with images of different sizes and a text-only one, left-padded in one generation and
+    # decoded through the cache with multimodal positions: each sampled token's logprob is the one a training pass
+    # gives it, and so is each prompt token's (finite at the image's positions too).
+    from lilo.backend.types import SamplingRequest
+
+    layout = image_layout(directory)
+    backend = backend_with(base, SPECS, images=layout)
+    for seq in (1, 3):
+        backend.forward_backward([fb(m, seq, [image_datum(layout, seq + n)]) for n, m in enumerate(SPECS)],
+                                 forward_only=False)
+        backend.optim_step([Command(m, seq + 1, Kind.OPTIM_STEP, f"{m}:{seq + 1}",
+                                    payload=AdamParams(learning_rate=1e-2)) for m in SPECS])
+    prompts = {"r2": image_datum(layout, 21), "r8": image_datum(layout, 22, size=(40, 64), after=2),
+               "attn": text_datum(23, length=9)}
+    requests = [Command(m, 5, Kind.SAMPLE, f"{m}:5", payload=SamplingRequest(
+        prompt=list(d.tokens), images=d.images, max_tokens=6, temperature=1.0, seed=4, prompt_logprobs=True))
+        for m, d in prompts.items()]
+    for (model_id, prompt), result in zip(prompts.items(), backend.sample(requests)):
+        (sequence,) = result["sequences"]
+        tokens = list(prompt.tokens) + sequence["tokens"]
+        scored = Datum(tokens=tokens[:-1], images=prompt.images,
+                       loss_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        logprobs = backend.forward_backward([fb(model_id, 6, [scored], True)], forward_only=True)[0]
+        logprobs = np.asarray(logprobs["loss_fn_outputs"][0]["logprobs"])
+        length = len(prompt.tokens)
+        np.testing.assert_allclose(sequence["logprobs"], logprobs[length - 1:], atol=1e-4)
+        np.testing.assert_allclose(result["prompt_logprobs"][1:], logprobs[:length - 1], atol=1e-4)
+        assert np.isfinite(result["prompt_logprobs"][1:]).all()

@@ -24,7 +24,7 @@ class Follower:
         self._apply(plan.updates)
         if not isinstance(plan, TrainPlan):
             sampling.generate(backend.model, backend._route_sampling, list(plan.requests), list(plan.slots),
-                              backend.decode)
+                              backend.decode, backend.images)
             return None
         if not plan.forward_only:
             for slot in plan.grad_slots:
