@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import io
 import json
 import tempfile
 import time
@@ -30,13 +32,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 from engine_bench import batch, run_with_compute_lane
 from lilo.backend.adapters.experts import MultiLoRAExperts, expert_projections, is_fused_experts
 from lilo.backend.families import family_of, role_of
 from lilo.backend.models import TINY_MODELS, build_tiny, load_base_model, smollm2_directory
-from lilo.backend.types import AdamParams, LoraSpec
+from lilo.backend.types import AdamParams, Datum, DatumImage, LoraSpec, TrainInput
+from lilo.backend.vision import ImageLayout, image_layout, multimodal_inputs
 from lilo.backend.torch_backend import TorchBackend
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
@@ -64,6 +68,46 @@ def median_seconds(step, repeats: int) -> float:
     return float(np.median(times))
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """What a step's rows are: ``seq`` random tokens each, and on a vision-language base (``vision``) one random
+    ``image_size`` px JPEG among them (its tokens counted in ``seq``), as the cookbook lays an image out."""
+
+    vision: ImageLayout | None = None
+    image_size: int = 224
+
+    def tokens(self, rng: np.random.Generator, rows: int, seq: int, vocab: int,
+               ) -> tuple[np.ndarray, list[list[DatumImage]]]:
+        tokens = rng.integers(0, min(vocab, 990), (rows, seq))
+        if self.vision is None:
+            return tokens, [[] for _ in range(rows)]
+        count = self.vision.token_count(self.image_size, self.image_size)
+        if count + 8 > seq:
+            raise SystemExit(f"--seq {seq} leaves no room for an image of {count} tokens; pass a longer --seq.")
+        tokens[:, 4:4 + count] = self.vision.image_token_id
+        images = []
+        for _ in range(rows):
+            pixels = (rng.random((self.image_size, self.image_size, 3)) * 255).astype("uint8")
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, "JPEG")
+            images.append([DatumImage(buffer.getvalue(), "jpeg", 4, count)])
+        return tokens, images
+
+    def train(self, rng: np.random.Generator, rows: int, seq: int, vocab: int) -> TrainInput:
+        tokens, images = self.tokens(rng, rows, seq, vocab)
+        return TrainInput(data=[Datum(tokens=row, loss_inputs={"target_tokens": np.roll(row, -1),
+                                                               "weights": np.ones(seq, dtype=np.float32)},
+                                      images=tuple(own)) for row, own in zip(tokens, images)])
+
+    def logits(self, model: nn.Module, multimodal: nn.Module | None, tokens: np.ndarray,
+               images: list[list[DatumImage]]) -> torch.Tensor:
+        ids = torch.as_tensor(tokens)
+        if self.vision is None:
+            return model(input_ids=ids, use_cache=False).logits
+        inputs = multimodal_inputs(multimodal, self.vision, ids, None, [i for own in images for i in own])
+        return model(**inputs, use_cache=False).logits
+
+
 def matmul_parameters(model: nn.Module) -> int:
     """Weights a token is multiplied by: every linear's, and of fused experts the routed share."""
     linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
@@ -75,10 +119,12 @@ def matmul_parameters(model: nn.Module) -> int:
 
 def linear_targets(model: nn.Module) -> list[str]:
     """peft's ``target_modules``: the linears lilo adapts in the model's family (lilo.backend.families), each by its
-    whole path (a frozen module may share a last name: DeepSeek-V4's indexer.kv_proj)."""
+    whole path (a frozen module may share a last name: DeepSeek-V4's indexer.kv_proj), in the language model only
+    (a vision tower's stay bare)."""
     family = family_of(model.config.model_type)
-    return [name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and role_of(family, name) in ("attn", "mlp")]
+    decoder = next(path for path, module in model.named_modules() if module is model.get_decoder())
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)
+            and name.startswith(f"{decoder}.") and role_of(family, name) in ("attn", "mlp")]
 
 
 def fused_targets(model: nn.Module) -> list[str]:
@@ -87,9 +133,10 @@ def fused_targets(model: nn.Module) -> list[str]:
                   key=lambda target: target.endswith("down_proj"))
 
 
-def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int, coalesce: bool) -> float:
+def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int, coalesce: bool,
+                 kind: Rows = Rows()) -> float:
     """Tokens/s through the engine: its compute lane on this (the torch) thread, a client thread submitting."""
-    backend = TorchBackend(copy.deepcopy(base), max_adapters=adapters, max_rank=RANK)
+    backend = TorchBackend(copy.deepcopy(base), max_adapters=adapters, max_rank=RANK, images=kind.vision)
     engine = Engine(backend, coalesce=coalesce, start=False)
     models = [f"m{i}" for i in range(adapters)]
     rng = np.random.default_rng(0)
@@ -99,7 +146,7 @@ def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int
     def one_step() -> None:
         futures = []
         for model_id in models:
-            train = batch(rng, rows, seq, backend.vocab_size)
+            train = kind.train(rng, rows, seq, backend.vocab_size)
             futures.append(engine.submit(Command(model_id, seq_ids[model_id], Kind.FORWARD_BACKWARD,
                                                  f"{model_id}:{seq_ids[model_id]}", payload=train,
                                                  tokens=train.tokens)))
@@ -119,7 +166,7 @@ def engine_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int
     return measured["tok_s"]
 
 
-def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) -> float:
+def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int, kind: Rows = Rows()) -> float:
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=linear_targets(base), lora_dropout=0.0,
@@ -136,15 +183,16 @@ def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) 
         optimizers[name] = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
     model.train()
     rng = np.random.default_rng(0)
-    vocab = base.config.vocab_size
+    vocab = base.config.get_text_config().vocab_size
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
 
     def one_step() -> None:
         for name in names:
             model.set_adapter(name)
-            tokens = torch.as_tensor(rng.integers(0, vocab, (rows, seq)))
-            logits = model(input_ids=tokens, use_cache=False).logits
-            loss = loss_fn(logits.reshape(-1, vocab).float(), torch.roll(tokens, -1, dims=1).reshape(-1))
+            tokens, images = kind.tokens(rng, rows, seq, vocab)
+            logits = kind.logits(model, getattr(model.base_model.model, "model", None), tokens, images)
+            targets = torch.roll(torch.as_tensor(tokens), -1, dims=1).reshape(-1)
+            loss = loss_fn(logits.reshape(-1, vocab).float(), targets)
             loss.backward()
             optimizers[name].step()
             optimizers[name].zero_grad()
@@ -153,21 +201,20 @@ def peft_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) 
     return adapters * rows * seq / median_seconds(one_step, steps)
 
 
-def base_only_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int) -> float:
+def base_only_tok_s(base: nn.Module, adapters: int, rows: int, seq: int, steps: int, kind: Rows = Rows()) -> float:
     """The ceiling for any LoRA method on this base: forward + backward of the same tokens through the frozen base
     alone (gradients flowing back to the embeddings' output, as LoRA's need them), no adapter, no optimizer."""
     model = copy.deepcopy(base)
     rng = np.random.default_rng(0)
-    vocab = base.config.vocab_size
-    tokens = torch.as_tensor(rng.integers(0, vocab, (adapters * rows, seq)))
+    tokens, images = kind.tokens(rng, adapters * rows, seq, base.config.get_text_config().vocab_size)
 
     # The embeddings' output a leaf that wants its gradient (a hook: some families read the token ids in their layers).
     model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.detach().requires_grad_())
 
     def one_step() -> None:
-        logits = model(input_ids=tokens, use_cache=False).logits
-        nn.functional.cross_entropy(logits.flatten(0, 1).float(), torch.roll(tokens, -1, dims=1).flatten(),
-                                    reduction="sum").backward()
+        logits = kind.logits(model, getattr(model, "model", None), tokens, images)
+        nn.functional.cross_entropy(logits.flatten(0, 1).float(), torch.roll(torch.as_tensor(tokens), -1, dims=1)
+                                    .flatten(), reduction="sum").backward()
 
     one_step()
     return adapters * rows * seq / median_seconds(one_step, steps)
@@ -238,14 +285,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=7, help="timed steps per round (their median counts)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per variant (the best counts)")
+    parser.add_argument("--image-size", type=int, default=224,
+                        help="a vision-language model's rows each hold one image of this many pixels a side")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.model == "smollm2":
-        base = load_base_model(smollm2_directory())
+        directory = smollm2_directory()
     else:
-        with tempfile.TemporaryDirectory() as directory:
-            family = "tiny-llama" if args.model == "tiny" else args.model
-            base = load_base_model(build_tiny(Path(directory) / "tiny", family))
+        directory = build_tiny(Path(tempfile.mkdtemp()) / "tiny", "tiny-llama" if args.model == "tiny" else args.model)
+    base = load_base_model(directory)
+    kind = Rows(image_layout(directory), args.image_size)
     flops = gemm_gflops()
     weights = matmul_parameters(base)
     results = []
@@ -254,10 +303,11 @@ def main() -> None:
         # then hit all of them alike instead of whichever happened to run during one.
         coalesced = serial = peft = base_only = 0.0
         for _ in range(args.rounds):
-            coalesced = max(coalesced, engine_tok_s(base, adapters, args.rows, args.seq, args.steps, coalesce=True))
-            serial = max(serial, engine_tok_s(base, adapters, args.rows, args.seq, args.steps, coalesce=False))
-            peft = max(peft, peft_tok_s(base, adapters, args.rows, args.seq, args.steps))
-            base_only = max(base_only, base_only_tok_s(base, adapters, args.rows, args.seq, args.steps))
+            shape = (base, adapters, args.rows, args.seq, args.steps)
+            coalesced = max(coalesced, engine_tok_s(*shape, coalesce=True, kind=kind))
+            serial = max(serial, engine_tok_s(*shape, coalesce=False, kind=kind))
+            peft = max(peft, peft_tok_s(*shape, kind=kind))
+            base_only = max(base_only, base_only_tok_s(*shape, kind=kind))
         speedup, optim_ms = optim_fused(base, adapters) if adapters > 1 else (1.0, 0.0)
         results.append({
             "adapters": adapters,
@@ -278,6 +328,9 @@ def main() -> None:
                                          backend.optimizer.exp_avg_sq)) / 2**20
     line = {"bench": "coalesce", "model": args.model, "rows": args.rows, "seq": args.seq, "results": results,
             "gemm_gflops": round(flops, 1), "adapter_mb": round(per_adapter, 2)}
+    if kind.vision is not None:
+        line["image_px"], line["image_tokens"] = args.image_size, kind.vision.token_count(args.image_size,
+                                                                                          args.image_size)
     if fused_targets(base):
         line["experts_share"] = round(experts_share(base, max(int(n) for n in args.adapters.split(",")), args.rows,
                                                     args.seq, args.steps), 3)
