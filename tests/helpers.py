@@ -387,3 +387,33 @@ def weighted_datum(seed: int, length: int):
     tokens = rng.integers(0, 1000, length)
     return Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
                                                       "weights": rng.random(length).round(2).tolist()})
+
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen-VL's chat layout, written small: each image part where it goes, as vision start, one image pad, vision end.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}"
+    "{% if part.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_vl_with_tokenizer(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3-VL with a tokenizer: SmolLM2's with Qwen-VL's four vision tokens added (their ids in the
+    model's config) and a Qwen-VL-like chat template, saved as a model directory."""
+    from transformers import AutoTokenizer
+
+    from lilo.backend.families import TINY
+    from lilo.backend.models import build_tiny, smollm2_directory
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_directory())
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(VISION_TOKENS)))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = dict(TINY["tiny-qwen3-vl"].config["text_config"], vocab_size=len(tokenizer), eos_token_id=end)
+    build_tiny(directory, "tiny-qwen3-vl", seed=seed, text_config=text, eos_token_id=end,
+               vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    tokenizer.save_pretrained(directory)
+    return directory

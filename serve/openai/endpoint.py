@@ -9,6 +9,7 @@ pieces answered as JSON or streamed as server-sent events (serve.openai.stream).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Callable, Sequence, TypeVar
@@ -18,8 +19,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lilo.backend.registry import base_model_spec
 from lilo.backend.text import CONTEXT_TOKENS
+from lilo.backend.types import DatumImage
 from lilo.engine.contract import SampledSequence, TopK
 from serve.openai.errors import OPENAI_ERROR_RESPONSES, OpenAIRoute
+from serve.openai.images import with_images
 from serve.openai.keys import OPENAI_PREFIX
 from serve.openai.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, Asked, ChatCompletionBody, CompletionBody, chat_asked, chat_messages,
@@ -28,6 +31,7 @@ from serve.openai.params import (
 from serve.openai.sampling import Target, resolve_model, sample_for_openai
 from serve.openai.stream import Choice, Reply, Token, collected, cut_at_stops, sse, whole_generation
 from serve.tinker.actors import Actors
+from serve.tinker.images import layout_of
 from serve.tinker.sampling import SamplingRouter
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
@@ -71,12 +75,14 @@ class OpenAICompatible:
                                            for name in self._context_lengths]}
 
     async def chat(self, body: ChatCompletionBody, tenant: str) -> Response:
-        ask, messages = chat_asked(body), chat_messages(body)
+        ask, (messages, image_data) = chat_asked(body), chat_messages(body)
         target = await resolve_model(self._actors, self._router, body.model, self._context_lengths, tenant)
+        layout = await layout_of(target.base_model) if image_data else None
         prompt = await self._actors.trainer(target.trainer).render_chat.remote(messages)
+        prompt, images = with_images(prompt, image_data, layout)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model, True, ask.n,
                       ask.top_logprobs is not None)
-        return await self._answer(reply, target, prompt, ask, None)
+        return await self._answer(reply, target, prompt, ask, None, images)
 
     async def completions(self, body: CompletionBody, tenant: str) -> Response:
         ask, prompt = completion_asked(body), completion_prompt(body)
@@ -88,10 +94,11 @@ class OpenAICompatible:
         return await self._answer(reply, target, prompt, ask, COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     async def _answer(self, reply: Reply, target: Target, prompt: Sequence[int], ask: Asked,
-                      default_max_tokens: int | None) -> Response:
+                      default_max_tokens: int | None, images: tuple[DatumImage, ...] = ()) -> Response:
         request = sampling_request(prompt, ask, default_max_tokens=default_max_tokens, vocab_size=target.vocab_size,
                                    max_context_length=target.max_context_length,
                                    eos_token_ids=target.eos_token_ids, base_only=target.model_path is None)
+        request = dataclasses.replace(request, images=images)
         result = await sample_for_openai(self._actors, target.base_model, target.model_path, request,
                                          target.trainer)
         sequences = result["sequences"]

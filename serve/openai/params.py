@@ -16,6 +16,7 @@ from lilo.backend.types import SamplingRequest
 from lilo.errors import InvalidRequestError
 from lilo.protocol.sampling import MAX_NUM_SAMPLES, MAX_TOPK
 from serve.http.json_body import INT64_MAX, INT64_MIN
+from serve.openai.images import image_part
 
 MAX_MODEL_CHARS = 1024
 MAX_STOPS = 16
@@ -53,7 +54,7 @@ class SamplingBody(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str = Field(min_length=1, max_length=64)
-    content: str | list[dict[str, Any]] | None = Field(None, description="text, or a list of text parts")
+    content: str | list[dict[str, Any]] | None = Field(None, description="text, or a list of text and image_url parts")
 
 
 class ChatCompletionBody(SamplingBody):
@@ -137,18 +138,30 @@ def chat_asked(body: ChatCompletionBody) -> Asked:
                  (body.top_logprobs or 0) if body.logprobs else None)
 
 
-def chat_messages(body: ChatCompletionBody) -> list[dict[str, str]]:
-    """The messages as the chat template takes them: each role with its text (text parts joined)."""
-    messages = []
+def chat_messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages as the chat template takes them (each role with its text, text parts joined; a message with
+    images as parts, ``{"type": "image"}`` where each goes), and the images' bytes in order."""
+    messages: list[dict[str, Any]] = []
+    images: list[bytes] = []
     for number, message in enumerate(body.messages):
-        content = message.content
+        content: Any = message.content
         if isinstance(content, list):
-            if not all(part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
-                raise InvalidRequestError(f"messages[{number}] holds a content part that is not text; lilo's models "
-                                          'take text only: send {"type": "text", "text": "..."} parts or a string.')
-            content = "".join(part["text"] for part in content)
+            parts = []
+            for part in content:
+                image = image_part(number, part)
+                if image is not None:
+                    images.append(image)
+                    parts.append({"type": "image"})
+                elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    raise InvalidRequestError(f"messages[{number}] holds a content part that is neither text nor "
+                                              'an image: send {"type": "text", "text": "..."} or {"type": '
+                                              '"image_url", "image_url": {"url": "data:image/jpeg;base64,..."}}.')
+            has_image = any(part["type"] == "image" for part in parts)
+            content = parts if has_image else "".join(part["text"] for part in parts)
         messages.append({"role": message.role, "content": content or ""})
-    return messages
+    return messages, images
 
 
 def completion_asked(body: CompletionBody) -> Asked:

@@ -13,7 +13,7 @@ import tinker
 from PIL import Image
 from tinker import types
 
-from helpers import API_KEY, own_service
+from helpers import API_KEY, own_service, tiny_vl_with_tokenizer
 from lilo.backend.models import model_directory
 from lilo.backend.vision import image_layout
 
@@ -48,11 +48,25 @@ def image_datum(seed: int, expected_tokens: int | None = None, size: tuple[int, 
                                                                 "weights": weights.tolist()})
 
 
+CHAT_VL = "Qwen/Qwen3-VL-2B-Instruct"  # served from a tiny Qwen3-VL with a tokenizer and chat template
+
+
 @pytest.fixture(scope="module")
-def service():
-    with own_service("--num-cpus", "4", "--trainers", "1", "--base-model", VL, "--base-model", TEXT) as (url, _):
-        with tinker.ServiceClient(base_url=url, api_key=API_KEY) as client:
-            yield client
+def chat_vl_directory(tmp_path_factory):
+    return tiny_vl_with_tokenizer(tmp_path_factory.mktemp("chat-vl") / "model")
+
+
+@pytest.fixture(scope="module")
+def running(chat_vl_directory):
+    with own_service("--num-cpus", "5", "--trainers", "1", "--base-model", VL, "--base-model", TEXT,
+                     "--base-model", f"{CHAT_VL}={chat_vl_directory}") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def service(running):
+    with tinker.ServiceClient(base_url=running, api_key=API_KEY) as client:
+        yield client
 
 
 def test_image_rows_of_two_adapters_train_and_score(service):
@@ -138,3 +152,30 @@ def test_prompts_with_images_sample_and_score_as_training_does(service):
     # Finite at the image's positions too (the cookbook's NLL evaluator sums them, weighted 0), and what training
     # gives them.
     np.testing.assert_allclose(prompt_logprobs[1:], scored(training, prompt, [])[:length - 1], atol=1e-4)
+
+
+def test_the_openai_chat_takes_an_image_as_a_data_url(running, chat_vl_directory):
+    import base64
+
+    import openai
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{running}/oai/api/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
+    url = "data:image/jpeg;base64," + base64.b64encode(jpeg(70, 100, 5)).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    reply = client.chat.completions.create(model=CHAT_VL, messages=messages, max_tokens=4, temperature=0.0)
+    assert reply.choices[0].message.content is not None and reply.usage.completion_tokens <= 4
+    # The prompt is the chat template's, its one image pad as many as the image is tokens.
+    tokenizer = AutoTokenizer.from_pretrained(chat_vl_directory)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"}, {"type": "image"}]}], add_generation_prompt=True,
+        tokenize=False)
+    rendered = tokenizer(text, add_special_tokens=False)["input_ids"]
+    count = image_layout(chat_vl_directory).token_count(70, 100)
+    assert reply.usage.prompt_tokens == len(rendered) - 1 + count
+    # Greedy is greedy: the same image gives the same answer; another image is another prompt.
+    again = client.chat.completions.create(model=CHAT_VL, messages=messages, max_tokens=4, temperature=0.0)
+    assert again.choices[0].message.content == reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="takes no images"):
+        client.chat.completions.create(model=TEXT, messages=messages, max_tokens=4)

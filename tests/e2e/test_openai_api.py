@@ -17,6 +17,9 @@ from helpers import unload_models
 
 TIMEOUT_S = 120
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+# A 1 x 1 PNG, as a data URL.
+PNG_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/"
+           "pLvAAAAAElFTkSuQmCC")
 PROMPT = "The sea is"
 
 
@@ -208,8 +211,12 @@ def test_an_unknown_model_is_a_not_found_error_that_names_the_served_ones(client
     ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
     ({"max_tokens": 100_000}, "does not fit"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "take text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a/b.png"}}]}]},
+     "https URL; lilo reads images from data: URLs only"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URL}}]}]},
+     "takes no images"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "neither text nor an image"),
 ])
 def test_bad_parameters_are_bad_request_errors_that_say_what_to_change(client, chat_model, params, words):
     request = {"model": chat_model, "messages": MESSAGES, **params}
