@@ -22,7 +22,8 @@ from test_cookbook import assert_final_checkpoint_saved, failure_report, metrics
 
 NAME = "Qwen/Qwen3.5-9B-Base"
 THINKING_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "preprocessor_config.json")  # the last: a vision-language model's image processor
 
 
 def tiny_qwen35(directory: Path) -> Path:
