@@ -51,6 +51,8 @@ def vllm_unsupported(request: SamplingRequest, max_model_len: int | None = None)
     """None when vLLM answers ``request`` as the torch sampler would (same meaning: the same greedy tokens, logprobs
     under the same distribution, the same stops); else a short reason to log as the request goes to the torch
     sampler. ``max_model_len``: the engine's context, when known."""
+    if request.images:
+        return "images (lilo hands vLLM token prompts only; the torch sampler runs the vision tower)"
     if request.target_prompt_logprobs is not None:
         return "target_prompt_logprobs"
     if request.prompt_alt_tokens_k:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from lilo.backend.types import PromptTargets, SamplingRequest
+from lilo.backend.types import DatumImage
 from lilo.backend.vllm_sampler import peft_rank, sample_seed, sampling_params_of, vllm_unsupported
 from lilo.errors import InvalidRequestError
 
@@ -32,6 +33,7 @@ PLAIN = SamplingRequest(prompt=[1, 2, 3], max_tokens=8)
     ({"top_p": 0.9, "temperature": 0.7}, "top_k/top_p"),
     ({"stop": [[2], [7, 8]]}, "several tokens"),
     ({"topk_sample_logprobs": 21}, "more than 20"),
+    ({"images": (DatumImage(b"\xff\xd8\xff", "jpeg", 0, 4),)}, "images"),
 ])
 def test_what_vllm_answers_as_the_torch_sampler_would(changes, reason):
     got = vllm_unsupported(dataclasses.replace(PLAIN, **changes))
