@@ -127,15 +127,39 @@ class ImageLayout:
 def image_layout(directory: Path) -> ImageLayout | None:
     """The image layout of the model in ``directory``, or None where it takes no images (no vision tower in its
     config, or no image processor beside it)."""
-    config = json.loads((directory / "config.json").read_text())
     processor_file = directory / "preprocessor_config.json"
-    if "vision_config" not in config or "image_token_id" not in config or not processor_file.exists():
+    return _layout(json.loads((directory / "config.json").read_text()),
+                   json.loads(processor_file.read_text()) if processor_file.exists() else None, str(directory))
+
+
+def image_layout_of(base_model: str) -> ImageLayout | None:
+    """The image layout of a served base model, read without torch or transformers (the API's replicas load
+    neither): from its directory, from the definition of a tiny one, or from the Hugging Face cache for a hub id;
+    None where it takes no images or its files are nowhere here."""
+    from lilo.backend.families import TINY
+    from lilo.backend.registry import TINY_PREFIX, local_directory_of
+
+    directory = local_directory_of(base_model)
+    if directory is not None:
+        return image_layout(directory)
+    tiny = TINY.get(base_model.removeprefix(TINY_PREFIX))
+    if base_model.startswith(TINY_PREFIX) and tiny is not None:
+        return _layout(dict(tiny.config), tiny.image_processor, "")
+    from huggingface_hub import try_to_load_from_cache
+
+    files = [try_to_load_from_cache(base_model, name) for name in ("config.json", "preprocessor_config.json")]
+    if not all(isinstance(path, str) for path in files):
         return None
-    processor = json.loads(processor_file.read_text())
+    return image_layout(Path(files[0]).parent)
+
+
+def _layout(config: dict[str, Any], processor: dict[str, Any] | None, directory: str) -> ImageLayout | None:
+    if "vision_config" not in config or "image_token_id" not in config or processor is None:
+        return None
     size = processor.get("size") or {}
     return ImageLayout(int(config["image_token_id"]), int(processor["patch_size"]), int(processor["merge_size"]),
                        int(size.get("shortest_edge", processor.get("min_pixels", 0))),
-                       int(size.get("longest_edge", processor.get("max_pixels", 0))), str(directory))
+                       int(size.get("longest_edge", processor.get("max_pixels", 0))), directory)
 
 
 @functools.lru_cache(maxsize=8)

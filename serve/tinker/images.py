@@ -12,20 +12,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from lilo.backend.types import DatumImage, TrainInput
-from lilo.backend.vision import ImageLayout, image_layout
+from lilo.backend.vision import ImageLayout, image_layout_of
 from lilo.errors import InvalidRequestError
 
 
-@functools.lru_cache(maxsize=16)
-def _layout(base_model: str) -> ImageLayout | None:
-    from lilo.backend.models import model_directory
-
-    return image_layout(model_directory(base_model))
+_layout = functools.lru_cache(maxsize=16)(image_layout_of)
 
 
 async def layout_of(base_model: str) -> ImageLayout:
-    """The image layout of ``base_model`` (read once from its directory, off the event loop); a 400 where it takes
-    no images."""
+    """The image layout of ``base_model`` (read once, off the event loop); a 400 where it takes no images."""
     layout = await asyncio.to_thread(_layout, base_model)
     if layout is None:
         raise InvalidRequestError(f"Base model {base_model!r} takes no images (it has no vision tower); send text "

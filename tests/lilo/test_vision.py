@@ -2,6 +2,7 @@
 image that is not a whole PNG or JPEG within the limits, or whose expected_tokens disagree, is refused saying what
 to change."""
 
+import dataclasses
 import io
 import struct
 import zlib
@@ -13,7 +14,7 @@ from PIL import Image
 from lilo.backend.families import TINY
 from lilo.backend.models import build_tiny
 from lilo.backend.types import DatumImage
-from lilo.backend.vision import MAX_IMAGE_BYTES, PENDING, checked_image, image_layout
+from lilo.backend.vision import MAX_IMAGE_BYTES, PENDING, checked_image, image_layout, image_layout_of
 from lilo.errors import InvalidRequestError
 
 
@@ -94,3 +95,18 @@ def test_the_wire_takes_image_chunks_with_their_counts_and_refuses_audio():
         decode_forward_backward(request(text, pb.Chunk(image=pb.ImageChunk(data=encoded(8, 8), format="jpeg"))))
     with pytest.raises(InvalidRequestError, match=r"chunk 0: dmel \(audio\) chunks are not supported"):
         decode_forward_backward(request(pb.Chunk(dmel=pb.DmelChunk())))
+
+
+def test_the_ingress_reads_a_base_models_image_layout_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    directory = build_tiny(tmp_path / "vl", "tiny-qwen2.5-vl")
+    script = ("import sys\nfrom lilo.backend.vision import image_layout_of\n"
+              f"print(image_layout_of('lilo/tiny-qwen3-vl').patch_size, image_layout_of({str(directory)!r}).patch_size,"
+              " image_layout_of('lilo/tiny-llama'))\n"
+              "print('torch' in sys.modules or 'transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["16", "14", "None", "False"]
+    assert image_layout_of("lilo/tiny-qwen3-vl") == dataclasses.replace(
+        image_layout(build_tiny(tmp_path / "v3", "tiny-qwen3-vl")), directory="")
