@@ -77,6 +77,19 @@ _QWEN3_5 = dict(_SHAPE, num_hidden_layers=4, intermediate_size=256, num_key_valu
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
                 linear_conv_kernel_dim=4)
 
+# Qwen-VL's image processors: a token per 2 x 2 patches, at most 64 tokens an image here so tiny images stay tiny.
+def _qwen_vl_images(patch: int) -> dict[str, Any]:
+    side = patch * 2
+    return dict(patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=side * side * 4,
+                max_pixels=side * side * 64, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+_VL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=2048, bos_token_id=1,
+                eos_token_id=2)
+# The four vision tokens at the top of the tiny vocabulary (a test's tokenizer adds them there).
+_VL_TOKENS = dict(vision_start_token_id=996, vision_end_token_id=997, image_token_id=998, video_token_id=999)
+
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", ("llama", "olmo3"), GQA, GATED_MLP, tiny=(
         Tiny("tiny-llama", "Llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -124,7 +137,18 @@ FAMILIES: tuple[Family, ...] = (
                  Tiny("tiny-qwen3.5-moe", "Qwen3_5Moe",
                       dict(_QWEN3_5, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
                            num_experts_per_tok=2),
-                      "qwen3_5_moe_text", "Qwen3.5-MoE (hybrid attention; 8 experts, 2 a token, a shared one)"))),
+                      "qwen3_5_moe_text", "Qwen3.5-MoE (hybrid attention; 8 experts, 2 a token, a shared one)"),
+                 Tiny("tiny-qwen3.5-vl", "Qwen3_5",
+                      dict(text_config=dict(_QWEN3_5, rope_parameters={
+                          "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+                           vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=128, patch_size=16, spatial_merge_size=2,
+                                              temporal_patch_size=2, num_position_embeddings=64),
+                           **_VL_TOKENS),
+                      "qwen3_5", "Qwen3.5 as the hub ships it: a vision tower beside the hybrid language model",
+                      head="ForConditionalGeneration", image_processor=_qwen_vl_images(16))),
+           images=True),
     # A Mamba-2 mixer's in_proj (x, z, B, C and dt in one) is its sequence mixing, as attention's projections are;
     # its experts are plain (up, then down: no gate).
     Family("Nemotron-H", ("nemotron_h",), GQA + ("in_proj",), ("up_proj", "down_proj"),
@@ -187,19 +211,6 @@ FAMILIES: tuple[Family, ...] = (
            left_padding=False),
 )
 
-
-# Qwen-VL's image processors: a token per 2 x 2 patches, at most 64 tokens an image here so tiny images stay tiny.
-def _qwen_vl_images(patch: int) -> dict[str, Any]:
-    side = patch * 2
-    return dict(patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=side * side * 4,
-                max_pixels=side * side * 64, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-
-
-_VL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=2048, bos_token_id=1,
-                eos_token_id=2)
-# The four vision tokens at the top of the tiny vocabulary (a test's tokenizer adds them there).
-_VL_TOKENS = dict(vision_start_token_id=996, vision_end_token_id=997, image_token_id=998, video_token_id=999)
 
 VISION_FAMILIES: tuple[Family, ...] = (
     Family("Qwen3-VL", ("qwen3_vl", "qwen3_vl_text"), GQA, GATED_MLP, images=True, tiny=(

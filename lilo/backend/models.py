@@ -85,7 +85,7 @@ def load_base_model(source: str | Path, device: torch.device | str = "cpu",
     device = torch.device(device)
     dtype = dtype or compute_dtype(device)
     config = AutoConfig.from_pretrained(str(source))
-    if family_of(config.model_type).images:
+    if family_of(config.model_type).images and hasattr(config, "vision_config"):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(str(source), dtype=dtype)

@@ -25,7 +25,7 @@ def encoded(width: int, height: int, format: str = "jpeg", seed: int = 0) -> byt
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl"])
 def layout(request, tmp_path_factory):
     return image_layout(build_tiny(tmp_path_factory.mktemp(request.param), request.param))
 

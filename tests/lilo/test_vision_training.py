@@ -21,7 +21,7 @@ SPECS = {"r2": LoraSpec(rank=2, seed=1), "r8": LoraSpec(rank=8, seed=2, train_un
          "attn": LoraSpec(rank=4, seed=3, train_mlp=False)}
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl"])
 def directory(request, tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp(request.param), request.param)
 
