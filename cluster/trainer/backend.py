@@ -35,6 +35,10 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
         from cluster.gpu_groups import assigned_gpu_ids, own_gpu_index
 
         device = torch.device("cuda", own_gpu_index(assigned_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+    images = image_layout(directory)
+    if group is not None and images is not None:
+        raise ValueError(f"{base_model} takes images, and a trainer sharded over several ranks does not run a vision "
+                         "tower yet; serve it with one rank a trainer (--trainer-ranks 1).")
     sharded = None
     if group is None:
         model = load_base_model(directory, device)
@@ -51,7 +55,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
                            host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
                            disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),
                            page_dir=page_dir, sharded=sharded, optimizer=not follower,
-                           images=image_layout(directory))
+                           images=images)
     # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
     free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
     backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(
