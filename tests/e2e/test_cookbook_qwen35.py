@@ -9,8 +9,10 @@ tokens added (the renderer needs ``</think>`` to be one token)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -55,12 +57,20 @@ def hub_cache_with(cache: Path, name: str, directory: Path) -> Path:
     return cache
 
 
+@contextlib.contextmanager
+def served_under_hub_name(tmp_path_factory, name: str, directory: Path) -> Iterator[tuple[str, Path]]:
+    """A service serving ``directory`` as the hub's ``name``, and a Hugging Face cache holding its files under that
+    name: (the API's URL, the cache's home)."""
+    cache = hub_cache_with(tmp_path_factory.mktemp("hf-home"), name, directory)
+    with own_service("--num-cpus", "3", "--trainers", "1", "--base-model", f"{name}={directory}") as (url, _):
+        yield url, cache
+
+
 @pytest.fixture(scope="module")
 def qwen35_service(tmp_path_factory):
     directory = tiny_qwen35(tmp_path_factory.mktemp("qwen35") / "model")
-    cache = hub_cache_with(tmp_path_factory.mktemp("hf-home"), NAME, directory)
-    with own_service("--num-cpus", "3", "--trainers", "1", "--base-model", f"{NAME}={directory}") as (url, _):
-        yield url, cache
+    with served_under_hub_name(tmp_path_factory, NAME, directory) as served:
+        yield served
 
 
 def test_the_service_lists_and_trains_the_name_the_cookbook_asks_for(qwen35_service):

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import own_service, tiny_vl_with_tokenizer
+from helpers import tiny_vl_with_tokenizer
 from test_cookbook import RECIPE_TIMEOUT_S, assert_final_checkpoint_saved, failure_report, metrics_rows, \
     recipe_environment
-from test_cookbook_qwen35 import hub_cache_with
+from test_cookbook_qwen35 import served_under_hub_name
 
 NAME = "Qwen/Qwen3-VL-30B-A3B-Instruct"
 CLASSES = {"red square": (200, 30, 30), "blue circle": (30, 30, 200)}
@@ -45,9 +45,8 @@ def image_folder(root: Path, per_class: int = 4) -> Path:
 @pytest.fixture(scope="module")
 def vlm_service(tmp_path_factory):
     directory = tiny_vl_with_tokenizer(tmp_path_factory.mktemp("vl") / "model")
-    cache = hub_cache_with(tmp_path_factory.mktemp("hf-home"), NAME, directory)
-    with own_service("--num-cpus", "3", "--trainers", "1", "--base-model", f"{NAME}={directory}") as (url, _):
-        yield url, cache
+    with served_under_hub_name(tmp_path_factory, NAME, directory) as served:
+        yield served
 
 
 def test_the_vlm_classifier_recipe_trains_and_evaluates_on_images(vlm_service, tmp_path):
