@@ -1,0 +1,57 @@
+"""The share of a training pass's computed tokens that are real, as the trainer lays a pass out today: rows
+right-padded to the longest of their micro-batch, micro-batches filled in arrival order up to the pass budget
+(``lilo.backend.torch_backend._micro_batches``). The pass is RL-shaped: ``--clients`` clients' steps coalesced,
+``--rows`` rows each, a prompt of ``--prompt`` tokens and a completion drawn log-normal (median ``--median``,
+capped at ``--cap``), ``--draws`` passes per budget. No model runs: this is the layout's arithmetic, the baseline
+that packing (one unpadded token stream per micro-batch) is measured against. Prints one JSON line:
+{"bench": "padding", "budgets": [{"budget": .., "real_share": .., "real_share_min": ..}, ...], ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from lilo.backend.sharding.plans import TrainRow
+from lilo.backend.torch_backend import _micro_batches, _padded_size
+from lilo.backend.types import Datum
+
+
+def rl_pass(rng: np.random.Generator, clients: int, rows: int, prompt: int, median: int, cap: int) -> list[TrainRow]:
+    """One coalesced pass: each client's rows in turn, as its step arrived."""
+    lengths = prompt + np.minimum(rng.lognormal(np.log(median), 0.8, clients * rows).astype(int) + 1, cap)
+    return [TrainRow(0, n // rows, Datum(tokens=np.zeros(length, dtype=np.int32), loss_inputs={}), "cross_entropy",
+                     {}) for n, length in enumerate(lengths)]
+
+
+def real_share(rows: list[TrainRow], budget: int) -> float:
+    real = sum(len(row.datum.tokens) for row in rows)
+    return real / sum(_padded_size(batch) for batch in _micro_batches(rows, budget))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=150)
+    parser.add_argument("--median", type=int, default=600)
+    parser.add_argument("--cap", type=int, default=4096)
+    parser.add_argument("--draws", type=int, default=20)
+    parser.add_argument("--budgets", default="8192,16384,65536")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    passes = [rl_pass(rng, args.clients, args.rows, args.prompt, args.median, args.cap) for _ in range(args.draws)]
+    budgets = []
+    for budget in (int(b) for b in args.budgets.split(",")):
+        shares = [real_share(rows, budget) for rows in passes]
+        budgets.append({"budget": budget, "real_share": round(float(np.mean(shares)), 3),
+                        "real_share_min": round(float(np.min(shares)), 3)})
+    print(json.dumps({"bench": "padding", "layout": "padded, arrival order", "clients": args.clients,
+                      "rows": args.rows, "prompt": args.prompt, "median": args.median, "cap": args.cap,
+                      "draws": args.draws, "budgets": budgets}))
+
+
+if __name__ == "__main__":
+    main()
