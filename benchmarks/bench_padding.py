@@ -1,9 +1,10 @@
 """The share of a training pass's computed tokens that are real, as the trainer lays a pass out today: rows
-right-padded to the longest of their micro-batch, micro-batches filled in arrival order up to the pass budget
-(``lilo.backend.torch_backend._micro_batches``). The pass is RL-shaped: ``--clients`` clients' steps coalesced,
-``--rows`` rows each, a prompt of ``--prompt`` tokens and a completion drawn log-normal (median ``--median``,
-capped at ``--cap``), ``--draws`` passes per budget. No model runs: this is the layout's arithmetic, the baseline
-that packing (one unpadded token stream per micro-batch) is measured against. Prints one JSON line:
+right-padded to the longest of their micro-batch, micro-batches filled longest rows first up to the pass budget
+(``lilo.backend.torch_backend._micro_batches``; until 2026-12-06 in arrival order). The pass is RL-shaped:
+``--clients`` clients' steps coalesced, ``--rows`` rows each, a prompt of ``--prompt`` tokens and a completion
+drawn log-normal (median ``--median``, capped at ``--cap``), ``--draws`` passes per budget. No model runs: this is
+the layout's arithmetic, the baseline that packing (one unpadded token stream per micro-batch) is measured against.
+Prints one JSON line:
 {"bench": "padding", "budgets": [{"budget": .., "real_share": .., "real_share_min": ..}, ...], ...}
 """
 
@@ -48,7 +49,7 @@ def main() -> None:
         shares = [real_share(rows, budget) for rows in passes]
         budgets.append({"budget": budget, "real_share": round(float(np.mean(shares)), 3),
                         "real_share_min": round(float(np.min(shares)), 3)})
-    print(json.dumps({"bench": "padding", "layout": "padded, arrival order", "clients": args.clients,
+    print(json.dumps({"bench": "padding", "layout": "padded, grouped by length", "clients": args.clients,
                       "rows": args.rows, "prompt": args.prompt, "median": args.median, "cap": args.cap,
                       "draws": args.draws, "budgets": budgets}))
 
