@@ -209,10 +209,6 @@ FAMILIES: tuple[Family, ...] = (
                                      "a shared one)"),),
            # Its compressors pool blocks of a row's tokens by their place in the row, pads included.
            left_padding=False),
-)
-
-
-VISION_FAMILIES: tuple[Family, ...] = (
     Family("Qwen3-VL", ("qwen3_vl", "qwen3_vl_text"), GQA, GATED_MLP, images=True, tiny=(
         Tiny("tiny-qwen3-vl", "Qwen3VL",
              dict(text_config=dict(_VL_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -234,7 +230,6 @@ VISION_FAMILIES: tuple[Family, ...] = (
              "qwen2_5_vl", "Qwen2.5-VL (a windowed vision tower with gated MLPs; 3-D rotary positions)",
              head="ForConditionalGeneration", image_processor=_qwen_vl_images(14)),)),
 )
-FAMILIES += VISION_FAMILIES
 
 
 def _union(field: str) -> tuple[str, ...]:

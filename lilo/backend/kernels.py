@@ -22,8 +22,9 @@ def kernel_report(family: Family, device_type: str) -> str | None:
     or None for a family with none."""
     if not family.kernels:
         return None
-    present = [package for module, package in family.kernels.items() if installed(module)]
-    missing = [package for module, package in family.kernels.items() if not installed(module)]
+    found = {package: installed(module) for module, package in family.kernels.items()}
+    present = [package for package, here in found.items() if here]
+    missing = [package for package, here in found.items() if not here]
     parts = [f"fast kernels from {', '.join(present)}"] if present else []
     if missing:
         advice = f"; pip install {' '.join(missing)} for its kernels" if device_type == "cuda" else ""

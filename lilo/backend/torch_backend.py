@@ -441,7 +441,7 @@ class TorchBackend:
         """The last hidden states of a pass whose rows hold ``images`` (in row order): through the multimodal model,
         the image features (the frozen vision tower's, no gradient) in place of their tokens' embeddings, positions
         from the model's own multimodal rotary index."""
-        if self.images is None or self.multimodal is None:
+        if self.multimodal is None:  # it has no image layout
             raise InvalidRequestError(f"Base model {self.base_model_name!r} takes no images; send text only.")
         inputs = multimodal_inputs(self.multimodal, self.images, input_ids, attention_mask, images)
         return self.multimodal(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state

@@ -101,11 +101,16 @@ def write_peft(state: AdapterState, directory: Path, base_model: str) -> Path:
     return directory
 
 
+# A module path's part up to and past its decoder layer's index (``model.language_model.layers.3.``); group 1: the
+# layers' own path.
+LAYER_PREFIX = re.compile(r"^(.*?\blayers\.)\d+\.")
+
+
 def _nested_targets(adapters: dict[str, torch.Tensor], targets: list[str]) -> str | None:
     """For a language model nested in a larger one (a vision-language model's ``model.language_model.layers``),
     ``target_modules`` as the regular expression peft takes, anchored at its layers: a vision tower's projections
     of the same names (Qwen2.5-VL's ``mlp.gate_proj``) stay bare. None for a plain causal LM's ``model.layers``."""
-    prefixes = {match.group(1) for key in adapters if (match := re.match(r"^(.*?\blayers\.)\d+\.", key))}
+    prefixes = {match.group(1) for key in adapters if (match := LAYER_PREFIX.match(key))}
     if prefixes <= {"model.layers."}:
         return None
     in_layer = [re.escape(target) for target in targets if target != UNEMBED]
@@ -115,7 +120,7 @@ def _nested_targets(adapters: dict[str, torch.Tensor], targets: list[str]) -> st
 
 def _in_layer(path: str) -> str:
     """A module's path within its decoder layer (``self_attn.q_proj``), or the whole path outside the layers."""
-    return re.sub(r"^.*?\blayers\.\d+\.", "", path)
+    return LAYER_PREFIX.sub("", path, count=1)
 
 
 def _expert_parameters(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[str, int]]:
