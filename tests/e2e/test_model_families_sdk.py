@@ -100,7 +100,8 @@ def test_the_cli_download_of_an_adapter_loads_in_peft_with_the_services_logprobs
     client, service = families_service
     training = trained(client, family)
     saved = training.save_state("moe-download").result(timeout=TIMEOUT_S).path
-    directory = Path(cli_json(service, "checkpoint", "download", saved, "--output", str(tmp_path))["destination"])
+    downloaded = cli_json(service, "checkpoint", "download", saved, "--output", str(tmp_path), "--force")
+    directory = Path(downloaded["destination"])
     adapted = PeftModel.from_pretrained(load_base_model(model_directory(family)), str(directory))
     tokens = np.random.default_rng(11).integers(3, 1000, 12).tolist()
     with torch.no_grad():

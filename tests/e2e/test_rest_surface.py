@@ -79,7 +79,7 @@ def test_cli_download_of_a_saved_state_is_a_peft_directory_with_the_services_log
 
     training = trained(service, base_model=str(TINY_DIRECTORY))
     saved = training.save_state("for-download").result(timeout=TIMEOUT_S).path
-    downloaded = cli_json(local_cluster, "checkpoint", "download", saved, "--output", str(tmp_path))
+    downloaded = cli_json(local_cluster, "checkpoint", "download", saved, "--output", str(tmp_path), "--force")
     directory = Path(downloaded["destination"])
     assert directory == tmp_path / saved.replace("tinker://", "").replace("/", "_")
     assert sorted(path.name for path in directory.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
