@@ -49,6 +49,9 @@ class Family:
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # Whether it takes images: loaded whole (vision tower and language model), adapters on the language model only.
     images: bool = False
+    # Whether its training passes run packed (lilo.backend.training.packing): every layer mixes tokens only through
+    # causal (or sliding-window) attention over plain positions. Off, they run padded.
+    packs: bool = False
 
 
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
@@ -91,7 +94,7 @@ _VL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_
 _VL_TOKENS = dict(vision_start_token_id=996, vision_end_token_id=997, image_token_id=998, video_token_id=999)
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Llama", ("llama", "olmo3"), GQA, GATED_MLP, tiny=(
+    Family("Llama", ("llama", "olmo3"), GQA, GATED_MLP, packs=True, tiny=(
         Tiny("tiny-llama", "Llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=1000,
                                          max_position_embeddings=512), "llama", "Llama"),
@@ -99,10 +102,10 @@ FAMILIES: tuple[Family, ...] = (
                                          eos_token_id=1, bos_token_id=2), "olmo3",
              "OLMo 3 (Llama's projections; sliding-window layers, norms after each block)"),
     )),
-    Family("Qwen3", ("qwen3",), GQA, GATED_MLP, tiny=(
+    Family("Qwen3", ("qwen3",), GQA, GATED_MLP, packs=True, tiny=(
         Tiny("tiny-qwen3", "Qwen3", dict(_SHAPE, intermediate_size=256, num_key_value_heads=2, head_dim=32),
              "qwen3", "Qwen3 (dense)"),)),
-    Family("Qwen3-MoE", ("qwen3_moe",), GQA, EXPERTS, ROUTER, tiny=(
+    Family("Qwen3-MoE", ("qwen3_moe",), GQA, EXPERTS, ROUTER, packs=True, tiny=(
         Tiny("tiny-qwen3-moe", "Qwen3Moe", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
                                                 num_key_value_heads=2, head_dim=32, num_experts=8,
                                                 num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
@@ -113,7 +116,7 @@ FAMILIES: tuple[Family, ...] = (
              "gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),)),
     # Kimi K2, K2.5 and K2.6's language model is this architecture (model_type deepseek_v3); a K2.5 / K2.6 checkpoint
     # (kimi_k25, vision-language) loads as it (lilo.backend.models.language_model_of).
-    Family("DeepSeek-V3", ("deepseek_v3", "glm4_moe"), MLA + GQA, GATED_MLP + EXPERTS, ROUTER, tiny=(
+    Family("DeepSeek-V3", ("deepseek_v3", "glm4_moe"), MLA + GQA, GATED_MLP + EXPERTS, ROUTER, packs=True, tiny=(
         Tiny("tiny-deepseek-v3", "DeepseekV3", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
                                                     num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
                                                     n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,

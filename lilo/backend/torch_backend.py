@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lilo.backend import sampling
-from lilo.backend.training import batch_tokens, losses, token_logprobs
+from lilo.backend.training import batch_tokens, losses, packing, token_logprobs
 from lilo.backend.checkpoints.paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
 from lilo.backend.checkpoints.state import AdapterState, read_peft, read_state, write_peft, write_state
 from lilo.backend.training.loss_inputs import check_train_input
@@ -65,7 +65,7 @@ class TorchBackend:
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  decode: sampling.Decode | None = None, host_adapter_bytes: int = 0, disk_adapter_bytes: int = 0,
                  page_dir: Path | None = None, sharded: ShardedBase | None = None, optimizer: bool = True,
-                 images: ImageLayout | None = None) -> None:
+                 images: ImageLayout | None = None, pack: bool = True) -> None:
         self.model = model.eval()
         self.decoder = model.get_decoder()
         # A vision-language model's image layout, and its multimodal model (vision tower and language model), which
@@ -83,6 +83,9 @@ class TorchBackend:
         self.max_adapters = max_adapters
         self.bank = LoraBank(self.model, max_adapters + sampler_slots, max_rank)
         self.layers = self.bank.layers
+        # Whether training passes run packed (lilo.backend.training.packing): where the family's layers allow it and
+        # ``pack`` asks for it (off: padded, as a reference for tests and benchmarks).
+        self.packs = pack and self.bank.family.packs and images is None
         # Projections of the model no adapter reaches, per target: an adapter asking to train them is refused.
         self.uncovered = self.bank.uncovered(self.model)
         self.projections = self.bank.projections(self.model)
@@ -357,18 +360,18 @@ class TorchBackend:
         outputs: list[list[dict]] = [[] for _ in valid]
         sums = [0.0] * len(valid)
         chunk: Sequence[TrainRow] = ()
-        # A sharded trainer's micro-batch is split over its ranks, each taking up to the budget.
-        batches = _micro_batches(rows, self.max_batch_tokens * self.ranks)
+        passes = self._passes(rows)
         try:
             if self.peers is not None:
-                row_results = self._rows_on_group(batches, forward_only)
+                row_results = self._rows_on_group(passes, forward_only)
             else:
                 row_results = []
-                for chunk in batches:
+                for (chunk,) in passes:
                     row_results += self._rows_pass(chunk, forward_only, self._recomputes(chunk, forward_only))
-            # Results come back in the batches' order; each request's outputs go back in its datums' order.
-            by_row = {id(row): result for row, result in zip((row for batch in batches for row in batch),
-                                                             row_results, strict=True)}
+            # Results come back in the passes' order (rank by rank); each request's outputs go back in its datums'
+            # order.
+            ordered = (row for parts in passes for part in parts for row in part)
+            by_row = {id(row): result for row, result in zip(ordered, row_results, strict=True)}
             for row in rows:
                 logprobs, elementwise, loss = by_row[id(row)]
                 outputs[row.request].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
@@ -382,13 +385,13 @@ class TorchBackend:
                     self.bank.grads[slot].copy_(pending[slot])
                 elif slot not in self._grad_slots:
                     self.bank.grads[slot].zero_()
-            padded = _padded_size(chunk)
+            computed = self._pass_tokens(chunk)
             for i, command, _, _ in valid:
                 results[i] = TooLargeError(
                     f"{command.kind} request {command.request_id} of model {command.model_id} ran out of this "
-                    f"trainer's memory in a pass of {len(chunk)} sequence(s), {padded} padded tokens, and did not take "
-                    f"effect ({str(error).splitlines()[0][:200]}). Send fewer or shorter datums per request, or start "
-                    "lilo with a smaller --max-batch-tokens (or a larger --trainer-memory-gb).")
+                    f"trainer's memory in a pass of {len(chunk)} sequence(s), {computed} computed tokens, and did not "
+                    f"take effect ({str(error).splitlines()[0][:200]}). Send fewer or shorter datums per request, or "
+                    "start lilo with a smaller --max-batch-tokens (or a larger --trainer-memory-gb).")
             return results
         if not forward_only:
             self._grad_slots.update(slots)
@@ -396,9 +399,26 @@ class TorchBackend:
             results[i] = {"loss_fn_outputs": outputs[n], "metrics": {"loss:sum": sums[n]}}
         return results
 
+    def _passes(self, rows: Sequence[TrainRow]) -> list[list[list[TrainRow]]]:
+        """The passes ``rows`` take, each as one part per rank, every part within the budget (but a lone longer
+        row). Packed: parts filled by real tokens (``packing.packed_bins``); padded: micro-batches of rows of like
+        lengths (``_micro_batches``), a sharded trainer's split over its ranks."""
+        if not self.packs:
+            return [_split(batch, self.ranks) for batch in _micro_batches(rows, self.max_batch_tokens * self.ranks)]
+        bins = [[rows[i] for i in indices] for indices in
+                packing.packed_bins([len(row.datum.tokens) for row in rows], self.max_batch_tokens)]
+        # Each part's rows by slot, so each adapter's tokens run as one stretch of the stream.
+        parts = [sorted(part, key=lambda row: row.slot) for part in bins]
+        parts += [[]] * (-len(parts) % self.ranks)
+        return [parts[i:i + self.ranks] for i in range(0, len(parts), self.ranks)]
+
+    def _pass_tokens(self, rows: Sequence[TrainRow]) -> int:
+        """The tokens a pass of ``rows`` computes: theirs packed, rows x longest padded."""
+        return sum(len(row.datum.tokens) for row in rows) if self.packs else _padded_size(rows)
+
     def _recomputes(self, rows: Sequence[TrainRow], forward_only: bool) -> bool:
         """Whether a pass of ``rows`` recomputes its layers in the backward: a lone row longer than the budget."""
-        return not forward_only and _padded_size(rows) > self.max_batch_tokens
+        return not forward_only and self._pass_tokens(rows) > self.max_batch_tokens
 
     def _rows_pass(self, rows: Sequence[TrainRow], forward_only: bool,
                    recompute: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -407,25 +427,17 @@ class TorchBackend:
         log-probabilities' slices (and with ``recompute`` every decoder layer). On a sharded base a rank with no
         rows runs an idle one, as it must take part in the pass's collectives."""
         batch = list(rows) or [_IDLE_ROW]
-        input_ids, mask = (t.to(self.device) for t in _padded([row.datum.tokens for row in batch]))
-        images = [image for row in batch for image in row.datum.images]
-        self._route([row.slot for row in batch])
+        self._route([row.slot for row in batch], [len(row.datum.tokens) for row in batch] if self.packs else None)
         try:
             with (torch.set_grad_enabled(not forward_only), recomputed_layers(self.decoder_layers, recompute),
                   self._embeddings_as_leaf(self.sharded is not None and not forward_only)):
-                # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal
-                # path. No KV cache: a training pass never decodes further, and the model's default builds one.
-                attention_mask = None if bool(mask.all()) else mask
-                if images:
-                    hidden = self._multimodal_hidden(input_ids, attention_mask, images)
-                else:
-                    hidden = self.decoder(input_ids=input_ids, use_cache=False,
-                                          attention_mask=attention_mask).last_hidden_state
-                targets = _padded_targets([row.datum.loss_inputs["target_tokens"] for row in batch]).to(self.device)
+                hidden, row_positions = self._packed_hidden(batch) if self.packs else self._padded_hidden(batch)
+                targets = [row.datum.loss_inputs["target_tokens"] for row in batch]
+                targets = (packing.packed_targets(targets) if self.packs else _padded_targets(targets)).to(self.device)
                 target_logprobs = token_logprobs.target_logprobs(hidden, self.model.get_output_embeddings(), targets)
                 per_row = []
-                for index, row in enumerate(batch):
-                    logprobs = _datum_logprobs(target_logprobs[index], row.datum)
+                for (index, start), row in zip(row_positions, batch):
+                    logprobs = _datum_logprobs(target_logprobs[index, start:], row.datum)
                     inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32, device=self.device)
                               for key, value in row.datum.loss_inputs.items() if key != "target_tokens"}
                     elementwise = losses.LOSSES[row.loss_fn](logprobs, inputs, row.config)
@@ -435,6 +447,29 @@ class TorchBackend:
         finally:
             self._route(None)
         return [(logprobs, elementwise, float(loss.detach())) for logprobs, elementwise, loss in per_row[:len(rows)]]
+
+    def _padded_hidden(self, batch: Sequence[TrainRow]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The last hidden states of ``batch`` as right-padded rows, and where each row's tokens start in them (its
+        index, 0)."""
+        input_ids, mask = (t.to(self.device) for t in _padded([row.datum.tokens for row in batch]))
+        images = [image for row in batch for image in row.datum.images]
+        # Without padding the mask adds nothing, and leaving it out keeps attention on its fast causal path. No KV
+        # cache: a training pass never decodes further, and the model's default builds one.
+        attention_mask = None if bool(mask.all()) else mask
+        if images:
+            hidden = self._multimodal_hidden(input_ids, attention_mask, images)
+        else:
+            hidden = self.decoder(input_ids=input_ids, use_cache=False, attention_mask=attention_mask).last_hidden_state
+        return hidden, [(index, 0) for index in range(len(batch))]
+
+    def _packed_hidden(self, batch: Sequence[TrainRow]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The last hidden states of ``batch`` packed end to end in one row (``lilo.backend.training.packing``),
+        and where each row's tokens start in it (0, its offset)."""
+        input_ids, positions, segments = packing.packed_stream([row.datum.tokens for row in batch])
+        with packing.packed_attention(self.decoder):
+            hidden = self.decoder(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device),
+                                  use_cache=False, **{packing.SEGMENTS: segments}).last_hidden_state
+        return hidden, [(0, start) for start, _ in segments]
 
     def _multimodal_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                            images: Sequence[DatumImage]) -> torch.Tensor:
@@ -463,13 +498,11 @@ class TorchBackend:
             handle.remove()
 
     # --- the rank group (lilo.backend.sharding) -------------------------------------------------------------
-    def _rows_on_group(self, batches: Sequence[Sequence[TrainRow]],
+    def _rows_on_group(self, chunks: Sequence[Sequence[Sequence[TrainRow]]],
                        forward_only: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-        """``_rows_pass`` over the group: each micro-batch (of up to ``ranks`` x the budget) split into one part
-        per rank, rank 0 running the first; the followers' gradients summed into rank 0's after the last. Returns
-        every row's result, in the batches' order."""
-        rows = [row for batch in batches for row in batch]
-        chunks = [_split(chunk, self.ranks) for chunk in batches]
+        """``_rows_pass`` over the group: each pass's parts one a rank, rank 0 running the first; the followers'
+        gradients summed into rank 0's after the last. Returns every row's result, in the passes' order."""
+        rows = [row for parts in chunks for part in parts for row in part]
         recompute = [any(self._recomputes(part, forward_only) for part in parts) for parts in chunks]
         specs = self._slot_specs()
         trained = () if forward_only else sorted({row.slot for row in rows})
@@ -557,9 +590,10 @@ class TorchBackend:
         self.check_fits(command.payload)
         return losses.LOSSES[command.payload.loss_fn], config
 
-    def _route(self, slots: Sequence[int] | None) -> None:
-        """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none)."""
-        self.bank.route(slots, GROUPED if self._grouped else BATCHED)
+    def _route(self, slots: Sequence[int] | None, lengths: Sequence[int] | None = None) -> None:
+        """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none); with ``lengths``, of rows packed
+        end to end."""
+        self.bank.route(slots, GROUPED if self._grouped else BATCHED, lengths)
 
     def _route_sampling(self, slots: Sequence[int] | None) -> None:
         """The same for a generation: no autograd, so on the CPU one GEMM per run of rows at its adapter's rank."""
@@ -825,8 +859,8 @@ def _padded_targets(targets: Sequence[Sequence[int] | np.ndarray]) -> torch.Tens
 
 
 def _datum_logprobs(row_logprobs: torch.Tensor, datum: Datum) -> torch.Tensor:
-    """The datum's own part of its row's (longest, K) log-probabilities: (tokens,) or, for top-K targets,
-    (tokens, K)."""
+    """The datum's own part of the (positions, K) log-probabilities from its first token on: (tokens,) or, for
+    top-K targets, (tokens, K)."""
     targets = np.shape(datum.loss_inputs["target_tokens"])
     logprobs = row_logprobs[:targets[0], :(targets[1] if len(targets) == 2 else 1)]
     return logprobs if len(targets) == 2 else logprobs[:, 0]

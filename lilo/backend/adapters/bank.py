@@ -127,11 +127,15 @@ class LoraBank:
         target = self.target_of(path)
         return spec.train_attn if target == "attn" else spec.train_mlp if target == "mlp" else spec.train_unembed
 
-    def route(self, slots: Sequence[int] | None, mode: str = BATCHED) -> None:
+    def route(self, slots: Sequence[int] | None, mode: str = BATCHED, lengths: Sequence[int] | None = None) -> None:
         """Route batch rows to slots, the deltas run as ``mode`` says; a layer no routed adapter trains runs as the
-        bare base (and stays off the autograd graph)."""
+        bare base (and stays off the autograd graph). With ``lengths``, the rows are sequences packed end to end
+        in one (``Routing.of``)."""
         rows = torch.tensor(list(slots)) if slots is not None else None
-        routing = Routing.of(rows, mode, self.weights.device) if rows is not None else None
+        routing = None
+        if rows is not None:
+            routing = Routing.of(rows, mode, self.weights.device,
+                                 torch.tensor(list(lengths)) if lengths is not None else None)
         for layer in self.layers.values():
             active = routing is not None and bool(layer.trained[rows].any())
             layer.routing = routing if active else None

@@ -11,6 +11,11 @@ one batched GEMM (training on the CPU, where autograd wants one op over all rows
 of consecutive rows sharing a slot (torch's grouped GEMM, on CUDA); ``runs`` loops over those runs with plain GEMMs
 at each adapter's own rank, skipping rows of no adapter (sampling on the CPU, without autograd).
 
+A *packed* pass (``lilo.backend.training.packing``) runs its sequences end to end in one row; its routing then has
+a row per token (``Routing.of(..., lengths=)``), so each token's delta comes from its own sequence's adapter, and
+the layers see their input as a token a row. There, batched training runs one pair of GEMMs per run of tokens
+instead: gathering A and B per token would copy them thousands of times.
+
 All of it lives in one ``LoraBank`` (``lilo.backend.adapters.bank``), which also covers fused MoE experts
 (``lilo.backend.adapters.experts``).
 """
@@ -38,22 +43,37 @@ BATCHED, GROUPED, RUNS = "batched", "grouped", "runs"
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """Which slot every batch row uses during one execution, and the runs of consecutive rows sharing one."""
+    """Which slot every batch row uses during one execution, and the runs of consecutive rows sharing one. Packed:
+    a row is a token of the pass's one stream (the module's docstring)."""
     row_slots: torch.Tensor  # (rows,) long
     run_slots: torch.Tensor  # (runs,) long: the slot of each run of equal consecutive rows
     run_ends: torch.Tensor  # (runs,) long: rows up to the end of each run
     runs: tuple[tuple[int, int, int], ...]  # (slot, first row, end row) of each run, on the CPU
     mode: str  # BATCHED, GROUPED or RUNS (the module's docstring)
+    packed: bool = False
 
     @classmethod
-    def of(cls, slots: torch.Tensor, mode: str, device: torch.device | str = "cpu") -> Routing:
-        """From the rows' slots as a CPU tensor."""
+    def of(cls, slots: torch.Tensor, mode: str, device: torch.device | str = "cpu",
+           lengths: torch.Tensor | None = None) -> Routing:
+        """From the rows' slots as a CPU tensor; with ``lengths`` (each row's tokens), packed: a row per token."""
         listed = slots.tolist()
         ends = [i + 1 for i in range(len(listed)) if i + 1 == len(listed) or listed[i + 1] != listed[i]]
         run_slots = [listed[end - 1] for end in ends]
+        if lengths is not None:
+            slots = slots.repeat_interleave(lengths)
+            token_ends = [0, *lengths.cumsum(0).tolist()]
+            ends = [token_ends[end] for end in ends]
         runs = tuple(zip(run_slots, [0] + ends[:-1], ends))
         return cls(slots.to(device), torch.tensor(run_slots, device=device), torch.tensor(ends, device=device),
-                   runs, mode)
+                   runs, mode, lengths is not None)
+
+    def window(self, start: int, end: int) -> Routing:
+        """A packed routing's tokens ``start`` to ``end``, as a routing of their own."""
+        runs = tuple((slot, max(first, start) - start, min(last, end) - start) for slot, first, last in self.runs
+                     if first < end and last > start)
+        device = self.row_slots.device
+        return Routing(self.row_slots[start:end], torch.tensor([slot for slot, _, _ in runs], device=device),
+                       torch.tensor([last for _, _, last in runs], device=device), runs, self.mode, True)
 
 
 class SlotAdapters(nn.Module):
@@ -121,15 +141,22 @@ class MultiLoRALinear(SlotAdapters):
         routing = self.routing
         if routing is None:
             return self.base(x)
-        if x.dim() > 3:  # (rows, ..., in), as multi-head latent attention's kv_b_proj sees its latents
-            return self.forward(x.reshape(x.shape[0], -1, x.shape[-1])).reshape(*x.shape[:-1], -1)
-        if x.dim() == 2:  # (rows x positions, in): the rows flattened, as Qwen3.5-MoE's shared expert sees them
-            return self.forward(x.reshape(len(routing.row_slots), -1, x.shape[-1])).reshape(x.shape[0], -1)
+        if x.dim() != 3 or routing.packed:
+            # As (rows, positions, in): (rows, ..., in) as multi-head latent attention's kv_b_proj sees its latents,
+            # (rows x positions, in) as Qwen3.5-MoE's shared expert sees them; packed, a token a row.
+            return self.forward_rows(x.reshape(len(routing.row_slots), -1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return self.forward_rows(x)
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The output for ``x`` of (rows, positions, in), each row's delta from its routed slot."""
+        routing = self.routing
         out = self.base(x)
         if routing.mode == GROUPED:
             return out + self._grouped_delta(x, routing)
         if routing.mode == RUNS:
             return self._add_runs(out, x, routing)
+        if routing.packed:
+            return out + self._runs_delta(x, routing)
         slots = routing.row_slots
         a = self.lora_A[slots].to(x.dtype)  # (rows, r, in)
         b = self.lora_B[slots].to(x.dtype)  # (rows, out, r)
@@ -150,6 +177,20 @@ class MultiLoRALinear(SlotAdapters):
             h = x[start:end].reshape(-1, x.shape[-1]) @ a.T
             out[start:end].view(-1, width).addmm_(h, b.T, alpha=self.scales[slot])
         return out
+
+    def _runs_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each run's delta, for autograd (no in-place writes): two GEMMs per run at its adapter's own rank, zeros
+        for rows of no adapter."""
+        pieces = []
+        for slot, start, end in routing.runs:
+            rank = self.ranks[slot]
+            if not rank:
+                pieces.append(x.new_zeros(end - start, x.shape[1], self.base.out_features))
+                continue
+            a = self.lora_A[slot, :rank].to(x.dtype)  # (r, in)
+            b = self.lora_B[slot, :, :rank].to(x.dtype)  # (out, r)
+            pieces.append((x[start:end] @ a.T * self.scales[slot]) @ b.T)
+        return torch.cat(pieces)
 
     def _grouped_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """One GEMM per run of rows sharing a slot (CUDA's grouped GEMM): no per-row copies of A and B."""

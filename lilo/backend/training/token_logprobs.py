@@ -29,14 +29,22 @@ def target_logprobs(hidden: torch.Tensor, unembed: nn.Module, targets: torch.Ten
     for start in range(0, hidden.shape[1], width):
         h, t = hidden[:, start:start + width], targets[:, start:start + width]
         if checkpointed:
-            parts.append(checkpoint(_slice_logprobs, unembed, h, t, use_reentrant=False))
+            parts.append(checkpoint(_slice_logprobs, unembed, h, t, start, use_reentrant=False))
         else:
-            parts.append(_slice_logprobs(unembed, h, t))
+            parts.append(_slice_logprobs(unembed, h, t, start))
     return torch.cat(parts, dim=1)
 
 
-def _slice_logprobs(unembed: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = unembed(hidden).float()
+def _slice_logprobs(unembed: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, start: int) -> torch.Tensor:
+    routing = getattr(unembed, "routing", None)
+    if routing is not None and routing.packed:  # one packed row: the slice's tokens are routed, not the pass's
+        unembed.routing = routing.window(start, start + hidden.shape[1])
+        try:
+            logits = unembed(hidden).float()
+        finally:
+            unembed.routing = routing
+    else:
+        logits = unembed(hidden).float()
     if targets.shape[-1] == 1:  # one target a position: torch's fused log-softmax and gather, and its backward
         return -torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                   reduction="none").view(targets.shape)

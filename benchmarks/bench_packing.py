@@ -1,0 +1,146 @@
+"""Real tokens per second and peak memory of an RL-shaped coalesced step, packed vs padded, in one run.
+
+The step is ``--clients`` clients' forward_backward requests (``importance_sampling``, one adapter each, rank 16),
+``--rows`` datums each, a prompt of ``--prompt`` tokens and a completion drawn log-normal (median ``--median``,
+capped at ``--cap``), as ``bench_padding.py`` draws them, all coalesced into one ``TorchBackend.forward_backward``
+under a pass budget of ``--budget`` tokens. Each layout runs in a process of its own (``--worker``), which loads the
+model, runs a small warm-up step, then ``--steps`` steps while a thread samples its RSS every 2 ms: ``tokens_per_s``
+is the step's real tokens over its median time, ``peak_mb`` the highest RSS during the steps less the RSS before
+them, ``computed_share`` the real tokens over those the passes computed. ``--model``: ``tiny`` (lilo/tiny-llama) or
+``smollm2`` (SmolLM2-135M, the demo's base).
+Prints one JSON line:
+{"bench": "packing", "model": .., "real_tokens": .., "padded": {...}, "packed": {...}, "speedup": ..,
+ "peak_ratio": ..}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def run_worker(layout: str, args: argparse.Namespace) -> dict:
+    environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    command = [sys.executable, __file__, "--worker", layout, *sys.argv[1:]]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {layout} worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def step_lengths(args: argparse.Namespace) -> list[list[int]]:
+    """Each client's datum lengths (bench_padding's draw)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    drawn = np.minimum(rng.lognormal(np.log(args.median), 0.8, args.clients * args.rows).astype(int) + 1, args.cap)
+    lengths = (args.prompt + drawn).tolist()
+    return [lengths[n * args.rows:(n + 1) * args.rows] for n in range(args.clients)]
+
+
+def load(model: str):
+    from lilo.backend.models import build_tiny, load_base_model, smollm2_directory
+
+    if model == "smollm2":
+        return load_base_model(smollm2_directory())
+    return load_base_model(build_tiny(Path(tempfile.mkdtemp(prefix="bench-packing-")), "tiny-llama", seed=1))
+
+
+def worker(layout: str, args: argparse.Namespace) -> None:
+    import numpy as np
+    import psutil
+    import torch
+
+    from lilo.backend.torch_backend import TorchBackend
+    from lilo.backend.types import Datum, LoraSpec, TrainInput
+    from lilo.engine.commands import Command, Kind
+
+    torch.manual_seed(0)
+    backend = TorchBackend(load(args.model), max_adapters=args.clients, max_rank=16, max_batch_tokens=args.budget,
+                           pack=layout == "packed")
+    rng = np.random.default_rng(1)
+    for n in range(args.clients):
+        backend.add_adapter(f"client{n}", LoraSpec(rank=16, seed=n))
+
+    def datum(length: int) -> Datum:
+        tokens = rng.integers(0, backend.vocab_size, length + 1)
+        return Datum(tokens=tokens[:-1], loss_inputs={
+            "target_tokens": tokens[1:], "logprobs": -rng.random(length).astype(np.float32),
+            "advantages": rng.normal(size=length).astype(np.float32)})
+
+    def step(seq: int, lengths: list[list[int]]) -> list[Command]:
+        return [Command(f"client{n}", seq, Kind.FORWARD_BACKWARD, f"c{n}:{seq}",
+                        payload=TrainInput(data=[datum(length) for length in mine], loss_fn="importance_sampling"))
+                for n, mine in enumerate(lengths)]
+
+    backend.forward_backward(step(0, [[16]] * args.clients), forward_only=False)  # warm-up
+    lengths = step_lengths(args)
+    rows = [row for mine in lengths for row in mine]
+    process = psutil.Process()
+    baseline = peak = process.memory_info().rss
+    sampling = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not sampling.is_set():
+            peak = max(peak, process.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    seconds = []
+    for seq in range(1, args.steps + 1):
+        commands = step(seq, lengths)
+        started = time.perf_counter()
+        results = backend.forward_backward(commands, forward_only=False)
+        seconds.append(time.perf_counter() - started)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise RuntimeError(f"a step failed: {failed[0]}")
+    sampling.set()
+    sampler.join()
+    from lilo.backend.sharding.plans import TrainRow
+
+    train_rows = [TrainRow(0, 0, Datum(tokens=np.zeros(n), loss_inputs={}), "cross_entropy", {}) for n in rows]
+    passes = [part for parts in backend._passes(train_rows) for part in parts]
+    computed = sum(backend._pass_tokens(part) for part in passes)
+    median = statistics.median(seconds)
+    print(json.dumps({"passes": len(passes), "computed_share": round(sum(rows) / computed, 3),
+                      "seconds": round(median, 2), "tokens_per_s": round(sum(rows) / median, 1),
+                      "peak_mb": round((peak - baseline) / 2**20, 1)}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=150)
+    parser.add_argument("--median", type=int, default=600)
+    parser.add_argument("--cap", type=int, default=4096)
+    parser.add_argument("--budget", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", choices=("padded", "packed"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args)
+        return
+    results = {layout: run_worker(layout, args) for layout in ("padded", "packed")}
+    real = sum(sum(mine) for mine in step_lengths(args))
+    print(json.dumps({"bench": "packing", "model": args.model, "clients": args.clients, "rows": args.rows,
+                      "budget": args.budget, "real_tokens": real, **results,
+                      "speedup": round(results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"], 2),
+                      "peak_ratio": round(results["packed"]["peak_mb"] / max(results["padded"]["peak_mb"], 0.1),
+                                          2)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Packed passes: a micro-batch's sequences end to end in one row, no padding computed.
+
+A padded pass computes every row to its micro-batch's longest, which on an RL-shaped pass wastes a third or more of
+its tokens even with rows grouped by length (``benchmarks/bench_padding.py``). A packed pass concatenates its
+sequences into one stream of exactly their tokens: positions restart at each sequence's start, attention stays
+within each sequence (``PACKED_ATTENTION``, one causal attention per sequence, so no stream-long mask exists), and
+each token's LoRA delta comes from its own sequence's adapter (``Routing.of(..., lengths=)``). Losses and
+log-probabilities are cut back per sequence from the stream; they equal the padded pass's (tests/lilo/
+test_packing.py).
+
+Families whose layers mix tokens some other way (linear attention's and state-space mixers' recurrent state,
+compressed or sparse attention, attention sinks, multimodal rotary positions) run padded: their ``Family.packs``
+is off. Micro-batches are filled by real tokens, first fit with the longest sequences first (``packed_bins``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+PACKED_ATTENTION = "lilo_packed"
+# The keyword a packed pass gives the model, which hands it on to every attention layer: each sequence's
+# (start, end) in the stream.
+SEGMENTS = "lilo_segments"
+
+
+def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention within each of the stream's sequences (a sliding window's band where the layer has one):
+    SDPA per sequence, so the work is each sequence's own, not the stream's square. Returns (1, tokens, heads,
+    dim) as transformers' attention functions do."""
+    segments = kwargs.pop(SEGMENTS, None)
+    if segments is None:
+        raise RuntimeError(f"The {PACKED_ATTENTION!r} attention needs the sequences' bounds ({SEGMENTS}=...); this "
+                           "layer's model did not pass its keywords on to its attention, so it cannot run packed.")
+    outputs = []
+    for start, end in segments:
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        mask = None
+        if sliding_window is not None and end - start > sliding_window:
+            position = torch.arange(end - start, device=query.device)
+            offset = position[:, None] - position[None, :]
+            mask = ((offset >= 0) & (offset < sliding_window))[None, None]
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=True)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """A packed pass's mask: none (its attention bounds each sequence itself)."""
+    return None
+
+
+AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+@contextlib.contextmanager
+def packed_attention(decoder: nn.Module) -> Iterator[None]:
+    """Within the block (and the backward passes of what it computes), ``decoder``'s attention layers run packed.
+    Its configuration says which attention its layers run, and they read it on every call."""
+    config = decoder.config
+    before = config._attn_implementation
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def packed_stream(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               tuple[tuple[int, int], ...]]:
+    """(token ids (1, tokens), positions (1, tokens), each sequence's (start, end)) of ``sequences`` end to end."""
+    arrays = [np.asarray(sequence, dtype=np.int64) for sequence in sequences]
+    ends = np.cumsum([len(a) for a in arrays]).tolist()
+    segments = tuple(zip([0, *ends[:-1]], ends))
+    ids = torch.from_numpy(np.concatenate(arrays))[None]
+    positions = torch.from_numpy(np.concatenate([np.arange(len(a)) for a in arrays]))[None]
+    return ids, positions, segments
+
+
+def packed_targets(targets: Sequence[Sequence[int] | np.ndarray]) -> torch.Tensor:
+    """(1, tokens, K) target ids of ``targets`` end to end, K the most any sequence has per position (1 for one
+    target a token), zero-padded along K."""
+    arrays = [np.asarray(t, dtype=np.int64).reshape(len(t), -1) for t in targets]
+    width = max(a.shape[1] for a in arrays)
+    padded = [np.pad(a, ((0, 0), (0, width - a.shape[1]))) for a in arrays]
+    return torch.from_numpy(np.concatenate(padded))[None]
+
+
+def packed_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` in bins of at most ``budget`` tokens each (a longer one alone in its own): first fit,
+    longest first, which leaves few bins part-empty. Each bin lists its indices in ascending order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((b for b, free in enumerate(room) if free >= lengths[index]), None)
+        if fit is None:
+            bins.append([])
+            room.append(budget)
+            fit = len(bins) - 1
+        bins[fit].append(index)
+        room[fit] -= lengths[index]
+    return [sorted(b) for b in bins]
