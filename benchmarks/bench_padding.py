@@ -1,11 +1,14 @@
-"""The share of a training pass's computed tokens that are real, as the trainer lays a pass out today: rows
-right-padded to the longest of their micro-batch, micro-batches filled longest rows first up to the pass budget
-(``lilo.backend.torch_backend._micro_batches``; until 2026-12-06 in arrival order). The pass is RL-shaped:
+"""The share of a training pass's computed tokens that are real, and the passes it takes, in each layout the trainer
+has: packed (``lilo.backend.training.packing.packed_bins``: datums end to end, bins filled by real tokens, the
+layout of the families that pack) and padded (rows right-padded to the longest of their micro-batch, micro-batches
+filled longest rows first up to the pass budget: ``lilo.backend.torch_backend._micro_batches``; until 2026-12-06 in
+arrival order). The pass is RL-shaped:
 ``--clients`` clients' steps coalesced, ``--rows`` rows each, a prompt of ``--prompt`` tokens and a completion
 drawn log-normal (median ``--median``, capped at ``--cap``), ``--draws`` passes per budget. No model runs: this is
-the layout's arithmetic, the baseline that packing (one unpadded token stream per micro-batch) is measured against.
+the layouts' arithmetic (``bench_packing.py`` runs the model).
 Prints one JSON line:
-{"bench": "padding", "budgets": [{"budget": .., "real_share": .., "real_share_min": ..}, ...], ...}
+{"bench": "padding", "budgets": [{"budget": .., "real_share": .., "real_share_min": .., "passes": ..,
+ "packed_real_share": .., "packed_passes": ..}, ...], ...}
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 
 from lilo.backend.sharding.plans import TrainRow
 from lilo.backend.torch_backend import _micro_batches, _padded_size
+from lilo.backend.training.packing import packed_bins
 from lilo.backend.types import Datum
 
 
@@ -27,9 +31,17 @@ def rl_pass(rng: np.random.Generator, clients: int, rows: int, prompt: int, medi
                      {}) for n, length in enumerate(lengths)]
 
 
-def real_share(rows: list[TrainRow], budget: int) -> float:
-    real = sum(len(row.datum.tokens) for row in rows)
-    return real / sum(_padded_size(batch) for batch in _micro_batches(rows, budget))
+def padded(rows: list[TrainRow], budget: int) -> tuple[float, int]:
+    """(real share, passes) padded."""
+    batches = _micro_batches(rows, budget)
+    return sum(len(row.datum.tokens) for row in rows) / sum(_padded_size(batch) for batch in batches), len(batches)
+
+
+def packed(rows: list[TrainRow], budget: int) -> tuple[float, int]:
+    """(real share, passes) packed: a pass computes exactly its datums' tokens."""
+    bins = packed_bins([len(row.datum.tokens) for row in rows], budget)
+    computed = sum(len(rows[i].datum.tokens) for b in bins for i in b)
+    return sum(len(row.datum.tokens) for row in rows) / computed, len(bins)
 
 
 def main() -> None:
@@ -46,10 +58,13 @@ def main() -> None:
     passes = [rl_pass(rng, args.clients, args.rows, args.prompt, args.median, args.cap) for _ in range(args.draws)]
     budgets = []
     for budget in (int(b) for b in args.budgets.split(",")):
-        shares = [real_share(rows, budget) for rows in passes]
+        shares, counts = zip(*(padded(rows, budget) for rows in passes))
+        packed_shares, packed_counts = zip(*(packed(rows, budget) for rows in passes))
         budgets.append({"budget": budget, "real_share": round(float(np.mean(shares)), 3),
-                        "real_share_min": round(float(np.min(shares)), 3)})
-    print(json.dumps({"bench": "padding", "layout": "padded, grouped by length", "clients": args.clients,
+                        "real_share_min": round(float(np.min(shares)), 3), "passes": float(np.mean(counts)),
+                        "packed_real_share": round(float(np.min(packed_shares)), 3),
+                        "packed_passes": float(np.mean(packed_counts))})
+    print(json.dumps({"bench": "padding", "layout": "padded (grouped by length) and packed", "clients": args.clients,
                       "rows": args.rows, "prompt": args.prompt, "median": args.median, "cap": args.cap,
                       "draws": args.draws, "budgets": budgets}))
 

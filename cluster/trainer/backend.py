@@ -55,7 +55,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
                            host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
                            disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),
                            page_dir=page_dir, sharded=sharded, optimizer=not follower,
-                           images=images)
+                           images=images, pack=config.pack)
     # Capped and sized once the model and its slots are in: what is free then is what a pass may use.
     free_under_cap = cap_memory(cap_bytes(config.memory_gb, backend.device.type == "cuda"))
     backend.max_batch_tokens = config.max_batch_tokens or size_batch_tokens(
@@ -65,7 +65,8 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
         kernels = kernel_report(backend.bank.family, backend.device.type)
         if kernels:
             logger.info("%s: %s", name, kernels)
-        logger.info("%s: passes of at most %d padded tokens%s%s", name, backend.max_batch_tokens,
+        logger.info("%s: %s passes of at most %d tokens%s%s", name, "packed" if backend.packs else "padded",
+                    backend.max_batch_tokens,
                     "" if config.max_batch_tokens else " (sized from the device's free memory)",
                     f" per rank, over {group.world} ranks" if group else "")
     return backend

@@ -34,8 +34,11 @@ class TrainerConfig:
     host_adapter_mb: int | None = 0
     disk_adapter_gb: float = 0.0
     page_dir: Path | None = None
-    # Padded tokens per pass (None: sized from the device's free memory) and the coalescing window's cap.
+    # Computed tokens per pass (None: sized from the device's free memory) and the coalescing window's cap.
     max_batch_tokens: int | None = None
+    # Whether passes run packed where the family allows (lilo.backend.training.packing); off: padded, the reference
+    # the packed path is tested against.
+    pack: bool = True
     coalesce_window_ms: float = DEFAULT_WINDOW_CAP_MS
     # The trainer process's memory cap in GB (lilo.backend.training.memory_cap; None: the default, 0: none).
     memory_gb: float | None = None

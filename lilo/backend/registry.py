@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from lilo.backend.families import TINY
+from lilo.errors import InvalidRequestError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,26 @@ def is_servable(name: str) -> bool:
 def unservable_message(names: list[str]) -> str:
     return (f"Unknown base model(s) {', '.join(names)}; use a registered name ({', '.join(_REGISTRY)}), a local "
             "directory with a transformers config.json, or a hub id like org/name.")
+
+
+# Tinker names a base model with a longer context ``<base>:peft:<tokens>`` (the cookbook's rl_numerics_check trains
+# ``Qwen/Qwen3.6-35B-A3B:peft:262144``).
+CONTEXT_SUFFIX = re.compile(r"^(?P<base>.+):peft:(?P<tokens>[0-9]+)$")
+
+
+def split_context_suffix(name: str) -> tuple[str, int | None]:
+    """(the base model, the context length asked for) of a name that may end in ``:peft:<tokens>``."""
+    match = CONTEXT_SUFFIX.match(name)
+    return (match["base"], int(match["tokens"])) if match else (name, None)
+
+
+def check_context(name: str, tokens: int | None) -> None:
+    """Refuse a context length the served base model ``name`` does not have. Within it, the trainer says how long
+    one datum may be (its memory decides), naming the longest when one is longer."""
+    longest = base_model_spec(name).max_context_length
+    if tokens is not None and tokens > longest:
+        raise InvalidRequestError(f"{name} has a context of {longest} tokens, fewer than the {tokens} asked for with "
+                                  f"':peft:{tokens}'; ask for {name}:peft:{longest} or less, or leave the suffix out.")
 
 
 def base_model_spec(name: str) -> BaseModelSpec:

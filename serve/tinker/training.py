@@ -12,7 +12,7 @@ from ray.actor import ActorHandle
 
 from cluster.placement import trainer_facts
 from cluster.unloading import unload_model, unload_models
-from lilo.backend.registry import base_model_spec
+from lilo.backend.registry import base_model_spec, check_context, split_context_suffix
 from lilo.backend.checkpoints.index import WEIGHTS
 from lilo.backend.checkpoints.paths import checked_client_name, parse_tinker_path, tinker_path
 from lilo.backend.training.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
@@ -85,20 +85,22 @@ class Training:
     async def create_model(self, request: CreateModelRequest, tenant: str) -> dict[str, str]:
         model_id = model_id_for(request.session_id, request.model_seq_id)
         spec = LoraSpec.from_config(request.lora_config or {})
+        base_model, context = split_context_suffix(request.base_model)
         exists = await self._futures.trainer_of.remote(model_id, tenant)
         if not exists:  # the tenant's limits first: a base model it may not train is refused as that
-            await self._futures.check_new_model.remote(tenant, request.base_model, spec.rank)
-        if request.base_model not in self._base_models:
+            await self._futures.check_new_model.remote(tenant, base_model, spec.rank)
+        if base_model not in self._base_models:
             raise InvalidRequestError(f"base_model {request.base_model!r} is not served here; use one of "
                                       f"{', '.join(self._base_models)}.")
+        check_context(base_model, context)
         await self._futures.check_session.remote(request.session_id, tenant)  # model ids are named after their session
         # A full cluster is a 429 the client may retry, with nothing recorded; a retry of a model already created
         # skips placement and finds its first future.
-        trainer = None if exists else await self._actors.place(request.base_model, tenant)
+        trainer = None if exists else await self._actors.place(base_model, tenant)
         submission = Submission(model_id, Kind.CREATE_MODEL,
-                                {"base_model": request.base_model, "lora": request.lora_config},
+                                {"base_model": base_model, "lora": request.lora_config},
                                 seq_id=0, tenant=tenant, trainer=trainer)
-        model = NewModel(request.base_model, request.lora_config or {}, request.session_id, request.user_metadata)
+        model = NewModel(base_model, request.lora_config or {}, request.session_id, request.user_metadata)
         return await self._submissions.record_new_model(
             submission, model, lambda actor, request_id: actor.create_model_future.remote(model_id, spec, request_id))
 

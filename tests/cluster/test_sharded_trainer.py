@@ -1,7 +1,8 @@
-"""A trainer of two ranks (its frozen base sharded over two gloo processes) on the real local cluster trains, saves
-and samples exactly as a trainer of one: the same commands, coalesced, give both the same losses, weights and
-greedy tokens, within fp32 tolerance (the followers' gradients are summed into rank 0's, so the sum's order
-differs from one rank's accumulation: about 1e-6 relative here). The three models page through two slots on both."""
+"""A trainer of two ranks (its frozen base sharded over two gloo processes, its passes packed where the family packs) on
+the real local cluster trains, saves and samples exactly as a trainer of one running padded passes: the same
+commands, coalesced, give both the same losses, weights and greedy tokens, within fp32 tolerance (the followers'
+gradients are summed into rank 0's, so the sum's order differs from one rank's accumulation: about 1e-6 relative
+here). The three models page through two slots on both."""
 
 import json
 
@@ -38,7 +39,7 @@ ULP = torch.finfo(torch.float32).eps
 def _config(tmp_path_factory, ranks: int) -> TrainerConfig:
     return TrainerConfig(max_adapters=2, max_rank=8, sampler_slots=1, device="cpu", compute_nice=0,
                          host_adapter_mb=64, checkpoint_dir=tmp_path_factory.mktemp(f"checkpoints-{ranks}"),
-                         max_batch_tokens=256)
+                         max_batch_tokens=256, pack=ranks > 1)
 
 
 def _trainers(tmp_path_factory, base_model, ranks):

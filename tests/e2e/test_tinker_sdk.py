@@ -44,6 +44,26 @@ def test_an_unknown_base_model_is_refused_with_a_message(local_cluster):
             service.create_lora_training_client(base_model="no/such-model", rank=8).result(timeout=120)
 
 
+def test_a_base_model_named_with_tinkers_context_suffix_trains_a_full_context_datum_among_short_ones(local_cluster):
+    with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
+        with pytest.raises(tinker.APIStatusError, match="context of 512 tokens, fewer than the 262144") as refused:
+            service.create_lora_training_client(base_model="lilo/tiny-llama:peft:262144", rank=8).result(timeout=120)
+        assert refused.value.status_code == 400
+        training = service.create_lora_training_client(base_model="lilo/tiny-llama:peft:512", rank=8)
+        training = training.result(timeout=120)
+        assert training.get_info().model_data.model_name == "lilo/tiny-llama"
+        tokens = np.random.default_rng(5).integers(0, 1000, 512).tolist()
+        full = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                           loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 511})
+        short = memorize_datum()
+        # Packed into one stream (or the long one alone, recomputed): each datum's outputs are its own.
+        together = training.forward([short, full, short], "cross_entropy").result(timeout=120).loss_fn_outputs
+        alone = training.forward([full], "cross_entropy").result(timeout=120).loss_fn_outputs
+        assert [len(out["logprobs"].tolist()) for out in together] == [23, 511, 23]
+        assert np.allclose(together[1]["logprobs"].tolist(), alone[0]["logprobs"].tolist(), atol=1e-5)
+        assert together[0]["logprobs"].tolist() == pytest.approx(together[2]["logprobs"].tolist(), abs=1e-5)
+
+
 def test_steps_after_a_refused_request_still_run(local_cluster):
     # The SDK spends a seq_id on every call, refused or not: the model's next steps must not wait for the refused one.
     tokens = list(range(1, 25))
