@@ -4,10 +4,10 @@ The step is ``--clients`` clients' forward_backward requests (``importance_sampl
 ``--rows`` datums each, a prompt of ``--prompt`` tokens and a completion drawn log-normal (median ``--median``,
 capped at ``--cap``), as ``bench_padding.py`` draws them, all coalesced into one ``TorchBackend.forward_backward``
 under a pass budget of ``--budget`` tokens. Each layout runs in a process of its own (``--worker``), which loads the
-model, runs a small warm-up step, then ``--steps`` steps while a thread samples its RSS every 2 ms: ``tokens_per_s``
-is the step's real tokens over its median time, ``peak_mb`` the highest RSS during the steps less the RSS before
-them, ``computed_share`` the real tokens over those the passes computed. ``--model``: ``tiny`` (lilo/tiny-llama) or
-``smollm2`` (SmolLM2-135M, the demo's base).
+model, runs one step to warm up, then ``--steps`` steps, while a thread samples its RSS every 2 ms: ``tokens_per_s``
+is the step's real tokens over its median time (the warm-up's left out), ``peak_mb`` the highest RSS during all of
+them less the RSS before, ``computed_share`` the real tokens over those the passes computed. ``--model``: ``tiny``
+(lilo/tiny-llama) or ``smollm2`` (SmolLM2-135M, the demo's base).
 Prints one JSON line:
 {"bench": "packing", "model": .., "real_tokens": .., "padded": {...}, "packed": {...}, "speedup": ..,
  "peak_ratio": ..}
@@ -81,7 +81,6 @@ def worker(layout: str, args: argparse.Namespace) -> None:
                         payload=TrainInput(data=[datum(length) for length in mine], loss_fn="importance_sampling"))
                 for n, mine in enumerate(lengths)]
 
-    backend.forward_backward(step(0, [[16]] * args.clients), forward_only=False)  # warm-up
     lengths = step_lengths(args)
     rows = [row for mine in lengths for row in mine]
     process = psutil.Process()
@@ -96,6 +95,7 @@ def worker(layout: str, args: argparse.Namespace) -> None:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
+    backend.forward_backward(step(0, lengths), forward_only=False)  # warm-up: the allocator's pools grow to size
     seconds = []
     for seq in range(1, args.steps + 1):
         commands = step(seq, lengths)

@@ -13,8 +13,8 @@ at each adapter's own rank, skipping rows of no adapter (sampling on the CPU, wi
 
 A *packed* pass (``lilo.backend.training.packing``) runs its sequences end to end in one row; its routing then has
 a row per token (``Routing.of(..., lengths=)``), so each token's delta comes from its own sequence's adapter, and
-the layers see their input as a token a row. There, batched training runs one pair of GEMMs per run of tokens
-instead: gathering A and B per token would copy them thousands of times.
+the layers see their input as a token a row. There, batched training runs the grouped GEMM (one per run of tokens,
+on the CPU too) instead: gathering A and B per token would copy them thousands of times.
 
 All of it lives in one ``LoraBank`` (``lilo.backend.adapters.bank``), which also covers fused MoE experts
 (``lilo.backend.adapters.experts``).
@@ -151,12 +151,10 @@ class MultiLoRALinear(SlotAdapters):
         """The output for ``x`` of (rows, positions, in), each row's delta from its routed slot."""
         routing = self.routing
         out = self.base(x)
-        if routing.mode == GROUPED:
+        if routing.mode == GROUPED or (routing.packed and routing.mode == BATCHED):
             return out + self._grouped_delta(x, routing)
         if routing.mode == RUNS:
             return self._add_runs(out, x, routing)
-        if routing.packed:
-            return out + self._runs_delta(x, routing)
         slots = routing.row_slots
         a = self.lora_A[slots].to(x.dtype)  # (rows, r, in)
         b = self.lora_B[slots].to(x.dtype)  # (rows, out, r)
@@ -178,22 +176,8 @@ class MultiLoRALinear(SlotAdapters):
             out[start:end].view(-1, width).addmm_(h, b.T, alpha=self.scales[slot])
         return out
 
-    def _runs_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Each run's delta, for autograd (no in-place writes): two GEMMs per run at its adapter's own rank, zeros
-        for rows of no adapter."""
-        pieces = []
-        for slot, start, end in routing.runs:
-            rank = self.ranks[slot]
-            if not rank:
-                pieces.append(x.new_zeros(end - start, x.shape[1], self.base.out_features))
-                continue
-            a = self.lora_A[slot, :rank].to(x.dtype)  # (r, in)
-            b = self.lora_B[slot, :, :rank].to(x.dtype)  # (out, r)
-            pieces.append((x[start:end] @ a.T * self.scales[slot]) @ b.T)
-        return torch.cat(pieces)
-
     def _grouped_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """One GEMM per run of rows sharing a slot (CUDA's grouped GEMM): no per-row copies of A and B."""
+        """One GEMM per run of rows sharing a slot (torch's grouped GEMM): no per-row copies of A and B."""
         rows, width = x.shape[0], x.shape[1]
         offsets = (routing.run_ends * width).to(torch.int32)
         a = self.lora_A[routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, in, r)
