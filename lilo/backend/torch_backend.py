@@ -582,7 +582,9 @@ class TorchBackend:
                     f"Datum {index} has {len(datum.tokens)} tokens, and a pass on this trainer holds at most {longest} "
                     f"tokens of one sequence ({self.max_batch_tokens} per pass, more for a lone sequence whose layers "
                     "are recomputed); split it into shorter datums, or serve the model on a device with more memory "
-                    "(--max-batch-tokens sizes the passes).")
+                    "(--max-batch-tokens sizes the passes)."
+                    + (f" This trainer's {self.ranks} ranks each run whole sequences: lilo does not split one over "
+                       "ranks (no context parallelism) yet." if self.ranks > 1 else ""))
 
     def _validate(self, command: Command) -> tuple[losses.LossFn, dict]:
         self._adapter(command.model_id)
