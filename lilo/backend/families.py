@@ -50,8 +50,12 @@ class Family:
     # Whether it takes images: loaded whole (vision tower and language model), adapters on the language model only.
     images: bool = False
     # Whether its training passes run packed (lilo.backend.training.packing): every layer mixes tokens only through
-    # causal (or sliding-window) attention over plain positions. Off, they run padded.
+    # causal (or sliding-window) attention over plain positions, or through a module named in ``recurrent``. Off,
+    # they run padded.
     packs: bool = False
+    # The modules (by name in their layer) that carry a state along the row (linear attention): packed, each runs
+    # once per sequence, from a fresh state.
+    recurrent: tuple[str, ...] = ()
 
 
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
@@ -135,6 +139,7 @@ FAMILIES: tuple[Family, ...] = (
            GATED_MLP + EXPERTS, {**ROUTER, **DELTANET_FROZEN,
                                  "shared_expert_gate": "one output: the shared expert's weight for each token"},
            kernels={"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"},
+           packs=True, recurrent=("linear_attn",),
            tiny=(Tiny("tiny-qwen3.5", "Qwen3_5", _QWEN3_5, "qwen3_5_text",
                       "Qwen3.5 (hybrid: Gated DeltaNet linear attention in 3 of 4 layers)"),
                  Tiny("tiny-qwen3.5-moe", "Qwen3_5Moe",

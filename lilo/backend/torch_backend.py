@@ -84,8 +84,9 @@ class TorchBackend:
         self.bank = LoraBank(self.model, max_adapters + sampler_slots, max_rank)
         self.layers = self.bank.layers
         # Whether training passes run packed (lilo.backend.training.packing): where the family's layers allow it and
-        # ``pack`` asks for it (off: padded, as a reference for tests and benchmarks).
-        self.packs = pack and self.bank.family.packs and images is None
+        # ``pack`` asks for it (off: padded, as a reference for tests and benchmarks); not a pass with images, whose
+        # positions are the multimodal model's (``_packs``).
+        self.packs = pack and self.bank.family.packs
         # Projections of the model no adapter reaches, per target: an adapter asking to train them is refused.
         self.uncovered = self.bank.uncovered(self.model)
         self.projections = self.bank.projections(self.model)
@@ -403,7 +404,7 @@ class TorchBackend:
         """The passes ``rows`` take, each as one part per rank, every part within the budget (but a lone longer
         row). Packed: parts filled by real tokens (``packing.packed_bins``); padded: micro-batches of rows of like
         lengths (``_micro_batches``), a sharded trainer's split over its ranks."""
-        if not self.packs:
+        if not self._packs(rows):
             return [_split(batch, self.ranks) for batch in _micro_batches(rows, self.max_batch_tokens * self.ranks)]
         bins = [[rows[i] for i in indices] for indices in
                 packing.packed_bins([len(row.datum.tokens) for row in rows], self.max_batch_tokens)]
@@ -414,7 +415,11 @@ class TorchBackend:
 
     def _pass_tokens(self, rows: Sequence[TrainRow]) -> int:
         """The tokens a pass of ``rows`` computes: theirs packed, rows x longest padded."""
-        return sum(len(row.datum.tokens) for row in rows) if self.packs else _padded_size(rows)
+        return sum(len(row.datum.tokens) for row in rows) if self._packs(rows) else _padded_size(rows)
+
+    def _packs(self, rows: Sequence[TrainRow]) -> bool:
+        """Whether a pass of ``rows`` runs packed: where the model packs and no row holds an image."""
+        return self.packs and not any(row.datum.images for row in rows)
 
     def _recomputes(self, rows: Sequence[TrainRow], forward_only: bool) -> bool:
         """Whether a pass of ``rows`` recomputes its layers in the backward: a lone row longer than the budget."""
@@ -427,13 +432,14 @@ class TorchBackend:
         log-probabilities' slices (and with ``recompute`` every decoder layer). On a sharded base a rank with no
         rows runs an idle one, as it must take part in the pass's collectives."""
         batch = list(rows) or [_IDLE_ROW]
-        self._route([row.slot for row in batch], [len(row.datum.tokens) for row in batch] if self.packs else None)
+        packed = self._packs(batch)
+        self._route([row.slot for row in batch], [len(row.datum.tokens) for row in batch] if packed else None)
         try:
             with (torch.set_grad_enabled(not forward_only), recomputed_layers(self.decoder_layers, recompute),
                   self._embeddings_as_leaf(self.sharded is not None and not forward_only)):
-                hidden, row_positions = self._packed_hidden(batch) if self.packs else self._padded_hidden(batch)
+                hidden, row_positions = self._packed_hidden(batch) if packed else self._padded_hidden(batch)
                 targets = [row.datum.loss_inputs["target_tokens"] for row in batch]
-                targets = (packing.packed_targets(targets) if self.packs else _padded_targets(targets)).to(self.device)
+                targets = (packing.packed_targets(targets) if packed else _padded_targets(targets)).to(self.device)
                 target_logprobs = token_logprobs.target_logprobs(hidden, self.model.get_output_embeddings(), targets)
                 per_row = []
                 for (index, start), row in zip(row_positions, batch):
@@ -466,7 +472,7 @@ class TorchBackend:
         """The last hidden states of ``batch`` packed end to end in one row (``lilo.backend.training.packing``),
         and where each row's tokens start in it (0, its offset)."""
         input_ids, positions, segments = packing.packed_stream([row.datum.tokens for row in batch])
-        with packing.packed_attention(self.decoder):
+        with packing.packed_attention(self.decoder, self.bank.family.recurrent):
             hidden = self.decoder(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device),
                                   use_cache=False, **{packing.SEGMENTS: segments}).last_hidden_state
         return hidden, [(0, start) for start, _ in segments]

@@ -10,6 +10,7 @@ from lilo.backend.models import build_tiny, load_base_model
 from lilo.backend.training.loss_inputs import CONFIG_KEYS
 from lilo.backend.training.packing import packed_bins
 from lilo.backend.types import Datum, LoraSpec, TrainInput
+from lilo.backend.vision import image_layout
 from lilo.engine.commands import Command, Kind
 
 # Three adapters of different ranks and targets (one trains the unembedding), so one packed stream routes tokens
@@ -43,11 +44,13 @@ def slot_grads(backend, model_id: str) -> list[torch.Tensor]:
     return [backend.bank.view(backend.bank.grads, i)[slot].clone() for i in range(len(backend.bank.shapes))]
 
 
-def passes_agree(base, specs: dict, commands: list[Command], budget: int, forward_only: bool = False) -> None:
+def passes_agree(base, specs: dict, commands: list[Command], budget: int, forward_only: bool = False,
+                 images=None) -> None:
     """``commands`` through a packed and a padded backend over ``base``: equal results and gradients (1e-5 relative
     in fp32)."""
-    packed = backend_with(base, specs, max_adapters=8, max_rank=16, max_batch_tokens=budget)
-    padded = backend_with(base, specs, max_adapters=8, max_rank=16, max_batch_tokens=budget, pack=False)
+    packed = backend_with(base, specs, max_adapters=8, max_rank=16, max_batch_tokens=budget, images=images)
+    padded = backend_with(base, specs, max_adapters=8, max_rank=16, max_batch_tokens=budget, pack=False,
+                          images=images)
     assert packed.packs and not padded.packs
     ours = packed.forward_backward(commands, forward_only=forward_only)
     theirs = padded.forward_backward(commands, forward_only=forward_only)
@@ -88,15 +91,18 @@ def test_a_packed_forward_equals_the_padded_one_and_a_long_datum_recomputes_alon
     passes_agree(base, {"r4": SPECS["r4"]}, long_one, budget=32)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-olmo3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-olmo3", "tiny-qwen3.5",
+                                  "tiny-qwen3.5-moe", "tiny-qwen3.5-vl"])
 def test_the_families_that_pack_equal_their_padded_passes(tmp_path, name):
-    # OLMo 3 with a window shorter than its longer sequences: sliding-window layers pack too.
+    # OLMo 3 with a window shorter than its longer sequences: sliding-window layers pack too. Qwen3.5's linear
+    # attention runs once per sequence.
     config = {"sliding_window": 8} if name == "tiny-olmo3" else {}
-    base = load_base_model(build_tiny(tmp_path, name, **config))
+    directory = build_tiny(tmp_path, name, **config)
     specs = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=8, seed=2, train_unembed=True)}
     commands = [command(model_id, 1, [rl_datum(n + i, length) for i, length in enumerate(LENGTHS[n:n + 3])],
                         "importance_sampling") for n, model_id in enumerate(specs)]
-    passes_agree(base, specs, commands, budget=48)
+    # A vision-language checkpoint's text-only passes pack too.
+    passes_agree(load_base_model(directory), specs, commands, budget=48, images=image_layout(directory))
 
 
 def test_bins_hold_at_most_the_budget_longest_first_and_a_longer_sequence_alone():

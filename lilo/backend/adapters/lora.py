@@ -76,6 +76,20 @@ class Routing:
                        torch.tensor([last for _, _, last in runs], device=device), runs, self.mode, True)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient contiguous: the grouped GEMM's backward wants strides of
+    whole 16 bytes, and a consumer that transposes the output (Qwen3.5's convolution over in_proj_qkv's) sends back
+    a gradient strided by the token count."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class SlotAdapters(nn.Module):
     """Every slot's A and B of one projection, and what routing knows of them: the bookkeeping a linear's and an
     expert projection's multi-LoRA layers share. ``lora_A`` is ``(slots, ..., max_rank, in_features)`` and
@@ -184,4 +198,5 @@ class MultiLoRALinear(SlotAdapters):
         b = self.lora_B[routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, r, out)
         h = torch._grouped_mm(x.reshape(rows * width, -1), a, offs=offsets).view(rows, width, -1)
         h = h * self.scale[routing.row_slots].to(x.dtype).view(-1, 1, 1)
-        return torch._grouped_mm(h.reshape(rows * width, -1), b, offs=offsets).view(rows, width, -1)
+        delta = torch._grouped_mm(h.reshape(rows * width, -1), b, offs=offsets).view(rows, width, -1)
+        return _ContiguousGrad.apply(delta)

@@ -16,6 +16,7 @@ is off. Micro-batches are filled by real tokens, first fit with the longest sequ
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -64,16 +65,49 @@ AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
 
 
 @contextlib.contextmanager
-def packed_attention(decoder: nn.Module) -> Iterator[None]:
-    """Within the block (and the backward passes of what it computes), ``decoder``'s attention layers run packed.
-    Its configuration says which attention its layers run, and they read it on every call."""
+def packed_attention(decoder: nn.Module, recurrent: Sequence[str] = ()) -> Iterator[None]:
+    """Within the block (and the backward passes of what it computes), ``decoder``'s attention layers run packed
+    (its configuration says which attention its layers run, and they read it on every call), and each module named
+    in ``recurrent`` once per sequence."""
     config = decoder.config
     before = config._attn_implementation
     config._attn_implementation = PACKED_ATTENTION
+    modules = [module for path, module in decoder.named_modules() if path.rsplit(".", 1)[-1] in recurrent]
+    for module in modules:
+        # An instance attribute shadows the class's forward, which nn.Module.__call__ looks up on the instance.
+        module.forward = functools.partial(_per_sequence, module)
     try:
         yield
     finally:
         config._attn_implementation = before
+        for module in modules:
+            del module.forward
+
+
+def _per_sequence(module: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """A recurrent ``module`` on each sequence of the stream alone, from a fresh state, as a padded row runs it: its
+    outputs end to end, its LoRA layers routed by each sequence's own tokens. No mask: a packed stream has no
+    padding."""
+    forward = type(module).forward.__get__(module)
+    segments = kwargs.get(SEGMENTS)
+    if segments is None:
+        return forward(*args, **kwargs)
+    if "hidden_states" in kwargs:
+        hidden, rest = kwargs.pop("hidden_states"), args
+    else:
+        hidden, rest = args[0], args[1:]
+    kwargs["attention_mask"] = None
+    routed = [(layer, layer.routing) for layer in module.modules() if getattr(layer, "routing", None) is not None]
+    outputs = []
+    try:
+        for start, end in segments:
+            for layer, routing in routed:
+                layer.routing = routing.window(start, end)
+            outputs.append(forward(hidden[:, start:end], *rest, **kwargs))
+    finally:
+        for layer, routing in routed:
+            layer.routing = routing
+    return torch.cat(outputs, dim=1)
 
 
 def packed_stream(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor,
