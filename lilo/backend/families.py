@@ -53,8 +53,8 @@ class Family:
     # causal (or sliding-window) attention over plain positions, or through a module named in ``recurrent``. Off,
     # they run padded.
     packs: bool = False
-    # The modules (by name in their layer) that carry a state along the row (linear attention): packed, each runs
-    # once per sequence, from a fresh state.
+    # The modules (by name in their layer, or by class) that carry a state along the row (linear attention, a
+    # state-space mixer): packed, each runs once per sequence, from a fresh state.
     recurrent: tuple[str, ...] = ()
 
 
@@ -163,7 +163,8 @@ FAMILIES: tuple[Family, ...] = (
            {**ROUTER, "conv1d": DELTANET_FROZEN["conv1d"],
             "out_proj": "the Mamba-2 mixer's output: its fused kernels read the weight itself, past any adapter, and "
                         "peft refuses an adapter there on Mamba models, so an export with one would not load"},
-           kernels={"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"}, tiny=(
+           kernels={"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d"},
+           packs=True, recurrent=("NemotronHMamba2Mixer",), tiny=(
                Tiny("tiny-nemotron-h", "NemotronH",
                     dict(_SHAPE, num_hidden_layers=4, layers_block_type=["mamba", "moe", "attention", "mlp"],
                          intermediate_size=256, num_key_value_heads=2, head_dim=32, mamba_num_heads=4,

@@ -72,7 +72,8 @@ def packed_attention(decoder: nn.Module, recurrent: Sequence[str] = ()) -> Itera
     config = decoder.config
     before = config._attn_implementation
     config._attn_implementation = PACKED_ATTENTION
-    modules = [module for path, module in decoder.named_modules() if path.rsplit(".", 1)[-1] in recurrent]
+    modules = [module for path, module in decoder.named_modules()
+               if path.rsplit(".", 1)[-1] in recurrent or type(module).__name__ in recurrent]
     for module in modules:
         # An instance attribute shadows the class's forward, which nn.Module.__call__ looks up on the instance.
         module.forward = functools.partial(_per_sequence, module)
