@@ -7,7 +7,8 @@ import torch
 
 from helpers import backend_with, weighted_datum
 from lilo.backend.models import build_tiny, load_base_model
-from lilo.backend.training.loss_inputs import CONFIG_KEYS
+from lilo.backend.provenance import PROMPT, SAMPLED, Provenance, RecordedSequence, Span
+from lilo.backend.training.loss_inputs import CONFIG_KEYS, NEEDS_PROVENANCE, with_recorded_inputs
 from lilo.backend.training.packing import packed_bins
 from lilo.backend.types import Datum, LoraSpec, TrainInput
 from lilo.backend.vision import image_layout
@@ -34,8 +35,25 @@ def rl_datum(seed: int, length: int, top_k: int = 0) -> Datum:
     return Datum(tokens=plain.tokens, loss_inputs=inputs)
 
 
+def with_provenance(datum: Datum, sequence_id: str, prompt: int = 4) -> tuple[Datum, RecordedSequence]:
+    """``datum`` as a prompt of ``prompt`` tokens and a sampled completion (its targets' rest), with its provenance,
+    and the sampler's record of that completion (random logprobs): what stable_reinforce trains on."""
+    tokens, targets = np.asarray(datum.tokens), np.asarray(datum.loss_inputs["target_tokens"])
+    sampled = targets[prompt - 1:]
+    record = RecordedSequence(sequence_id, tokens[:prompt].astype(np.int32), sampled.astype(np.int32),
+                              -np.random.default_rng(len(tokens)).random(len(sampled)).astype(np.float32))
+    provenance = Provenance((Span(PROMPT, sequence_id, 0, prompt), Span(SAMPLED, sequence_id, 0, len(sampled) - 1)),
+                            (Span(PROMPT, sequence_id, 1, prompt - 1), Span(SAMPLED, sequence_id, 0, len(sampled))))
+    inputs = {key: datum.loss_inputs[key] for key in ("target_tokens", "advantages")}
+    return Datum(tokens=datum.tokens, loss_inputs=inputs, provenance=provenance), record
+
+
 def command(model_id: str, seq: int, data, loss_fn: str) -> Command:
     train = TrainInput(data=data, loss_fn=loss_fn, loss_config={})
+    if loss_fn in NEEDS_PROVENANCE:
+        data, records = zip(*(with_provenance(datum, f"{model_id}:{n}") for n, datum in enumerate(data)))
+        train = with_recorded_inputs(TrainInput(data=list(data), loss_fn=loss_fn, loss_config={}),
+                                     {record.sequence_id: record for record in records})
     return Command(model_id, seq, Kind.FORWARD_BACKWARD, f"{model_id}:{seq}", payload=train, tokens=train.tokens)
 
 
@@ -74,7 +92,7 @@ def mixed_commands(loss_fn: str, top_k: int = 0) -> list[Command]:
             for n, model_id in enumerate(SPECS)]
 
 
-@pytest.mark.parametrize("loss_fn", [loss for loss in CONFIG_KEYS if loss != "stable_reinforce"])
+@pytest.mark.parametrize("loss_fn", list(CONFIG_KEYS))
 def test_a_packed_pass_equals_the_padded_one_for_every_loss_and_mixed_adapters(base, loss_fn):
     # A budget of 40 tokens: several packed bins and padded micro-batches.
     passes_agree(base, SPECS, mixed_commands(loss_fn), budget=40)
