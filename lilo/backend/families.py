@@ -114,7 +114,7 @@ FAMILIES: tuple[Family, ...] = (
                                                 num_key_value_heads=2, head_dim=32, num_experts=8,
                                                 num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
              "qwen3_moe", "Qwen3-MoE (8 experts, 2 a token)"),)),
-    Family("GPT-OSS", ("gpt_oss",), GQA, EXPERTS, {"router": ROUTER["gate"]}, tiny=(
+    Family("GPT-OSS", ("gpt_oss",), GQA, EXPERTS, {"router": ROUTER["gate"]}, packs=True, tiny=(
         Tiny("tiny-gpt-oss", "GptOss", dict(_SHAPE, intermediate_size=64, num_key_value_heads=2, head_dim=32,
                                             num_local_experts=8, num_experts_per_tok=2, sliding_window=64),
              "gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),)),

@@ -42,17 +42,33 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if segments is None:
         raise RuntimeError(f"The {PACKED_ATTENTION!r} attention needs the sequences' bounds ({SEGMENTS}=...); this "
                            "layer's model did not pass its keywords on to its attention, so it cannot run packed.")
+    sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks: a logit per head that takes a share of the softmax
     outputs = []
     for start, end in segments:
         q, k, v = (t[:, :, start:end] for t in (query, key, value))
         mask = None
-        if sliding_window is not None and end - start > sliding_window:
+        if sinks is not None or (sliding_window is not None and end - start > sliding_window):
             position = torch.arange(end - start, device=query.device)
             offset = position[:, None] - position[None, :]
-            mask = ((offset >= 0) & (offset < sliding_window))[None, None]
+            mask = ((offset >= 0) & (offset < (sliding_window or end - start)))[None, None]
+        if sinks is not None:
+            outputs.append(_with_sinks(q, k, v, mask, sinks, scaling if scaling is not None else q.shape[-1] ** -0.5))
+            continue
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=True)
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
+
+
+def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                sinks: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention whose softmax also counts a sink logit per head (whose value is zero), as GPT-OSS's: (1, tokens,
+    heads, dim)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    logits = (query @ key.transpose(2, 3) * scaling).masked_fill(~mask, float("-inf"))
+    logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(*logits.shape[:-1], 1).to(logits.dtype)], dim=-1)
+    weights = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return (weights.to(value.dtype) @ value).transpose(1, 2)
 
 
 def _no_mask(*args, **kwargs) -> None:
