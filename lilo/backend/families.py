@@ -56,6 +56,9 @@ class Family:
     # The modules (by name in their layer, or by class) that carry a state along the row (linear attention, a
     # state-space mixer): packed, each runs once per sequence, from a fresh state.
     recurrent: tuple[str, ...] = ()
+    # Whether its layers read the attention mask themselves (GLM-5's indexer scores every key of the row): packed,
+    # the stream's block-diagonal mask is built for them.
+    packed_mask: bool = False
 
 
 GQA = ("q_proj", "k_proj", "v_proj", "o_proj")  # grouped-query attention
@@ -183,7 +186,7 @@ FAMILIES: tuple[Family, ...] = (
     # DeepSeek-V3's attention with a lightning indexer (DeepSeek Sparse Attention), which picks the keys each query
     # attends to.
     Family("GLM-5", ("glm_moe_dsa",), MLA, GATED_MLP + EXPERTS,
-           {**ROUTER, **dict.fromkeys(("wq_b", "wk", "weights_proj"), INDEXER)},
+           {**ROUTER, **dict.fromkeys(("wq_b", "wk", "weights_proj"), INDEXER)}, packs=True, packed_mask=True,
            tiny=(Tiny("tiny-glm5", "GlmMoeDsa", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
                                                      num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
                                                      n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,

@@ -472,7 +472,8 @@ class TorchBackend:
         """The last hidden states of ``batch`` packed end to end in one row (``lilo.backend.training.packing``),
         and where each row's tokens start in it (0, its offset)."""
         input_ids, positions, segments = packing.packed_stream([row.datum.tokens for row in batch])
-        with packing.packed_attention(self.decoder, self.bank.family.recurrent):
+        family = self.bank.family
+        with packing.packed_attention(self.decoder, family.recurrent, family.packed_mask):
             hidden = self.decoder(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device),
                                   use_cache=False, **{packing.SEGMENTS: segments}).last_hidden_state
         return hidden, [(0, start) for start, _ in segments]

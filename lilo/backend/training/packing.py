@@ -24,9 +24,12 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED_ATTENTION = "lilo_packed"
+# The same, with the stream's block-diagonal causal mask built, for the layers that read the mask themselves
+# (GLM-5's indexer scores every key of the row): the stream's square in booleans.
+PACKED_MASKED_ATTENTION = "lilo_packed_masked"
 # The keyword a packed pass gives the model, which hands it on to every attention layer: each sequence's
 # (start, end) in the stream.
 SEGMENTS = "lilo_segments"
@@ -35,19 +38,25 @@ SEGMENTS = "lilo_segments"
 def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention within each of the stream's sequences (a sliding window's band where the layer has one):
-    SDPA per sequence, so the work is each sequence's own, not the stream's square. Returns (1, tokens, heads,
-    dim) as transformers' attention functions do."""
+    """Causal attention within each of the stream's sequences (a sliding window's band where the layer has one; the
+    keys its indexer picked where it has one): SDPA per sequence, so the work is each sequence's own, not the
+    stream's square. Returns (1, tokens, heads, dim) as transformers' attention functions do."""
     segments = kwargs.pop(SEGMENTS, None)
     if segments is None:
         raise RuntimeError(f"The {PACKED_ATTENTION!r} attention needs the sequences' bounds ({SEGMENTS}=...); this "
                            "layer's model did not pass its keywords on to its attention, so it cannot run packed.")
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks: a logit per head that takes a share of the softmax
+    picked = kwargs.get("indices")  # GLM-5's sparse attention: the keys (of the stream) each query attends to
     outputs = []
     for start, end in segments:
         q, k, v = (t[:, :, start:end] for t in (query, key, value))
         mask = None
-        if sinks is not None or (sliding_window is not None and end - start > sliding_window):
+        if attention_mask is not None:
+            mask = attention_mask[:, :, start:end, start:end]
+            if picked is not None:
+                chosen = torch.zeros(end - start, query.shape[2], dtype=torch.bool, device=query.device)
+                mask = mask & chosen.scatter_(-1, picked[0, start:end].long(), True)[:, start:end]
+        elif sinks is not None or (sliding_window is not None and end - start > sliding_window):
             position = torch.arange(end - start, device=query.device)
             offset = position[:, None] - position[None, :]
             mask = ((offset >= 0) & (offset < (sliding_window or end - start)))[None, None]
@@ -78,16 +87,18 @@ def _no_mask(*args, **kwargs) -> None:
 
 AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
 AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+AttentionInterface.register(PACKED_MASKED_ATTENTION, _packed_attention)
+AttentionMaskInterface.register(PACKED_MASKED_ATTENTION, sdpa_mask)
 
 
 @contextlib.contextmanager
-def packed_attention(decoder: nn.Module, recurrent: Sequence[str] = ()) -> Iterator[None]:
+def packed_attention(decoder: nn.Module, recurrent: Sequence[str] = (), masked: bool = False) -> Iterator[None]:
     """Within the block (and the backward passes of what it computes), ``decoder``'s attention layers run packed
-    (its configuration says which attention its layers run, and they read it on every call), and each module named
-    in ``recurrent`` once per sequence."""
+    (its configuration says which attention its layers run, and they read it on every call; ``masked``: with the
+    stream's mask built), and each module named in ``recurrent`` once per sequence."""
     config = decoder.config
     before = config._attn_implementation
-    config._attn_implementation = PACKED_ATTENTION
+    config._attn_implementation = PACKED_MASKED_ATTENTION if masked else PACKED_ATTENTION
     modules = [module for path, module in decoder.named_modules()
                if path.rsplit(".", 1)[-1] in recurrent or type(module).__name__ in recurrent]
     for module in modules:
