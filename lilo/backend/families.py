@@ -178,6 +178,7 @@ FAMILIES: tuple[Family, ...] = (
     # Gemma 3n and 4 add each layer an input of its own (per-layer embeddings): a gate projection down to it and a
     # projection back up, beside the MLP, on the feed-forward side.
     Family("Gemma 4", ("gemma4", "gemma4_text"), GQA, GATED_MLP + ("per_layer_input_gate", "per_layer_projection"),
+           packs=True,
            tiny=(Tiny("tiny-gemma4", "Gemma4", dict(_SHAPE, intermediate_size=256, num_key_value_heads=2, head_dim=32,
                                                     vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16,
                                                     sliding_window=8,

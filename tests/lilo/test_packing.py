@@ -63,9 +63,9 @@ def slot_grads(backend, model_id: str) -> list[torch.Tensor]:
 
 
 def passes_agree(base, specs: dict, commands: list[Command], budget: int, forward_only: bool = False,
-                 images=None) -> None:
+                 images=None, gradient_rtol: float = 1e-5) -> None:
     """``commands`` through a packed and a padded backend over ``base``: equal results and gradients (1e-5 relative
-    in fp32)."""
+    in fp32; ``gradient_rtol`` of each gradient's largest)."""
     packed = backend_with(base, specs, max_adapters=8, max_rank=16, max_batch_tokens=budget, images=images)
     padded = backend_with(base, specs, max_adapters=8, max_rank=16, max_batch_tokens=budget, pack=False,
                           images=images)
@@ -80,7 +80,7 @@ def passes_agree(base, specs: dict, commands: list[Command], budget: int, forwar
                 assert np.allclose(out_a[key], out_b[key], rtol=1e-5, atol=1e-5), key
     for model_id in specs:
         for g_a, g_b in zip(slot_grads(packed, model_id), slot_grads(padded, model_id)):
-            assert (g_a - g_b).abs().max().item() <= 1e-5 * (g_b.abs().max().item() or 1.0)
+            assert (g_a - g_b).abs().max().item() <= gradient_rtol * (g_b.abs().max().item() or 1.0)
     if not forward_only:
         assert any(g.abs().max().item() > 0 for g in slot_grads(packed, next(iter(specs))))
 
@@ -111,7 +111,7 @@ def test_a_packed_forward_equals_the_padded_one_and_a_long_datum_recomputes_alon
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-olmo3", "tiny-qwen3.5",
                                   "tiny-qwen3.5-moe", "tiny-qwen3.5-vl", "tiny-nemotron-h",
-                                  "tiny-gpt-oss", "tiny-glm5"])
+                                  "tiny-gpt-oss", "tiny-glm5", "tiny-gemma4"])
 def test_the_families_that_pack_equal_their_padded_passes(tmp_path, name):
     # OLMo 3 with a window shorter than its longer sequences: sliding-window layers pack too. Qwen3.5's linear
     # attention and Nemotron-H's Mamba-2 mixers run once per sequence.
@@ -120,8 +120,12 @@ def test_the_families_that_pack_equal_their_padded_passes(tmp_path, name):
     specs = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=8, seed=2, train_unembed=True)}
     commands = [command(model_id, 1, [rl_datum(n + i, length) for i, length in enumerate(LENGTHS[n:n + 3])],
                         "importance_sampling") for n, model_id in enumerate(specs)]
+    # Gemma 4's gradients round further apart (its attention runs unscaled): its own eager and SDPA padded passes
+    # differ by 2.3e-5 of their largest, packed and padded by 1.5e-5.
+    gradient_rtol = 3e-5 if name == "tiny-gemma4" else 1e-5
     # A vision-language checkpoint's text-only passes pack too.
-    passes_agree(load_base_model(directory), specs, commands, budget=48, images=image_layout(directory))
+    passes_agree(load_base_model(directory), specs, commands, budget=48, images=image_layout(directory),
+                 gradient_rtol=gradient_rtol)
 
 
 def test_bins_hold_at_most_the_budget_longest_first_and_a_longer_sequence_alone():
