@@ -222,7 +222,7 @@ FAMILIES: tuple[Family, ...] = (
                                      "a shared one)"),),
            # Its compressors pool blocks of a row's tokens by their place in the row, pads included.
            left_padding=False),
-    Family("Qwen3-VL", ("qwen3_vl", "qwen3_vl_text"), GQA, GATED_MLP, images=True, tiny=(
+    Family("Qwen3-VL", ("qwen3_vl", "qwen3_vl_text"), GQA, GATED_MLP, images=True, packs=True, tiny=(
         Tiny("tiny-qwen3-vl", "Qwen3VL",
              dict(text_config=dict(_VL_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                               "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
@@ -232,7 +232,7 @@ FAMILIES: tuple[Family, ...] = (
                   **_VL_TOKENS),
              "qwen3_vl", "Qwen3-VL (a vision tower with deepstack features; 3-D rotary positions)",
              head="ForConditionalGeneration", image_processor=_qwen_vl_images(16)),)),
-    Family("Qwen2.5-VL", ("qwen2_5_vl", "qwen2_5_vl_text"), GQA, GATED_MLP, images=True, tiny=(
+    Family("Qwen2.5-VL", ("qwen2_5_vl", "qwen2_5_vl_text"), GQA, GATED_MLP, images=True, packs=True, tiny=(
         Tiny("tiny-qwen2.5-vl", "Qwen2_5_VL",
              dict(text_config=dict(_VL_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                               "mrope_section": [2, 3, 3]}),

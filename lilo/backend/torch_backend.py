@@ -84,8 +84,7 @@ class TorchBackend:
         self.bank = LoraBank(self.model, max_adapters + sampler_slots, max_rank)
         self.layers = self.bank.layers
         # Whether training passes run packed (lilo.backend.training.packing): where the family's layers allow it and
-        # ``pack`` asks for it (off: padded, as a reference for tests and benchmarks); not a pass with images, whose
-        # positions are the multimodal model's (``_packs``).
+        # ``pack`` asks for it (off: padded, as a reference for tests and benchmarks).
         self.packs = pack and self.bank.family.packs
         # Projections of the model no adapter reaches, per target: an adapter asking to train them is refused.
         self.uncovered = self.bank.uncovered(self.model)
@@ -418,8 +417,9 @@ class TorchBackend:
         return sum(len(row.datum.tokens) for row in rows) if self._packs(rows) else _padded_size(rows)
 
     def _packs(self, rows: Sequence[TrainRow]) -> bool:
-        """Whether a pass of ``rows`` runs packed: where the model packs and no row holds an image."""
-        return self.packs and not any(row.datum.images for row in rows)
+        """Whether a pass of ``rows`` runs packed: where the model packs, and takes the images of any row that holds
+        some (a model without a layout refuses them in a padded pass)."""
+        return self.packs and (self.images is not None or not any(row.datum.images for row in rows))
 
     def _recomputes(self, rows: Sequence[TrainRow], forward_only: bool) -> bool:
         """Whether a pass of ``rows`` recomputes its layers in the backward: a lone row longer than the budget."""
@@ -472,21 +472,31 @@ class TorchBackend:
         """The last hidden states of ``batch`` packed end to end in one row (``lilo.backend.training.packing``),
         and where each row's tokens start in it (0, its offset)."""
         input_ids, positions, segments = packing.packed_stream([row.datum.tokens for row in batch])
+        input_ids = input_ids.to(self.device)
+        images = [image for row in batch for image in row.datum.images]
         family = self.bank.family
         with packing.packed_attention(self.decoder, family.recurrent, family.packed_mask):
-            hidden = self.decoder(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device),
-                                  use_cache=False, **{packing.SEGMENTS: segments}).last_hidden_state
+            if images:
+                hidden = self._multimodal_hidden(input_ids, None, images, segments,
+                                                 [len(row.datum.images) for row in batch])
+            else:
+                hidden = self.decoder(input_ids=input_ids, position_ids=positions.to(self.device), use_cache=False,
+                                      **{packing.SEGMENTS: segments}).last_hidden_state
         return hidden, [(0, start) for start, _ in segments]
 
     def _multimodal_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                           images: Sequence[DatumImage]) -> torch.Tensor:
+                           images: Sequence[DatumImage], segments: Sequence[tuple[int, int]] | None = None,
+                           images_per_row: Sequence[int] = ()) -> torch.Tensor:
         """The last hidden states of a pass whose rows hold ``images`` (in row order): through the multimodal model,
         the image features (the frozen vision tower's, no gradient) in place of their tokens' embeddings, positions
-        from the model's own multimodal rotary index."""
+        from the model's own multimodal rotary index. With ``segments``, one packed row of them (each holding
+        ``images_per_row`` of the images)."""
         if self.multimodal is None:  # it has no image layout
             raise InvalidRequestError(f"Base model {self.base_model_name!r} takes no images; send text only.")
-        inputs = multimodal_inputs(self.multimodal, self.images, input_ids, attention_mask, images)
-        return self.multimodal(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        inputs = multimodal_inputs(self.multimodal, self.images, input_ids, attention_mask, images, segments,
+                                   images_per_row)
+        packed = {packing.SEGMENTS: segments} if segments is not None else {}
+        return self.multimodal(**inputs, attention_mask=attention_mask, use_cache=False, **packed).last_hidden_state
 
     @contextlib.contextmanager
     def _embeddings_as_leaf(self, wanted: bool) -> Iterator[None]:

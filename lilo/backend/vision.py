@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import math
 from pathlib import Path
@@ -171,19 +172,28 @@ def _processor(directory: str) -> Any:
 
 
 def multimodal_inputs(model: Any, layout: ImageLayout, input_ids: Any, attention_mask: Any,
-                      images: Sequence[DatumImage]) -> dict[str, Any]:
+                      images: Sequence[DatumImage], segments: Sequence[tuple[int, int]] | None = None,
+                      images_per_row: Sequence[int] = ()) -> dict[str, Any]:
     """The keyword arguments of a multimodal model's forward (Qwen-VL's ``model.model``) for rows ``input_ids``
     holding ``images`` in row order: the image features, computed once by the frozen vision tower without
     gradients, and the positions of the model's own multimodal rotary index (without them Qwen2.5-VL falls back to
-    1-D positions, silently)."""
+    1-D positions, silently). With ``segments``, ``input_ids`` is one packed row of sequences (each holding
+    ``images_per_row`` of the images): each sequence's positions are its own, as if it were a row alone."""
     import torch
 
     device = input_ids.device
     pixels = layout.pixel_inputs(images)
     grid = pixels["image_grid_thw"].to(device)
     kinds = (input_ids == layout.image_token_id).int()
-    positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=grid,
-                                        attention_mask=attention_mask)
+    if segments is None:
+        positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=grid,
+                                            attention_mask=attention_mask)
+    else:
+        firsts = [0, *itertools.accumulate(images_per_row)]
+        positions = torch.cat([
+            model.get_rope_index(input_ids[:, start:end], mm_token_type_ids=kinds[:, start:end],
+                                 image_grid_thw=grid[first:last] if last > first else None)[0]
+            for (start, end), first, last in zip(segments, firsts, firsts[1:])], dim=-1)
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
         features = model.get_image_features(pixels["pixel_values"].to(device, dtype), grid, return_dict=True)

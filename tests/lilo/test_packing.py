@@ -136,3 +136,17 @@ def test_bins_hold_at_most_the_budget_longest_first_and_a_longer_sequence_alone(
     assert all(sum(lengths[i] for i in b) <= 50 for b in bins if b != [5])
     # 98 tokens besides the long one fit two bins of 50 and no fewer.
     assert len(bins) == 3
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl"])
+def test_a_packed_pass_with_images_equals_the_padded_one(tmp_path, name):
+    from test_vision_training import image_datum, text_datum
+
+    directory = build_tiny(tmp_path, name)
+    layout = image_layout(directory)
+    specs = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=8, seed=2, train_unembed=True)}
+    # Each sequence's multimodal positions start afresh: two images in one adapter's datums, text between them.
+    commands = [command("a", 1, [image_datum(layout, 1), text_datum(2, 9), image_datum(layout, 3, (40, 60))],
+                        "cross_entropy"),
+                command("b", 1, [text_datum(4, 21), image_datum(layout, 5, before=2, after=11)], "cross_entropy")]
+    passes_agree(load_base_model(directory), specs, commands, budget=400, images=layout)
