@@ -221,7 +221,7 @@ FAMILIES: tuple[Family, ...] = (
                       "deepseek_v4", "DeepSeek-V4 (compressed and sparse attention, hyper-connections; 8 experts, "
                                      "a shared one)"),),
            # Its compressors pool blocks of a row's tokens by their place in the row, pads included.
-           left_padding=False),
+           left_padding=False, packs=True, recurrent=("DeepseekV4Attention",)),
     Family("Qwen3-VL", ("qwen3_vl", "qwen3_vl_text"), GQA, GATED_MLP, images=True, packs=True, tiny=(
         Tiny("tiny-qwen3-vl", "Qwen3VL",
              dict(text_config=dict(_VL_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -111,7 +111,8 @@ def test_a_packed_forward_equals_the_padded_one_and_a_long_datum_recomputes_alon
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-olmo3", "tiny-qwen3.5",
                                   "tiny-qwen3.5-moe", "tiny-qwen3.5-vl", "tiny-nemotron-h",
-                                  "tiny-gpt-oss", "tiny-glm5", "tiny-gemma4"])
+                                  "tiny-gpt-oss", "tiny-glm5", "tiny-gemma4",
+                                  "tiny-deepseek-v4"])
 def test_the_families_that_pack_equal_their_padded_passes(tmp_path, name):
     # OLMo 3 with a window shorter than its longer sequences: sliding-window layers pack too. Qwen3.5's linear
     # attention and Nemotron-H's Mamba-2 mixers run once per sequence.

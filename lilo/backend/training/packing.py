@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -47,12 +47,16 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                            "layer's model did not pass its keywords on to its attention, so it cannot run packed.")
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks: a logit per head that takes a share of the softmax
     picked = kwargs.get("indices")  # GLM-5's sparse attention: the keys (of the stream) each query attends to
+    tokens = query.shape[2]
     outputs = []
     for start, end in segments:
-        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        # Keys past the stream's (DeepSeek-V4's compressed ones, its layer run on one sequence) stay with each.
+        q, k, v = query[:, :, start:end], *(torch.cat([t[:, :, start:end], t[:, :, tokens:]], dim=2)
+                                            for t in (key, value))
         mask = None
         if attention_mask is not None:
-            mask = attention_mask[:, :, start:end, start:end]
+            rows = attention_mask[:, :, start:end]
+            mask = torch.cat([rows[..., start:end], rows[..., tokens:]], dim=-1)
             if picked is not None:
                 chosen = torch.zeros(end - start, query.shape[2], dtype=torch.bool, device=query.device)
                 mask = mask & chosen.scatter_(-1, picked[0, start:end].long(), True)[:, start:end]
@@ -70,11 +74,12 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                 sinks: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention whose softmax also counts a sink logit per head (whose value is zero), as GPT-OSS's: (1, tokens,
-    heads, dim)."""
+    """Attention whose softmax also counts a sink logit per head (whose value is zero), as GPT-OSS's and DeepSeek-V4's:
+    (1, tokens, heads, dim). ``mask``: which keys each query sees, or an additive mask."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    logits = (query @ key.transpose(2, 3) * scaling).masked_fill(~mask, float("-inf"))
+    logits = query @ key.transpose(2, 3) * scaling
+    logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
     logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(*logits.shape[:-1], 1).to(logits.dtype)], dim=-1)
     weights = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
     return (weights.to(value.dtype) @ value).transpose(1, 2)
@@ -112,10 +117,12 @@ def packed_attention(decoder: nn.Module, recurrent: Sequence[str] = (), masked: 
             del module.forward
 
 
-def _per_sequence(module: nn.Module, *args, **kwargs) -> torch.Tensor:
-    """A recurrent ``module`` on each sequence of the stream alone, from a fresh state, as a padded row runs it: its
-    outputs end to end, its LoRA layers routed by each sequence's own tokens. No mask: a packed stream has no
-    padding."""
+def _per_sequence(module: nn.Module, *args, **kwargs) -> Any:
+    """``module`` (one that mixes tokens other than by attention over the stream: a recurrent mixer, DeepSeek-V4's
+    compressed attention) on each sequence of the stream alone, as a padded row runs it: its outputs end to end, its
+    per-token inputs (positions, rotary tables) cut to the sequence, its LoRA layers routed by the sequence's own
+    tokens. A recurrent mixer starts from a fresh state and takes no mask (a packed stream has no padding); an
+    attention module (one with a ``sliding_window``) takes its sequence's causal mask."""
     forward = type(module).forward.__get__(module)
     segments = kwargs.get(SEGMENTS)
     if segments is None:
@@ -124,18 +131,45 @@ def _per_sequence(module: nn.Module, *args, **kwargs) -> torch.Tensor:
         hidden, rest = kwargs.pop("hidden_states"), args
     else:
         hidden, rest = args[0], args[1:]
-    kwargs["attention_mask"] = None
+    tokens = hidden.shape[1]
     routed = [(layer, layer.routing) for layer in module.modules() if getattr(layer, "routing", None) is not None]
     outputs = []
     try:
         for start, end in segments:
             for layer, routing in routed:
                 layer.routing = routing.window(start, end)
-            outputs.append(forward(hidden[:, start:end], *rest, **kwargs))
+            cut = {key: _cut(value, tokens, start, end) for key, value in kwargs.items()}
+            cut[SEGMENTS] = ((0, end - start),)
+            cut["attention_mask"] = (_causal_mask(end - start, module.sliding_window, hidden)
+                                     if hasattr(module, "sliding_window") else None)
+            outputs.append(forward(hidden[:, start:end], *rest, **cut))
     finally:
         for layer, routing in routed:
             layer.routing = routing
+    if isinstance(outputs[0], tuple):  # (output, attention weights): no weights are kept
+        return torch.cat([output[0] for output in outputs], dim=1), None
     return torch.cat(outputs, dim=1)
+
+
+def _cut(value: Any, tokens: int, start: int, end: int) -> Any:
+    """``value`` cut to tokens ``start`` to ``end`` where it holds one entry a token of the stream (along its second
+    axis, as positions and rotary tables do; in tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == tokens:
+        return value[:, start:end]
+    if isinstance(value, tuple):
+        return tuple(_cut(item, tokens, start, end) for item in value)
+    if isinstance(value, dict):
+        return {key: _cut(item, tokens, start, end) for key, item in value.items()}
+    return value
+
+
+def _causal_mask(length: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
+    """The additive causal mask (1, 1, length, length) of one sequence, within ``window`` tokens where given."""
+    position = torch.arange(length, device=like.device)
+    offset = position[:, None] - position[None, :]
+    seen = (offset >= 0) & (offset < (window or length))
+    return torch.zeros(length, length, dtype=like.dtype, device=like.device).masked_fill(
+        ~seen, torch.finfo(like.dtype).min)[None, None]
 
 
 def packed_stream(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor,
