@@ -50,13 +50,14 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     tokens = query.shape[2]
     outputs = []
     for start, end in segments:
-        # Keys past the stream's (DeepSeek-V4's compressed ones, its layer run on one sequence) stay with each.
-        q, k, v = query[:, :, start:end], *(torch.cat([t[:, :, start:end], t[:, :, tokens:]], dim=2)
-                                            for t in (key, value))
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        extra = key.shape[2] > tokens  # keys past the stream's (DeepSeek-V4's compressed ones): each sequence's too
+        if extra:
+            k, v = (torch.cat([part, t[:, :, tokens:]], dim=2) for part, t in ((k, key), (v, value)))
         mask = None
         if attention_mask is not None:
             rows = attention_mask[:, :, start:end]
-            mask = torch.cat([rows[..., start:end], rows[..., tokens:]], dim=-1)
+            mask = torch.cat([rows[..., start:end], rows[..., tokens:]], dim=-1) if extra else rows[..., start:end]
             if picked is not None:
                 chosen = torch.zeros(end - start, query.shape[2], dtype=torch.bool, device=query.device)
                 mask = mask & chosen.scatter_(-1, picked[0, start:end].long(), True)[:, start:end]
