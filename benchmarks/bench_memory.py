@@ -27,9 +27,10 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from peak_rss import PeakRss
 
 GUESS_NUMBER = (40, 500)
 
@@ -55,7 +56,6 @@ def run_worker(tree: Path, case: dict, cap_gb: float) -> dict:
 
 def worker(case: dict, cap_gb: float) -> None:
     import numpy as np
-    import psutil
     import torch
 
     from lilo.backend.models import load_base_model, smollm2_directory
@@ -83,30 +83,17 @@ def worker(case: dict, cap_gb: float) -> None:
         return Command("a", seq_id, Kind.FORWARD_BACKWARD, f"r{seq_id}", payload=TrainInput(data=data))
 
     backend.forward_backward([request(1, 1, 16)], forward_only=False)  # warm-up: the gradient bank becomes resident
-    process = psutil.Process()
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     held = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmData"))) * 1024
     resource.setrlimit(resource.RLIMIT_DATA, (held + int(cap_gb * 2**30), hard))
-    baseline = peak = process.memory_info().rss
-    sampling = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not sampling.is_set():
-            peak = max(peak, process.memory_info().rss)
-            time.sleep(0.002)
-
     command = request(2, case["rows"], case["seq"])
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    started = time.perf_counter()
-    (result,) = backend.forward_backward([command], forward_only=False)
-    seconds = time.perf_counter() - started
-    sampling.set()
-    sampler.join()
+    with PeakRss() as peak:
+        started = time.perf_counter()
+        (result,) = backend.forward_backward([command], forward_only=False)
+        seconds = time.perf_counter() - started
     rows_per_pass = max(1, min(case["rows"], backend.max_batch_tokens // case["seq"]))
     pass_tokens = rows_per_pass * case["seq"]
-    peak_mb = (peak - baseline) / 2**20
+    peak_mb = peak.mb
     print(json.dumps({**case, "budget": backend.max_batch_tokens, "pass_tokens": pass_tokens,
                       "peak_mb": round(peak_mb, 1), "mb_per_token": round(peak_mb / pass_tokens, 3),
                       "seconds": round(seconds, 2), "out_of_memory": isinstance(result, Exception)}))

@@ -22,9 +22,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from peak_rss import PeakRss
 
 
 def run_worker(layout: str, args: argparse.Namespace) -> dict:
@@ -56,7 +57,6 @@ def load(model: str):
 
 def worker(layout: str, args: argparse.Namespace) -> None:
     import numpy as np
-    import psutil
     import torch
 
     from lilo.backend.torch_backend import TorchBackend
@@ -83,30 +83,17 @@ def worker(layout: str, args: argparse.Namespace) -> None:
 
     lengths = step_lengths(args)
     rows = [row for mine in lengths for row in mine]
-    process = psutil.Process()
-    baseline = peak = process.memory_info().rss
-    sampling = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not sampling.is_set():
-            peak = max(peak, process.memory_info().rss)
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    backend.forward_backward(step(0, lengths), forward_only=False)  # warm-up: the allocator's pools grow to size
     seconds = []
-    for seq in range(1, args.steps + 1):
-        commands = step(seq, lengths)
-        started = time.perf_counter()
-        results = backend.forward_backward(commands, forward_only=False)
-        seconds.append(time.perf_counter() - started)
-        failed = [r for r in results if isinstance(r, Exception)]
-        if failed:
-            raise RuntimeError(f"a step failed: {failed[0]}")
-    sampling.set()
-    sampler.join()
+    with PeakRss() as peak:
+        backend.forward_backward(step(0, lengths), forward_only=False)  # warm-up: the allocator's pools grow to size
+        for seq in range(1, args.steps + 1):
+            commands = step(seq, lengths)
+            started = time.perf_counter()
+            results = backend.forward_backward(commands, forward_only=False)
+            seconds.append(time.perf_counter() - started)
+            failed = [r for r in results if isinstance(r, Exception)]
+            if failed:
+                raise RuntimeError(f"a step failed: {failed[0]}")
     from lilo.backend.sharding.plans import TrainRow
 
     train_rows = [TrainRow(0, 0, Datum(tokens=np.zeros(n), loss_inputs={}), "cross_entropy", {}) for n in rows]
@@ -115,7 +102,7 @@ def worker(layout: str, args: argparse.Namespace) -> None:
     median = statistics.median(seconds)
     print(json.dumps({"passes": len(passes), "computed_share": round(sum(rows) / computed, 3),
                       "seconds": round(median, 2), "tokens_per_s": round(sum(rows) / median, 1),
-                      "peak_mb": round((peak - baseline) / 2**20, 1)}))
+                      "peak_mb": round(peak.mb, 1)}))
 
 
 def main() -> None:
