@@ -7,10 +7,12 @@ under a pass budget of ``--budget`` tokens. Each layout runs in a process of its
 model, runs one step to warm up, then ``--steps`` steps, while a thread samples its RSS every 2 ms: ``tokens_per_s``
 is the step's real tokens over its median time (the warm-up's left out), ``peak_mb`` the highest RSS during all of
 them less the RSS before, ``computed_share`` the real tokens over those the passes computed. ``--model``: ``tiny``
-(lilo/tiny-llama) or ``smollm2`` (SmolLM2-135M, the demo's base).
+(lilo/tiny-llama) or ``smollm2`` (SmolLM2-135M, the demo's base). ``attention_ms``: one attention layer (the model's
+heads, fp32) over the first packed pass's stream, as packed passes run it (causal SDPA per sequence) and with one
+block-diagonal mask over the whole stream (the alternative on a CPU without varlen kernels), median of 3.
 Prints one JSON line:
 {"bench": "packing", "model": .., "real_tokens": .., "padded": {...}, "packed": {...}, "speedup": ..,
- "peak_ratio": ..}
+ "peak_ratio": .., "attention_ms": {"tokens": .., "sequences": .., "per_sequence": .., "block_mask": ..}}
 """
 
 from __future__ import annotations
@@ -105,6 +107,48 @@ def worker(layout: str, args: argparse.Namespace) -> None:
                       "peak_mb": round(peak.mb, 1)}))
 
 
+# (attention heads, head dim) of each model.
+HEADS = {"tiny": (4, 64), "smollm2": (9, 64)}
+
+
+def attention_ms(args: argparse.Namespace) -> dict:
+    """One attention layer over the first packed pass's stream: per sequence against one block-diagonal mask."""
+    import torch
+
+    from lilo.backend.training.packing import packed_bins
+
+    lengths = [length for mine in step_lengths(args) for length in mine]
+    sequences = [lengths[i] for i in packed_bins(lengths, args.budget)[0]]
+    tokens = sum(sequences)
+    heads, dim = HEADS[args.model]
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(1, heads, tokens, dim) for _ in range(3))
+    owner = torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor(sequences))
+    position = torch.arange(tokens)
+    mask = ((owner[:, None] == owner[None, :]) & (position[:, None] >= position[None, :]))[None, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def per_sequence() -> torch.Tensor:
+        ends = torch.tensor(sequences).cumsum(0).tolist()
+        return torch.cat([sdpa(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True)
+                          for a, b in zip([0, *ends[:-1]], ends)], dim=2)
+
+    def block_mask() -> torch.Tensor:
+        return sdpa(query, key, value, attn_mask=mask)
+
+    if not torch.allclose(per_sequence(), block_mask(), atol=1e-5):
+        raise RuntimeError("per-sequence and block-mask attention disagree")
+    timed = {}
+    for name, run in (("per_sequence", per_sequence), ("block_mask", block_mask)):
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        timed[name] = round(statistics.median(times) * 1000, 1)
+    return {"tokens": tokens, "sequences": len(sequences), **timed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
@@ -126,7 +170,8 @@ def main() -> None:
                       "budget": args.budget, "real_tokens": real, **results,
                       "speedup": round(results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"], 2),
                       "peak_ratio": round(results["packed"]["peak_mb"] / max(results["padded"]["peak_mb"], 0.1),
-                                          2)}))
+                                          2),
+                      "attention_ms": attention_ms(args)}))
 
 
 if __name__ == "__main__":
