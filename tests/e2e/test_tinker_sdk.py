@@ -48,7 +48,7 @@ def test_a_base_model_named_with_tinkers_context_suffix_trains_a_full_context_da
     with tinker.ServiceClient(base_url=local_cluster.api_url, api_key="tml-local-test") as service:
         with pytest.raises(tinker.APIStatusError, match="context of 512 tokens, fewer than the 262144") as refused:
             service.create_lora_training_client(base_model="lilo/tiny-llama:peft:262144", rank=8).result(timeout=120)
-        assert refused.value.status_code == 400
+        assert refused.value.status_code == 422
         training = service.create_lora_training_client(base_model="lilo/tiny-llama:peft:512", rank=8)
         training = training.result(timeout=120)
         assert training.get_info().model_data.model_name == "lilo/tiny-llama"

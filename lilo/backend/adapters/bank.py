@@ -24,10 +24,11 @@ from lilo.backend.families import UNEMBED, Family, family_of, role_of
 from lilo.backend.types import LoraSpec
 
 
-# Per device type, what the bank's rank axis is a multiple of: CUDA's grouped GEMMs (the deltas of
-# ``lora.MultiLoRALinear`` and of fused experts) take bf16 operands whose strides are multiples of 16 bytes, so
-# there ``--max-rank 4`` gets rows of 8 (the padding stays zero, like an adapter's entries past its own rank).
-RANK_MULTIPLE = {"cuda": 8}
+# Per device type, what the bank's rank axis is a multiple of: the grouped GEMMs (the deltas of
+# ``lora.MultiLoRALinear`` in packed passes and on CUDA, and of fused experts) take operands whose strides are
+# multiples of 16 bytes: 8 bf16 values on CUDA, so there ``--max-rank 4`` gets rows of 8; 4 fp32 values on the CPU,
+# so ``--max-rank 5`` gets rows of 8 (the padding stays zero, like an adapter's entries past its own rank).
+RANK_MULTIPLE = {"cuda": 8, "cpu": 4}
 
 
 def bank_rank(max_rank: int, device: torch.device) -> int:
