@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--sampler-max-loras", type=int,
                     help="adapters each vLLM sampler holds loaded at once (default 8)")
     up.add_argument("--max-batch-tokens", type=int,
-                    help="padded tokens per forward/backward pass, the coalescing budget and the micro-batch size "
+                    help="tokens a forward/backward pass computes (packed: real tokens), the coalescing budget "
                          "(default: sized by each trainer from its device's free memory and the base model)")
     up.add_argument("--coalesce-window-ms", type=float,
                     help="longest a pass waits for the next steps of clients stepping in rhythm with it, never more "

@@ -1,4 +1,4 @@
-"""What one forward/backward pass holds in memory, and so how many padded tokens it may take by default
+"""What one forward/backward pass holds in memory, and so how many tokens it may compute by default
 (``--max-batch-tokens`` when not set) and how long a single sequence may be at all.
 
 A training pass keeps, per token, each decoder layer's activations for the backward pass
