@@ -8,9 +8,11 @@ each token's LoRA delta comes from its own sequence's adapter (``Routing.of(...,
 log-probabilities are cut back per sequence from the stream; they equal the padded pass's (tests/lilo/
 test_packing.py).
 
-Families whose layers mix tokens some other way (linear attention's and state-space mixers' recurrent state,
-compressed or sparse attention, attention sinks, multimodal rotary positions) run padded: their ``Family.packs``
-is off. Micro-batches are filled by real tokens, first fit with the longest sequences first (``packed_bins``).
+Layers that mix tokens some other way run once per sequence (``Family.recurrent``: linear attention's and
+state-space mixers' recurrent state, DeepSeek-V4's compressed attention); GLM-5's indexer gets the stream's mask
+built (``Family.packed_mask``); attention sinks count in each sequence's softmax. A family whose ``Family.packs`` is
+off runs padded. Micro-batches are filled by real tokens, first fit with the longest sequences first
+(``packed_bins``).
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks: a logit per head that takes a share of the softmax
     picked = kwargs.get("indices")  # GLM-5's sparse attention: the keys (of the stream) each query attends to
     tokens = query.shape[2]
+    extra = key.shape[2] > tokens  # keys past the stream's (DeepSeek-V4's compressed ones): each sequence's too
     outputs = []
     for start, end in segments:
         q, k, v = (t[:, :, start:end] for t in (query, key, value))
-        extra = key.shape[2] > tokens  # keys past the stream's (DeepSeek-V4's compressed ones): each sequence's too
         if extra:
             k, v = (torch.cat([part, t[:, :, tokens:]], dim=2) for part, t in ((k, key), (v, value)))
         mask = None
@@ -62,9 +64,7 @@ def _packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                 chosen = torch.zeros(end - start, query.shape[2], dtype=torch.bool, device=query.device)
                 mask = mask & chosen.scatter_(-1, picked[0, start:end].long(), True)[:, start:end]
         elif sinks is not None or (sliding_window is not None and end - start > sliding_window):
-            position = torch.arange(end - start, device=query.device)
-            offset = position[:, None] - position[None, :]
-            mask = ((offset >= 0) & (offset < (sliding_window or end - start)))[None, None]
+            mask = _band(end - start, sliding_window, query.device)
         if sinks is not None:
             outputs.append(_with_sinks(q, k, v, mask, sinks, scaling if scaling is not None else q.shape[-1] ** -0.5))
             continue
@@ -164,13 +164,18 @@ def _cut(value: Any, tokens: int, start: int, end: int) -> Any:
     return value
 
 
-def _causal_mask(length: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
-    """The additive causal mask (1, 1, length, length) of one sequence, within ``window`` tokens where given."""
-    position = torch.arange(length, device=like.device)
+def _band(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Which keys each query of one sequence sees (1, 1, length, length): the causal ones, within ``window`` tokens
+    where given."""
+    position = torch.arange(length, device=device)
     offset = position[:, None] - position[None, :]
-    seen = (offset >= 0) & (offset < (window or length))
-    return torch.zeros(length, length, dtype=like.dtype, device=like.device).masked_fill(
-        ~seen, torch.finfo(like.dtype).min)[None, None]
+    return ((offset >= 0) & (offset < (window or length)))[None, None]
+
+
+def _causal_mask(length: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
+    """``_band`` as an additive mask in ``like``'s dtype."""
+    seen = _band(length, window, like.device)
+    return torch.zeros(seen.shape, dtype=like.dtype, device=like.device).masked_fill(~seen, torch.finfo(like.dtype).min)
 
 
 def packed_stream(sequences: Sequence[Sequence[int] | np.ndarray]) -> tuple[torch.Tensor, torch.Tensor,
