@@ -216,7 +216,8 @@ def connect_existing(settings: Settings) -> str:
 def serve_env(settings: Settings) -> dict[str, str]:
     """Ray Serve's direct ingress, for every process of the cluster: the API replica serves HTTP on lilo's port
     itself, so a request crosses no proxy process on its way in (one hop and one process's CPU less per request).
-    Serve still starts its proxy on the head, as a fallback router, on a port of its own that nobody is sent to.
+    Serve still starts its proxy on the head, as a fallback router, on a port of its own that nobody is sent to,
+    given a minute to come up.
     And OpenTelemetry's variables as ``lilo up`` has them, so every part exports traces where they say
     (``lilo.timing.traces``). And where the base models served from a directory under a name of their own lie."""
     return {**{name: value for name, value in os.environ.items() if name.startswith("OTEL_")},
@@ -227,7 +228,10 @@ def serve_env(settings: Settings) -> dict[str, str]:
             # A restarted replica takes the port back at once; the quarantine and the draining period are there
             # for load balancers in front of the replicas, and lilo has none.
             "RAY_SERVE_PORT_QUARANTINE_S": "0",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+            # Serve's controller kills a proxy not ready within 5 s, and `serve.start` then fails: on 2 busy cores,
+            # with a dozen trainers starting beside it, the proxy's worker took longer than that to start (CI).
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
 
 def prepare_environment() -> None:
