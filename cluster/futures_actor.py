@@ -27,7 +27,10 @@ from lilo.errors import QuotaExceededError
 from lilo.futures.admission import Admission
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.request_traces import RequestTraces
+from lilo.engine.commands import Kind
 from lilo.futures.schema import PENDING
+from lilo.futures.session_completions import FinishedRequest, SessionTarget
+from lilo.futures.session_waiter import SessionWaiter
 from lilo.backend.provenance import RecordedSequence
 from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 FUTURES_ACTOR_NAME = "lilo-futures"
 # Under the SDK's 45 s read timeout for retrieve_future, so a long-poll answers before the client gives up.
 RETRIEVE_TIMEOUT_S = 40.0
+# A sampling session's long poll (retrieve_futures): the SDK expects about 30 s and gives up after 45.
+SESSION_POLL_TIMEOUT_S = 30.0
 # Outbox retries, heartbeat writes and (every PRUNE_EVERY_S) pruning run this often.
 MAINTAIN_EVERY_S = 5.0
 PRUNE_EVERY_S = 600.0
@@ -63,6 +68,7 @@ class FuturesActor:
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lilo-futures-db")
         self._waiter = FutureWaiter(lambda ids: self._run(self._store.states, ids),
                                     missing=lambda request_id: self._run(self._store.missing_error, request_id))
+        self._sessions = SessionWaiter(lambda polls: self._run(self._store.session_completions, polls))
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
         self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
@@ -196,6 +202,8 @@ class FuturesActor:
         if tenants is None:
             return False
         self._admission.finished({request_id: tenant_of(tenant) for request_id, tenant in tenants.items()})
+        if any(completion.kind == Kind.SAMPLE for completion in completions):
+            self._sessions.wake()
         for completion in completions:
             if completion.request_id not in tenants:
                 continue  # it had failed already (its trainer evacuated): the write kept that, and so do its waiters
@@ -229,6 +237,17 @@ class FuturesActor:
         except TimeoutError:
             return FutureState(request_id, PENDING)
 
+    async def retrieve_session(self, sampling_session_id: str, clone: int, cursor: int,
+                               timeout_s: float = SESSION_POLL_TIMEOUT_S) -> tuple[list[FinishedRequest], int]:
+        """What finished in a sampling client's requests after ``cursor`` (the SDK's retrieve_futures), and the
+        cursor to poll with next: at once when something has, else once something does or after ``timeout_s``
+        (0: at once either way). Whose session it is, the caller checked."""
+        return await self._sessions.wait(SessionTarget(sampling_session_id, clone), cursor,
+                                         min(timeout_s, SESSION_POLL_TIMEOUT_S))
+
+    async def join_sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> int:
+        return await self._run(self._store.join_sampling_session, sampling_session_id, tenant)
+
     async def add_model(self, model_id: str, base_model: str, lora_config: dict, **record: Any) -> None:
         await self._run(lambda: self._store.add_model(model_id, base_model, lora_config, **record))
 
@@ -261,6 +280,8 @@ class FuturesActor:
         """The displaced models, once the parked retrieves of the futures failed with them are woken."""
         for state in failed:
             self._waiter.notify(state)
+        if any(state.kind == Kind.SAMPLE for state in failed):
+            self._sessions.wake()
         return displaced
 
     async def fail_orphans(self) -> int:
@@ -358,6 +379,7 @@ class FuturesActor:
         counts = await self._run(self._store.count_by_status)
         db_mb, wal_mb = self._store.file_sizes_mb()
         return {"futures": counts, "outbox": self._store.outbox_size, "parked_waiters": self._waiter.parked,
+                "parked_session_polls": self._sessions.parked, "session_poll_queries": self._sessions.queries,
                 "group_commits": self._committer.commits, "statements": self._store.statements,
                 "commits": self._store.commits, "db_mb": db_mb, "wal_mb": wal_mb, "db_path": str(self._store.path),
                 "pid": os.getpid()}

@@ -22,6 +22,9 @@ from lilo.tenant_policy import TenantsFileError, read_tenants_file
 MAX_RAY_TEMP_DIR_CHARS = 40
 
 
+COMPRESS_BODIES = ("auto", "always", "never")
+
+
 class SettingsError(ValueError):
     """A setting a user can fix; the message says how."""
 
@@ -85,6 +88,10 @@ class Settings:
     device: str = "auto"
     # Largest request body the API accepts (a larger one is a 413); zstd bodies may not inflate past it either.
     max_body_mb: int = 64
+    # Whether the SDK zstd-compresses forward_backward bodies (client/config's proto_compress_fwdbwd): "auto" asks
+    # it of clients on other machines only (on the same machine it costs both ends CPU and saves nothing), "always"
+    # or "never".
+    compress_bodies: str = "auto"
     # How much nicer than the rest of its process each trainer's compute thread (and the torch threads it starts)
     # runs: batched steps yield the CPU to the latency-bound control plane (HTTP proxy, ingress, futures DB), so a
     # heartbeat or a submission does not queue behind a training step. 0 leaves the compute thread as it is.
@@ -254,6 +261,9 @@ class Settings:
                 f"--stop-save-timeout must be 0 (no save) or more seconds, got {self.stop_save_timeout_s}.")
         if self.session_timeout_s < 0:
             raise SettingsError(f"--session-timeout must be 0 (never) or more seconds, got {self.session_timeout_s}.")
+        if self.compress_bodies not in COMPRESS_BODIES:
+            raise SettingsError(f"--compress-bodies must be one of {', '.join(COMPRESS_BODIES)}, "
+                                f"not {self.compress_bodies!r}.")
         if self.max_body_mb < 1:
             raise SettingsError(f"--max-body-mb must be at least 1, got {self.max_body_mb}.")
         if not self.base_models:
@@ -324,6 +334,7 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_STARTUP_TIMEOUT_S": ("startup_timeout_s", float),
     "LILO_DEVICE": ("device", str),
     "LILO_MAX_BODY_MB": ("max_body_mb", int),
+    "LILO_COMPRESS_BODIES": ("compress_bodies", str),
     "LILO_COMPUTE_NICE": ("compute_nice", int),
     "LILO_SESSION_TIMEOUT_S": ("session_timeout_s", float),
     "LILO_STOP_SAVE_TIMEOUT_S": ("stop_save_timeout_s", float),

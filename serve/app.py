@@ -36,11 +36,13 @@ from serve.http.request_traces import TraceRequests
 from serve.openai.endpoint import openai_route
 from serve.openai.keys import OPENAI_ROUTES
 from serve.openai.params import ChatCompletionBody, CompletionBody
+from serve.tinker.client_flags import client_config, dynamic_config
 from serve.tinker.keys import TINKER_ROUTES
 from serve.tinker.requests import (
     MAX_ID_CHARS, Body, CopyWeightsRequest, CreateModelRequest, CreateSamplingSessionRequest, FinishSessionRequest,
-    LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest, SampleRequest, SaveWeightsRequest,
-    SessionRequest, SessionSearchRequest, TinkerPathRequest, TtlRequest, read_forward_backward,
+    LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest, RetrieveFuturesRequest, SampleRequest,
+    SamplingSessionRequest, SaveWeightsRequest, SessionRequest, SessionSearchRequest, TinkerPathRequest, TtlRequest,
+    read_forward_backward,
 )
 
 APP_NAME = "lilo"
@@ -80,13 +82,14 @@ class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
     def __init__(self, base_models: list[str], trainer_wait_s: float, max_body_bytes: int,
-                 api_key_digests: dict[str, str], url_secret_file: str) -> None:
+                 api_key_digests: dict[str, str], url_secret_file: str, compress_bodies: str = "auto") -> None:
         reuse_listening_address()  # before Serve binds lilo's port in this replica
         # Serve's HTTP loop, the loop running these routes and Ray's threads hand each request to one another; a
         # waiting thread gets the GIL within 1 ms instead of CPython's 5 (bench_load's heartbeat p99: 47-49 ms
         # against 50-52 ms).
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         BodyLimit.limit_bytes = max_body_bytes
+        self._compress_bodies = compress_bodies
         ApiKeyGate.keys = ApiKeys(api_key_digests)
         # The trainers come from the reconciler's registry (cluster.reconciler), not from these arguments: they
         # follow the cluster's GPU nodes as they come and go.
@@ -98,10 +101,10 @@ class LiloIngress:
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    # The first call the tinker SDK makes; {} means "use the SDK's defaults" for every feature flag.
+    # The first call the tinker SDK makes: the feature flags lilo turns on (serve.tinker.client_flags).
     @api.post("/api/v1/client/config")
-    async def client_config(self) -> dict[str, Any]:
-        return {}
+    async def client_config(self, request: Request) -> dict[str, Any]:
+        return client_config(request.client.host if request.client else None, self._compress_bodies)
 
     @api.get("/api/v1/get_server_capabilities")
     async def get_server_capabilities(self) -> dict[str, Any]:
@@ -109,7 +112,7 @@ class LiloIngress:
 
     @api.post("/api/v1/client/dynamic_config")
     async def client_dynamic_config(self) -> dict[str, Any]:
-        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+        return dynamic_config()
 
     @api.post("/api/v1/create_session")
     async def create_session(self, body: Body, tenant: str = Depends(caller)) -> dict[str, Any]:
@@ -305,6 +308,15 @@ class LiloIngress:
     async def unload_model(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         return await self._control.training.unload_model(body, tenant)
 
+    @api.post("/api/v1/retrieve_futures")
+    async def retrieve_futures(self, body: RetrieveFuturesRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await self._control.sampling.retrieve_futures(body, tenant)
+
+    @api.post("/api/v1/join_sampling_session")
+    async def join_sampling_session(self, body: SamplingSessionRequest,
+                                    tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await self._control.sampling.join(body, tenant)
+
     @api.post("/api/v1/retrieve_future", response_model=None)
     async def retrieve_future(self, body: RetrieveFutureRequest,
                               tenant: str = Depends(caller)) -> Response | dict[str, Any]:
@@ -351,4 +363,4 @@ def build_application(settings: Settings) -> serve.Application:
     (their digests) read now, and the path of the download links' signing secret (made now if missing; the secret
     itself never travels as a deployment argument)."""
     return LiloIngress.bind(list(settings.base_models), settings.trainer_wait_s, settings.max_body_mb << 20,
-                            settings.api_key_digests(), str(secret_file(settings.home)))
+                            settings.api_key_digests(), str(secret_file(settings.home)), settings.compress_bodies)

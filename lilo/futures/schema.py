@@ -32,6 +32,10 @@ futures = Table(
     # The trainer the request was handed to, so a trainer's failure fails exactly its requests. Added after the
     # first release (nullable: an older file gains it on open).
     Column("trainer", String, nullable=True),
+    # The order finished futures were written in: every write that finishes some stamps them with the next number
+    # (lilo.futures.session_completions), so a sampling session's poll asks for what finished after its cursor.
+    # Added after the first release (nullable: an older file gains it on open; its finished rows stay unnumbered).
+    Column("finished_seq", Integer, nullable=True),
     UniqueConstraint("model_id", "seq_id", name="uq_futures_model_seq"),
     sqlite_autoincrement=True,
 )
@@ -44,6 +48,9 @@ RETIRED_INDEXES = ("ix_futures_pending_scan",)
 # Columns an older file names otherwise: (table, old name, name now).
 RENAMED_COLUMNS = (("futures", "request_type", "kind"),)
 FINISHED_INDEX = Index("ix_futures_finished_at", futures.c.finished_at)
+# A sampling session's samples finished after a cursor (retrieve_futures); samples only, so training's writes skip it.
+SESSION_FINISHED_INDEX = Index("ix_futures_session_finished", futures.c.model_id, futures.c.finished_seq,
+                               sqlite_where=futures.c.kind == "sample")
 
 models = Table(
     "models",
@@ -88,6 +95,8 @@ sampling_sessions = Table(
     Column("created_at", Float, nullable=False),
     # Added after the first release (nullable, so an older file gains it on open; NULL: the local tenant's).
     Column("tenant", String, nullable=True),
+    # How many clients joined the session (join_sampling_session), each given the next count as its clone id.
+    Column("clients", Integer, nullable=True),
 )
 
 # Sequences sampled with record_stability_info, for stable_reinforce (lilo.futures.sequences).

@@ -37,6 +37,7 @@ from lilo.backend.provenance import RecordedSequence
 from lilo.futures import codec, sequences
 from lilo.futures.checkpoint_records import CheckpointRecords
 from lilo.futures.sequences import RecordedSample
+from lilo.futures.session_completions import FinishedRequest, FinishOrder, SessionTarget, completions_after
 from lilo.futures.session_queries import SessionQueries, unknown_session_error
 from lilo.futures.paths import prepare_db_path
 from lilo.futures.schema import (
@@ -196,6 +197,7 @@ class FuturesStore:
         self.drop_retired_indexes()
         self.checkpoints = CheckpointRecords(self.engine, clock)
         self.sessions = SessionQueries(self.engine, clock)
+        self.finish_order = FinishOrder(self.engine)
         # The waiter's per-tick reads skip the pool: one long-lived connection (WAL: readers see every commit and
         # never block the writer), plain driver calls, counted by hand since no SQLAlchemy event sees them.
         self._reader = self.engine.raw_connection().driver_connection
@@ -406,7 +408,7 @@ class FuturesStore:
         now = self._clock()
         statement = update(futures).where(futures.c.request_id == bindparam("rid"), futures.c.status == PENDING).values(
             status=bindparam("status"), result=bindparam("result"), error=bindparam("error"),
-            error_category=bindparam("category"), finished_at=now)
+            error_category=bindparam("category"), finished_at=now, finished_seq=self.finish_order.next())
         params = [{"rid": c.request_id, "status": COMPLETED if c.ok else FAILED, "result": c.result,
                    "error": c.error, "category": c.category} for c in batch]
         recorded = {c.request_id: c.recorded for c in batch if c.ok and c.recorded is not None}
@@ -592,7 +594,8 @@ class FuturesStore:
         how many."""
         with self.engine.begin() as connection:
             return connection.execute(update(futures).where(futures.c.status == PENDING).values(
-                status=FAILED, error=error, error_category="server", finished_at=self._clock())).rowcount
+                status=FAILED, error=error, error_category="server", finished_at=self._clock(),
+                finished_seq=self.finish_order.next())).rowcount
 
     def evacuate(self, trainer: str, error: str) -> tuple[list[DisplacedModel], list[FutureState]]:
         """``trainer`` failed: in one transaction, take its models off it (routing answers 503 until each is
@@ -624,7 +627,8 @@ class FuturesStore:
             failed = connection.execute(select(futures.c.request_id, futures.c.kind, futures.c.tenant)
                                         .where(lost)).all()
             connection.execute(update(futures).where(lost).values(
-                status=FAILED, error=error, error_category="server", finished_at=now))
+                status=FAILED, error=error, error_category="server", finished_at=now,
+                finished_seq=self.finish_order.next()))
         # The most recently used first: when slots run short, those are the models most likely still wanted.
         rows = sorted(rows, key=lambda row: last.get(row.model_id, (0, 0.0))[1], reverse=True)
         displaced = [DisplacedModel(row.model_id, row.base_model, orjson.loads(row.lora_config),
@@ -737,6 +741,21 @@ class FuturesStore:
         if row is None or not may_see(tenant, row["tenant"]):
             raise unknown_sampling_session_error(sampling_session_id)
         return dict(row)
+
+    def join_sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> int:
+        """A new client of the session (an unpickled SamplingClient): its clone id, the session's next client count
+        (the original client is 0)."""
+        self.sampling_session(sampling_session_id, tenant)  # 404 unless it is the caller's
+        with self.engine.begin() as connection:
+            return connection.execute(
+                update(sampling_sessions).where(sampling_sessions.c.sampling_session_id == sampling_session_id)
+                .values(clients=func.coalesce(sampling_sessions.c.clients, 0) + 1)
+                .returning(sampling_sessions.c.clients)).scalar_one()
+
+    def session_completions(self, polls: Sequence[tuple[SessionTarget, int]]
+                            ) -> dict[tuple[SessionTarget, int], tuple[list[FinishedRequest], int]]:
+        """What finished in each polled sampling session after its cursor (``session_completions``)."""
+        return completions_after(self._read, polls)
 
     def recorded_sequences(self, model_id: str, sequence_ids: Sequence[str],
                            tenant: str | None = None) -> dict[str, RecordedSequence]:

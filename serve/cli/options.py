@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from cluster.service import STOP_MARGIN_S
-from lilo.settings import Settings, load_settings
+from lilo.settings import COMPRESS_BODIES, Settings, load_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 DETACHED_CHILD_FLAG = "--detached-child"
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how long the trainers may take, when the service stops, to save every model they hold so "
                          "the next start resumes it; 0: no save (default 40)")
     up.add_argument("--max-body-mb", type=int, help="largest request body the API accepts, in MB (default 64)")
+    up.add_argument("--compress-bodies", choices=COMPRESS_BODIES,
+                    help="whether SDK clients zstd-compress forward_backward bodies: auto (clients on other "
+                         "machines only), always or never (default auto)")
     up.add_argument("--api-keys-file", type=Path, metavar="PATH",
                     help="file of API keys, one `tml-key[=tenant]` per line (default: $LILO_API_KEYS_FILE; none and "
                          "no $LILO_API_KEYS: local mode, any tml- key)")
@@ -131,7 +134,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
               "max_rank", "sampler_slots", "samplers", "sampler_max_loras", "max_batch_tokens", "coalesce_window_ms",
               "trainer_memory_gb", "host_adapter_mb", "disk_adapter_gb",
               "base_models",
-              "ray_address", "startup_timeout_s", "device", "max_body_mb", "api_keys_file", "tenants_file",
+              "ray_address", "startup_timeout_s", "device", "max_body_mb", "compress_bodies", "api_keys_file",
+              "tenants_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",
               "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s")
     return load_settings(**{name: getattr(args, name, None) for name in fields})

@@ -105,6 +105,27 @@ class SampleRequest(Body):
     record_stability_info: bool | None = None
 
 
+class SamplingSessionTarget(Body):
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str = Field(max_length=MAX_ID_CHARS)
+    cloned_sampler_id: int = Field(0, ge=0, lt=2**63 // 10**9)
+
+
+class RetrieveFuturesRequest(Body):
+    """One poll of a sampling client's requests (the SDK's ``retrieve_futures``): what finished after
+    ``prev_cursor``; ``timeout`` 0 answers at once, none long-polls."""
+    target: SamplingSessionTarget
+    prev_cursor: int = Field(0, ge=0)
+    timeout: float | None = Field(None, ge=0)
+    # Results the client has read; lilo keeps them anyway until the ledger's retention prunes them, so that a
+    # retried retrieve_future still finds its result.
+    retrieved_request_ids: list[str] = Field(default_factory=list, max_length=100_000)
+
+
+class SamplingSessionRequest(Body):
+    sampling_session_id: str = Field(max_length=MAX_ID_CHARS)
+
+
 class TtlRequest(Body):
     ttl_seconds: int | None = None
 

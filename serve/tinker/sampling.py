@@ -22,6 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from ray.exceptions import RayActorError
+
+from cluster.futures_actor import SESSION_POLL_TIMEOUT_S
 from cluster.placement import choose_sampling_trainer, trainer_facts as ask_trainer_facts
 from lilo.backend.checkpoints.paths import ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
@@ -33,7 +36,9 @@ from lilo.protocol.sampling import decode_sample_request, has_images as has_imag
 from lilo.tenants import may_see
 from serve.tinker.actors import Actors
 from serve.tinker.images import image_fingerprints, layout_of
-from serve.tinker.requests import CreateSamplingSessionRequest, SampleRequest, SaveWeightsRequest
+from serve.tinker.requests import (
+    CreateSamplingSessionRequest, RetrieveFuturesRequest, SampleRequest, SamplingSessionRequest, SaveWeightsRequest,
+)
 from serve.tinker.submissions import Submissions
 
 # Routes of this many sessions are remembered per ingress replica (they never change; past it, all are dropped).
@@ -140,6 +145,26 @@ class Sampling:
         run = sampler_run(model_path)
         return await self._actors.readable_run(model_path, tenant, f"No training run {run!r} saved {model_path!r}; "
                                                                    "pass a path save_weights_for_sampler returned.")
+
+    async def retrieve_futures(self, request: RetrieveFuturesRequest, tenant: str) -> dict[str, Any]:
+        """One poll of a sampling client's requests: those finished after its cursor (the SDK's FutureCompletion
+        list) and the next cursor. Long-polls unless ``timeout`` is 0; one ledger statement answers every poll
+        parked together (lilo.futures.session_waiter)."""
+        target = request.target
+        await self._router.route(target.sampling_session_id, tenant)  # 404 unless it is the caller's
+        timeout_s = SESSION_POLL_TIMEOUT_S if request.timeout is None else request.timeout
+        try:
+            finished, cursor = await self._futures.retrieve_session.remote(
+                target.sampling_session_id, target.cloned_sampler_id, request.prev_cursor, timeout_s)
+        except RayActorError:
+            # The futures DB is restarting (its file keeps every result): nothing new yet; the client polls again.
+            finished, cursor = [], request.prev_cursor
+        return {"completions": [request.as_wire() for request in finished], "cursor": cursor}
+
+    async def join(self, request: SamplingSessionRequest, tenant: str) -> dict[str, Any]:
+        """A clone id for an unpickled SamplingClient, unique among the session's clients (the original is 0)."""
+        counter = await self._futures.join_sampling_session.remote(request.sampling_session_id, tenant)
+        return {"type": "join_sampling_session", "client_counter": counter}
 
     async def sampler(self, sampling_session_id: str, tenant: str) -> dict[str, Any]:
         """The SDK's ``GetSamplerResponse``."""
