@@ -379,7 +379,8 @@ class FuturesActor:
         counts = await self._run(self._store.count_by_status)
         db_mb, wal_mb = self._store.file_sizes_mb()
         return {"futures": counts, "outbox": self._store.outbox_size, "parked_waiters": self._waiter.parked,
-                "parked_session_polls": self._sessions.parked, "session_poll_queries": self._sessions.queries,
+                "parked_session_polls": self._sessions.parked, "session_polls": self._sessions.polls,
+                "session_poll_queries": self._sessions.queries,
                 "group_commits": self._committer.commits, "statements": self._store.statements,
                 "commits": self._store.commits, "db_mb": db_mb, "wal_mb": wal_mb, "db_path": str(self._store.path),
                 "pid": os.getpid()}

@@ -79,7 +79,10 @@ def local_cluster(trace_receiver: OtlpReceiver) -> Iterator[RunningCluster]:
             "--api-keys-file", str(keys_file),
             # Few tests unload their models, and a restarted recovery actor restores the ones tests placed on
             # trainers that never existed: room for all of them, whichever test runs when.
-            "--max-adapters", "48"]
+            "--max-adapters", "48",
+            # Every SDK client of the suite then zstd-compresses its forward_backward bodies (on loopback "auto"
+            # would not ask it to), so the whole suite runs through the server's inflating of them.
+            "--compress-bodies", "always"]
     for name in cluster.base_models:
         args += ["--base-model", name]
     started = lilo(*args, env={TRACES_ENDPOINT: trace_receiver.endpoint})

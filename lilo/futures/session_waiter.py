@@ -1,10 +1,12 @@
 """Long polls of sampling sessions (the SDK's ``retrieve_futures``), answered from the ledger in batches.
 
 ``SessionWaiter.wait(target, cursor, timeout_s)`` parks a poll until its session has samples finished after
-``cursor``. The ledger is asked only when its answer can have changed: when polls arrive (every poll parked by
-then shares the one statement) and after each write that finished samples (``wake``: the futures DB actor writes
-every result itself, so it knows). So an idle session's long poll costs one statement however long it waits, and
-a burst of completions one statement per write, shared by all parked polls, never one per poll or per sample.
+``cursor``. The ledger is asked only when its answer can have changed: after each write that finished samples
+(``wake``: the futures DB actor writes every result itself, so it knows), and when a poll arrives with a cursor
+the waiter cannot vouch for. It can for the usual one: the cursor it answered the session's previous poll with,
+no such write since. Every poll parked at the time shares the one statement. So a client polling in a loop costs
+one statement per write that finished samples while it waits, shared with every other parked poll: never one per
+poll or per sample, and none while nothing finishes.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Sequence
 
-from lilo.futures.session_completions import FinishedRequest, SessionTarget
+from lilo.futures.session_completions import PAGE, FinishedRequest, SessionTarget
 
 logger = logging.getLogger(__name__)
 
 Poll = tuple[SessionTarget, int]
 Answer = tuple[list[FinishedRequest], int]
 Fetch = Callable[[Sequence[Poll]], Awaitable[dict[Poll, Answer]]]
+MAX_ANSWERED = 100_000  # sessions whose last answer is remembered (past it, all are forgotten)
 
 
 class SessionWaiter:
@@ -28,7 +31,10 @@ class SessionWaiter:
         self._parked: dict[asyncio.Future, Poll] = {}
         self._due = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.queries = 0
+        self._writes = 0  # writes that finished samples, so far (``wake``)
+        # target -> (the cursor its last answer gave, ``_writes`` when that answer was read)
+        self._answered: dict[SessionTarget, tuple[int, int]] = {}
+        self.queries = self.polls = 0
 
     @property
     def parked(self) -> int:
@@ -37,11 +43,17 @@ class SessionWaiter:
     async def wait(self, target: SessionTarget, cursor: int, timeout_s: float) -> Answer:
         """What finished in ``target`` after ``cursor``, and the next cursor; once something has, or, after
         ``timeout_s`` with nothing, no completions and the same cursor."""
-        if timeout_s <= 0:
+        self.polls += 1
+        if self._answered.get(target) == (cursor, self._writes):
+            if timeout_s <= 0:
+                return [], cursor  # nothing finished since this cursor was answered
+        elif timeout_s <= 0:
             return (await self._ask([(target, cursor)]))[(target, cursor)]
+        else:
+            self._due.set()
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._parked[future] = (target, cursor)
-        self.wake()
+        self._start()
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
@@ -50,10 +62,13 @@ class SessionWaiter:
             self._parked.pop(future, None)
 
     def wake(self) -> None:
-        """Samples may have finished (or polls arrived): ask the ledger for every parked poll, once."""
-        if not self._parked:
-            return
-        self._due.set()
+        """A write finished samples: ask the ledger for every parked poll, once."""
+        self._writes += 1
+        if self._parked:
+            self._due.set()
+            self._start()
+
+    def _start(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._answer(), name="lilo-session-waiter")
 
@@ -78,7 +93,14 @@ class SessionWaiter:
 
     async def _ask(self, polls: Sequence[Poll]) -> dict[Poll, Answer]:
         self.queries += 1
-        return await self._fetch(polls)
+        writes = self._writes  # read before the statement runs: a write it may miss counts after it
+        answers = await self._fetch(polls)
+        if len(self._answered) > MAX_ANSWERED:
+            self._answered.clear()
+        for (target, _), (completions, cursor) in answers.items():
+            if len(completions) < PAGE:  # else a page may have been left for the next poll
+                self._answered[target] = (cursor, writes)
+        return answers
 
     async def close(self) -> None:
         if self._task is not None:

@@ -115,6 +115,18 @@ def test_parked_polls_are_answered_by_one_statement_per_write(store):
         answers = await asyncio.gather(*polls)
         assert waiter.queries == asked + 1
         assert [[r.request_id for r in found] for found, _ in answers] == [[ids[name]] for name in ids]
+        # The clients poll again from the cursors they were given: no write since, so no statement until one.
+        again = [asyncio.create_task(waiter.wait(SessionTarget(name), cursor, timeout_s=30))
+                 for name, (_, cursor) in zip(ids, answers)]
+        await asyncio.sleep(0.2)
+        assert waiter.queries == asked + 1 and waiter.parked == 3
+        late = sample(store, "b", 2)
+        store.complete_many([done(late)])
+        waiter.wake()
+        found, _ = await again[1]
+        assert [r.request_id for r in found] == [late] and waiter.queries == asked + 2
+        for poll in again:
+            poll.cancel()
         await waiter.close()
 
     asyncio.run(scenario())

@@ -1,0 +1,70 @@
+"""The SDK (0.38.0) with the server feature flags lilo turns on: a sampling client polls its session's completions
+(retrieve_futures) instead of one long poll per sample, an unpickled sampling client joins its session for a clone id
+of its own, and forward_backward bodies arrive zstd-compressed (the session cluster asks it of every client)."""
+
+import concurrent.futures
+import pickle
+
+import httpx
+import ray
+import tinker
+from tinker import types
+
+from cluster.futures_actor import FUTURES_ACTOR_NAME
+from cluster.local import NAMESPACE
+from tests.helpers import sdk_datum
+
+TINY = "lilo/tiny-llama"
+TIMEOUT_S = 120
+IN_FLIGHT = 24
+
+
+def futures_stats() -> dict:
+    return ray.get(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE).stats.remote())
+
+
+def samples(sampler: tinker.SamplingClient, count: int, seed: int = 0) -> list[types.SampleResponse]:
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=seed)
+    pending = [sampler.sample(prompt=types.ModelInput.from_ints([5, 6, 7 + k]), num_samples=1,
+                              sampling_params=params) for k in range(count)]
+    return [future.result(timeout=TIMEOUT_S) for future in pending]
+
+
+def test_client_config_turns_on_the_flags_lilo_implements(local_cluster, service):
+    answered = httpx.post(f"{local_cluster.api_url}/api/v1/client/config", json={}).json()
+    assert answered == {"sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
+                        "proto_compress_fwdbwd": True}  # compressed: the session cluster runs --compress-bodies always
+    config = service.holder.get_client_config()
+    assert config.sample_use_retrieve_futures and config.sample_join_sampling_session and config.proto_compress_fwdbwd
+
+
+def test_a_sampling_client_polls_its_session_not_each_sample(service, ray_driver):
+    sampler = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    before = futures_stats()
+    responses = samples(sampler, IN_FLIGHT)
+    after = futures_stats()
+    assert all(len(response.sequences[0].tokens) == 4 for response in responses)
+    polls = after["session_polls"] - before["session_polls"]
+    queries = after["session_poll_queries"] - before["session_poll_queries"]
+    # The SDK polled retrieve_futures (its per-sample retrieve_future then fetches results the poll said are there),
+    # and each poll cost the ledger at most one statement, however many samples it answered.
+    assert 1 <= polls <= IN_FLIGHT + 1 and queries <= polls, (polls, queries)
+
+
+def test_an_unpickled_sampling_client_joins_for_a_clone_id_of_its_own(service):
+    sampler = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    samples(sampler, 2)
+    clones = [pickle.loads(pickle.dumps(sampler)) for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answered = list(pool.map(lambda clone: samples(clone, 3, seed=7), clones))
+    # Each asked the server for its clone id, so their requests' seq ids never collide with each other's or the
+    # original's: every sample ran (a collision would be a 409 for the second of two different prompts).
+    assert sorted(clone._cloned_sampler_id for clone in clones) == [1, 2]
+    assert all(len(response.sequences[0].tokens) == 4 for responses in answered for response in responses)
+
+
+def test_forward_backward_bodies_arrive_zstd_compressed(service):
+    training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+    assert training.holder.get_client_config().proto_compress_fwdbwd
+    output = training.forward_backward([sdk_datum(seed) for seed in range(4)], "cross_entropy").result(TIMEOUT_S)
+    assert len(output.loss_fn_outputs) == 4 and output.metrics["loss:sum"] > 0
