@@ -245,6 +245,9 @@ class FuturesActor:
         return await self._sessions.wait(SessionTarget(sampling_session_id, clone), cursor,
                                          min(timeout_s, SESSION_POLL_TIMEOUT_S))
 
+    async def sample_to_cancel(self, request_id: int | str, tenant: str | None = None) -> str | None:
+        return await self._run(self._store.sample_to_cancel, parse_request_id(request_id), tenant)
+
     async def join_sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> int:
         return await self._run(self._store.join_sampling_session, sampling_session_id, tenant)
 

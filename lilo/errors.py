@@ -56,6 +56,11 @@ class UnavailableError(LiloError):
     503, which the SDK retries by itself)."""
 
 
+class CancelledByClientError(LiloError):
+    """A sample its client abandoned and cancelled (``cancel_future``): its future fails with this, the client has
+    stopped waiting for it."""
+
+
 class TooLargeError(LiloError):
     """The request is larger than this server takes, as sent or once inflated (HTTP 413)."""
 

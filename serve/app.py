@@ -312,6 +312,11 @@ class LiloIngress:
     async def retrieve_futures(self, body: RetrieveFuturesRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
         return await self._control.sampling.retrieve_futures(body, tenant)
 
+    @api.post("/api/v1/cancel_future")
+    async def cancel_future(self, body: RetrieveFutureRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        await self._control.sampling.cancel(body.request_id, tenant)
+        return {}
+
     @api.post("/api/v1/join_sampling_session")
     async def join_sampling_session(self, body: SamplingSessionRequest,
                                     tenant: str = Depends(caller)) -> dict[str, Any]:

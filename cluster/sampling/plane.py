@@ -41,7 +41,7 @@ from lilo.backend.checkpoints.paths import TINKER_SCHEME, local_directory
 from lilo.backend.types import SamplingRequest
 from lilo.backend.vllm_sampler import vllm_unsupported
 from lilo.engine.commands import Command
-from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.errors import CancelledByClientError, InvalidRequestError, NotFoundError
 from lilo.settings import Settings
 from lilo.timing.critical_path import Observer, Operation
 
@@ -146,6 +146,7 @@ class SamplerRelay:
         self._loaded: dict[str, dict[str, int]] = {name: {} for name in self.names}  # sampler -> path -> version
         self._publishing: dict[tuple[str, str], asyncio.Lock] = {}
         self._relayed: OrderedDict[str, Future] = OrderedDict()
+        self._running: dict[str, ray.ObjectRef] = {}  # request id -> its call on a sampler, while it runs
         self.counts: dict[str, int] = {}  # which engine answered how many samples, and why torch did
         self._watchers = [asyncio.get_running_loop().create_task(self._watch(name)) for name in self.names]
 
@@ -220,17 +221,22 @@ class SamplerRelay:
                     _chain(fallback(), future)
                     return
             t1 = self._clock()
-            [outcome] = await named_actor(sampler).sample.remote([command.payload], [key], [command.trace])
+            outcome = await self._sample_on(sampler, command, key)
             if isinstance(outcome, NotFoundError) and key is not None:
                 # The sampler lost the adapter (it restarted since this trainer last looked): publish, once more.
                 self._loaded[sampler].pop(key, None)
                 await self._fresh(sampler, key, command.model_id, "publish:sample")
-                [outcome] = await named_actor(sampler).sample.remote([command.payload], [key], [command.trace])
+                outcome = await self._sample_on(sampler, command, key)
             if isinstance(outcome, Exception):
                 raise outcome
             self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t1, self._clock(),
                                 request_ids=[command.request_id], n=1, ok=True)
             future.set_result(outcome)
+        except ray.exceptions.TaskCancelledError:  # ``cancel``: vLLM stopped generating it
+            self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(),
+                                request_ids=[command.request_id], n=1, ok=False)
+            future.set_exception(CancelledByClientError(
+                f"Sample {command.request_id} was cancelled by its client (cancel_future)."))
         except ray.exceptions.RayActorError as error:
             self._ready.discard(sampler)
             self._count("torch: the sampler died")
@@ -241,6 +247,26 @@ class SamplerRelay:
             self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(),
                                 request_ids=[command.request_id], n=1, ok=False)
             future.set_exception(error)
+
+    async def _sample_on(self, sampler: str, command: Command[SamplingRequest], key: str | None) -> Any:
+        """The sampler's outcome for ``command``: its result or its own error; raises TaskCancelledError once
+        ``cancel`` cancelled it."""
+        call = named_actor(sampler).sample.remote([command.payload], [key], [command.trace])
+        self._running[command.request_id] = call
+        try:
+            [outcome] = await call
+            return outcome
+        finally:
+            self._running.pop(command.request_id, None)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a relayed sample its client abandoned: the sampler's call is cancelled, so vLLM aborts its
+        generation (asyncio cancellation in the sampler's actor), and its future fails. False: none runs here."""
+        call = self._running.get(request_id)
+        if call is None:
+            return False
+        ray.cancel(call)
+        return True
 
     async def _fresh(self, sampler: str, path: str, model_id: str, span: str) -> None:
         """Make ``sampler`` hold the latest whole version of the sampler checkpoint ``path``; a load it needed is

@@ -242,6 +242,14 @@ class TrainerActor:
                 "or load_state your last checkpoint first.") from None
         self._report(command.kind, command.request_id, future, recorded_prompt_of(command))
 
+    async def cancel_sample(self, request_id: str) -> str:
+        """Cancel a sample its client abandoned (cancel_future), on the sampler it was relayed to or in the engine;
+        its future fails with CancelledByClientError. Says where it was: "running", "queued" or "none"."""
+        loaded = await self._loaded()
+        if self._relay is not None and self._relay.cancel(request_id):
+            return "running"
+        return loaded.engine.cancel_sample(request_id)
+
     async def create_model(self, model_id: str, spec: LoraSpec) -> str:
         """Create a model; returns its id once it is ready."""
         engine = (await self._loaded()).engine

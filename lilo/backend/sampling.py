@@ -29,6 +29,7 @@ from lilo.engine.contract import AltTokens, SampleResult, TargetLogprobs, TopK
 from lilo.errors import InvalidRequestError
 
 STOP, LENGTH = "stop", "length"
+CANCELLED = "cancelled"  # a row of a request its client cancelled: never returned (the engine fails the request)
 # The random stream of prompt_alt_tokens' draws: apart from every sample's (sample k draws from stream k).
 ALT_TOKENS_STREAM = -1
 
@@ -125,16 +126,19 @@ def _filters(settings: SamplingRequest, logits: torch.Tensor) -> bool:
 
 def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], None],
              requests: Sequence[SamplingRequest], slots: Sequence[int],
-             decode: Decode | None = None, images: ImageLayout | None = None) -> list[SampleResult]:
+             decode: Decode | None = None, images: ImageLayout | None = None,
+             cancelled: Callable[[int], bool] | None = None) -> list[SampleResult]:
     """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation, or one per
-    prompt length for a family whose cache cannot take left-padded prompts."""
+    prompt length for a family whose cache cannot take left-padded prompts. A request ``cancelled(i)`` says is
+    cancelled stops at its next token (its result is then of no use to anyone)."""
     lengths = {len(request.prompt) for request in requests}
     if len(lengths) > 1 and not family_of(getattr(model.config, "model_type", "")).left_padding:
         results: list[SampleResult | None] = [None] * len(requests)
         for length in lengths:
             indices = [i for i, request in enumerate(requests) if len(request.prompt) == length]
+            of_group = None if cancelled is None else lambda j, indices=indices: cancelled(indices[j])
             generated = generate(model, route, [requests[i] for i in indices], [slots[i] for i in indices], decode,
-                                 images)
+                                 images, of_group)
             for i, result in zip(indices, generated):
                 results[i] = result
         return results  # type: ignore[return-value]
@@ -175,6 +179,12 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
                     prompt_scores[row.request] = _prompt_scores(out.logits[r].cpu(), ids[r].cpu(), row.settings)
             logits, cache = out.logits[:, -1].float().cpu(), out.cache
             for _ in range(max(request.max_tokens for request in requests)):
+                if cancelled is not None:
+                    for row in rows:
+                        if row.stop_reason is None and cancelled(row.request):
+                            row.stop_reason = CANCELLED
+                    if all(row.stop_reason is not None for row in rows):
+                        break
                 next_ids = torch.zeros(len(rows), 1, dtype=torch.long)
                 active = [r for r, row in enumerate(rows) if row.stop_reason is None]
                 tokens, logprobs = sample_step(logits if len(active) == len(rows) else logits[active],

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Any, Collection, Container, Iterator, Sequence
+from typing import Any, Callable, Collection, Container, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -626,10 +626,12 @@ class TorchBackend:
         self._grad_slots.difference_update(a.slot for a in adapters)
         return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
 
-    def sample(self, commands: Sequence[Command[SamplingRequest]]) -> list[SampleResult | Exception]:
+    def sample(self, commands: Sequence[Command[SamplingRequest]],
+               cancelled: Callable[[str], bool] = frozenset().__contains__) -> list[SampleResult | Exception]:
         """Every command's samples, each row through its own adapter (``model_id``: a training model, or a sampler
         checkpoint's tinker path) or none (``base_only``): in one batched generation, or in several when the batch
-        samples more checkpoints than there are slots to hold them at once."""
+        samples more checkpoints than there are slots to hold them at once. A command ``cancelled`` names (by
+        request id) stops at its next token, on one rank (a group's ranks must stop together: they run on)."""
         results: list[Any] = [None] * len(commands)
         waiting = list(range(len(commands)))
         while waiting:
@@ -657,8 +659,9 @@ class TorchBackend:
                 if self.peers is not None:
                     generated = self._generate_on_group(requests, slots)
                 else:
+                    ids = [commands[i].request_id for i in valid]
                     generated = sampling.generate(self.model, self._route_sampling, requests, slots, self.decode,
-                                                  self.images)
+                                                  self.images, lambda j, ids=ids: cancelled(ids[j]))
                 for i, result in zip(valid, generated):
                     results[i] = result
             waiting = deferred

@@ -30,7 +30,7 @@ checks an implementation's methods and parameter names against it (``isinstance`
 from __future__ import annotations
 
 import inspect
-from typing import Collection, NotRequired, Protocol, Sequence, TypedDict, TypeVar, runtime_checkable
+from typing import Callable, Collection, NotRequired, Protocol, Sequence, TypedDict, TypeVar, runtime_checkable
 
 from lilo.backend.paging.policy import PageMove
 from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
@@ -160,12 +160,14 @@ class Backend(Protocol[Captured]):
         model is unknown.)"""
         ...
 
-    def sample(self, commands: Sequence[Command[SamplingRequest]]) -> list[SampleResult | Exception]:
+    def sample(self, commands: Sequence[Command[SamplingRequest]],
+               cancelled: Callable[[str], bool]) -> list[SampleResult | Exception]:
         """Every command's samples; ``model_id`` names a training model or a sampler checkpoint (its tinker path,
         loaded into a slot as needed), and a ``base_only`` request samples the bare base model. A request with a
         seed gets the same tokens whatever shares the batch. A batch sampling more checkpoints than there are
         slots runs as several generations; a checkpoint that can get no slot at all fails its command with
-        ``SaturatedError``."""
+        ``SaturatedError``. A command whose request id ``cancelled`` names (its client cancelled it while it ran)
+        may stop early: the engine fails it whatever it returns."""
         ...
 
     def load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:

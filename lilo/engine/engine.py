@@ -40,7 +40,7 @@ from lilo.engine.scheduler import TOKENS_PER_BATCH, next_batch, turn_order
 from lilo.engine.window import (
     DEFAULT_WINDOW_CAP_MS, FAIR_WINDOW_CAP_S, FAIR_WINDOW_SHARE_OF_PASS, WINDOW_KINDS, Rhythm, awaited, window_s,
 )
-from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
+from lilo.errors import CancelledByClientError, ConflictError, GoneError, InvalidRequestError, NotFoundError
 from lilo.timing.critical_path import CriticalPath, Observer, Observers, Operation
 from lilo.timing.tenant_usage import TenantUsage
 
@@ -97,6 +97,7 @@ class Engine:
         # here only while its first is pending (the futures DB dedupes the rest); ``_sample_futures`` catches it.
         self._samples: deque[tuple[Command, Future]] = deque()
         self._sample_futures: OrderedDict[str, Future] = OrderedDict()  # request id -> future, the latest ones
+        self._cancelled: set[str] = set()  # samples cancelled while running: they fail once their generation ends
         self._rotation: list[str] = [SAMPLING_TURN]
         self._fair = FairShare(clock)  # each tenant's and model's service, for its share of full passes
         self._tenants: dict[str, str] = {}  # model -> its tenant, as its latest command said
@@ -395,6 +396,8 @@ class Engine:
                            request_ids=[c.request_id for c in commands], n=len(commands), ranks=self._ranks, ok=ok)
         if kind != Kind.SAMPLE:  # samples were never any model queue's head
             self._finish_heads(commands)
+        else:
+            results = [self._unless_cancelled(command, result) for command, result in zip(commands, results)]
         for (_, future), result in zip(taken, results):
             self._settle(future, result)
 
@@ -426,7 +429,7 @@ class Engine:
         if kind == Kind.OPTIM_STEP:
             return self._backend.optim_step(commands)
         if kind == Kind.SAMPLE:
-            return self._backend.sample(commands)
+            return self._backend.sample(commands, cancelled=self._cancelled.__contains__)
         if kind == Kind.LOAD_WEIGHTS:
             return [self._backend.load_checkpoint(commands[0])]
         if kind == Kind.REFUSED:
@@ -511,6 +514,30 @@ class Engine:
                            request_ids=[command.request_id], n=1, ok=not isinstance(result, BaseException))
         self._settle(future, result)
 
+    # --- cancelling samples ----------------------------------------------------------------------------------
+    def cancel_sample(self, request_id: str) -> str:
+        """Cancel a sample its client abandoned; its future fails with ``CancelledByClientError``. A queued one
+        leaves the queue at once; a running one stops at its next token where the backend can (the torch sampler
+        on one rank; a sharded trainer's runs to its end). Returns "queued", "running", or "none" (not here, or
+        finished already)."""
+        with self._cv:
+            future = self._sample_futures.get(request_id)
+            if future is None or future.done():
+                return "none"
+            for index, (command, queued) in enumerate(self._samples):
+                if command.request_id == request_id:
+                    del self._samples[index]
+                    self._settle(queued, _cancelled(request_id))
+                    return "queued"
+            self._cancelled.add(request_id)
+            return "running"
+
+    def _unless_cancelled(self, command: Command, result: Any) -> Any:
+        if command.request_id not in self._cancelled:
+            return result
+        self._cancelled.discard(command.request_id)
+        return _cancelled(command.request_id)
+
     # --- shutdown ------------------------------------------------------------------------------------------
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish what is running, fail what is queued (with a message), and stop both lanes."""
@@ -539,6 +566,10 @@ class Engine:
             future.set_exception(result)
         else:
             future.set_result(result)
+
+
+def _cancelled(request_id: str) -> CancelledByClientError:
+    return CancelledByClientError(f"Sample {request_id} was cancelled by its client (cancel_future).")
 
 
 def _parts(taken: Sequence[tuple[Command, Future]], models: dict[str, None],

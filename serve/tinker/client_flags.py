@@ -23,7 +23,9 @@ def client_config(client_host: str | None, compress_bodies: str) -> dict[str, An
 
 
 def dynamic_config() -> dict[str, Any]:
-    return {"refresh_interval_sec": DYNAMIC_REFRESH_S, "sample_cancel_enabled": False,
+    """``sample_cancel_enabled``: an abandoned sample is cancelled (cancel_future), out of its trainer's queue or
+    stopped at its next token."""
+    return {"refresh_interval_sec": DYNAMIC_REFRESH_S, "sample_cancel_enabled": True,
             "sample_cancel_max_batch_size": 64}
 
 

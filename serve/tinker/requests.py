@@ -115,7 +115,7 @@ class RetrieveFuturesRequest(Body):
     """One poll of a sampling client's requests (the SDK's ``retrieve_futures``): what finished after
     ``prev_cursor``; ``timeout`` 0 answers at once, none long-polls."""
     target: SamplingSessionTarget
-    prev_cursor: int = Field(0, ge=0)
+    prev_cursor: int = Field(0, ge=0, lt=2**63)
     timeout: float | None = Field(None, ge=0)
     # Results the client has read; lilo keeps them anyway until the ledger's retention prunes them, so that a
     # retried retrieve_future still finds its result.

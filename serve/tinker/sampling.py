@@ -31,7 +31,7 @@ from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError
-from lilo.futures.store import Submission, unknown_sampling_session_error
+from lilo.futures.store import Submission, parse_request_id, unknown_sampling_session_error
 from lilo.protocol.sampling import decode_sample_request, has_images as has_image_chunks
 from lilo.tenants import may_see
 from serve.tinker.actors import Actors
@@ -160,6 +160,16 @@ class Sampling:
             # The futures DB is restarting (its file keeps every result): nothing new yet; the client polls again.
             finished, cursor = [], request.prev_cursor
         return {"completions": [request.as_wire() for request in finished], "cursor": cursor}
+
+    async def cancel(self, request_id: str, tenant: str) -> None:
+        """Cancel a sample its client abandoned (the SDK's cancel_future): out of its trainer's queue, or stopped at
+        its next token; it fails with a message, which the ledger records. A finished one is left as it is."""
+        trainer = await self._futures.sample_to_cancel.remote(request_id, tenant)
+        if trainer is not None:
+            try:
+                await self._actors.trainer(trainer).cancel_sample.remote(str(parse_request_id(request_id)))
+            except RayActorError:
+                pass  # its trainer is gone, and with it the sample: the recovery fails its future
 
     async def join(self, request: SamplingSessionRequest, tenant: str) -> dict[str, Any]:
         """A clone id for an unpickled SamplingClient, unique among the session's clients (the original is 0)."""

@@ -17,8 +17,8 @@ Kept from leaving state behind (other tests need the trainers' 16 adapter slots 
   state-changing routes (save_weights[_external], unload_model, delete checkpoint, its TTL and publication,
   copy_weights, finishing a session, ...) answer 404 before they change anything, and a download link that lilo did
   not sign is a 403;
-- retrieve_future's request ids are moved past the small ones, which may name other tests' futures (a pending one
-  long-polls for 40 s by design).
+- retrieve_future's and cancel_future's request ids are moved past the small ones, which may name other tests'
+  futures (a pending one long-polls for 40 s by design; a sample would be cancelled).
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ OPERATIONS = [
     "GET /api/v1/usage",
     "POST /api/v1/unload_model",
     "POST /api/v1/retrieve_future",
+    "POST /api/v1/retrieve_futures",
+    "POST /api/v1/cancel_future",
+    "POST /api/v1/join_sampling_session",
     "GET /api/v1/timing",
     "GET /api/v1/console/overview",
     # The OpenAI-compatible endpoint (docs/openai.md): its errors are in OpenAI's shape (``error.message``); a fuzzed
@@ -252,7 +255,7 @@ def keep_stateless(path: str, body: Any, served: set[str]) -> None:
         return
     if isinstance(body.get("base_model"), str) and body["base_model"] in served:
         body["base_model"] = UNSERVED_BASE_MODEL
-    if path == "/api/v1/retrieve_future" and isinstance(body.get("request_id"), str):
+    if path in ("/api/v1/retrieve_future", "/api/v1/cancel_future") and isinstance(body.get("request_id"), str):
         try:
             small = 0 < int(body["request_id"]) < SMALL_REQUEST_IDS
         except ValueError:

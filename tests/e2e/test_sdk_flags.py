@@ -1,9 +1,12 @@
 """The SDK (0.38.0) with the server feature flags lilo turns on: a sampling client polls its session's completions
-(retrieve_futures) instead of one long poll per sample, an unpickled sampling client joins its session for a clone id
-of its own, and forward_backward bodies arrive zstd-compressed (the session cluster asks it of every client)."""
+(retrieve_futures) instead of one long poll per sample, an abandoned sample is cancelled (cancel_future), an unpickled
+sampling client joins its session for a clone id of its own, and forward_backward bodies arrive zstd-compressed (the
+session cluster asks it of every client)."""
 
 import concurrent.futures
+import contextlib
 import pickle
+import sqlite3
 
 import httpx
 import ray
@@ -12,7 +15,7 @@ from tinker import types
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
-from tests.helpers import sdk_datum
+from tests.helpers import eventually, sdk_datum
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
@@ -68,3 +71,27 @@ def test_forward_backward_bodies_arrive_zstd_compressed(service):
     assert training.holder.get_client_config().proto_compress_fwdbwd
     output = training.forward_backward([sdk_datum(seed) for seed in range(4)], "cross_entropy").result(TIMEOUT_S)
     assert len(output.loss_fn_outputs) == 4 and output.metrics["loss:sum"] > 0
+
+
+def session_samples(db_path, sampling_session_id: str) -> list[tuple[str, str | None]]:
+    """(status, error) of each of the session's samples, read-only from the ledger's file."""
+    with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as connection:
+        return connection.execute("SELECT status, error FROM futures WHERE model_id = ? ORDER BY request_id",
+                                  (sampling_session_id,)).fetchall()
+
+
+def test_an_abandoned_sample_is_cancelled_and_its_generation_stops(local_cluster, service):
+    sampler = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
+    assert service.holder._client_dynamic_config.sample_cancel_enabled
+    # As long as the tiny model's context allows, many times over: seconds of generation.
+    long = sampler.sample(prompt=types.ModelInput.from_ints([5, 6, 7]), num_samples=32,
+                          sampling_params=types.SamplingParams(max_tokens=509, temperature=1.0))
+    session = sampler._sampling_session_id
+    db = local_cluster.settings.futures_db
+    eventually(lambda: session_samples(db, session), "the long sample was recorded", every_s=0.05)
+    long.future().cancel()  # the client abandons it: the SDK sends cancel_future
+    status, error = eventually(lambda: next((row for row in session_samples(db, session) if row[0] != "pending"),
+                                            None), "the abandoned sample failed", timeout_s=60)
+    assert status == "failed" and "cancelled by its client" in error
+    # Its trainer is free again: the next sample of the session runs.
+    assert len(samples(sampler, 1)[0].sequences[0].tokens) == 4

@@ -12,7 +12,7 @@ from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import Backend, contract_mismatches
 from lilo.engine.engine import Engine, EngineStopped
 from lilo.engine.scheduler import next_batch
-from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError
+from lilo.errors import CancelledByClientError, ConflictError, GoneError, InvalidRequestError, NotFoundError
 
 
 class RecordingBackend:
@@ -23,6 +23,9 @@ class RecordingBackend:
         self.persist_gate.set()
         self.capture_started, self.capture_gate = threading.Event(), threading.Event()
         self.capture_gate.set()
+        self.sample_started, self.sample_gate = threading.Event(), threading.Event()
+        self.sample_gate.set()
+        self.seen_cancelled: list[str] = []
 
     def add_adapter(self, model_id, spec):
         self.calls.append(("add", [model_id]))
@@ -55,7 +58,10 @@ class RecordingBackend:
     def optim_step(self, commands):
         return self._batch("optim_step", commands)
 
-    def sample(self, commands):
+    def sample(self, commands, cancelled):
+        self.sample_started.set()
+        assert self.sample_gate.wait(10)
+        self.seen_cancelled += [c.request_id for c in commands if cancelled(c.request_id)]
         return self._batch("sample", commands)
 
     def load_checkpoint(self, command):
@@ -410,6 +416,25 @@ def test_stop_fails_queued_samples_too(backend):
     engine.stop()
     with pytest.raises(EngineStopped):
         queued.result(timeout=10)
+
+
+def test_a_cancelled_sample_leaves_the_queue_or_fails_once_its_generation_ends(backend):
+    engine = paused_engine(backend, [], token_budget=128)  # one sample per generation
+    running, queued = engine.submit(sample("s", 0)), engine.submit(sample("s", 1))
+    backend.sample_gate.clear()
+    engine.start()
+    assert backend.sample_started.wait(10)
+    assert engine.cancel_sample("s:1") == "queued"
+    with pytest.raises(CancelledByClientError, match="s:1 was cancelled"):
+        queued.result(timeout=0)  # at once: it never runs
+    assert engine.cancel_sample("s:0") == "running"
+    backend.sample_gate.set()
+    with pytest.raises(CancelledByClientError, match="s:0 was cancelled"):
+        running.result(timeout=10)
+    assert backend.seen_cancelled == ["s:0"]  # the backend could stop it early
+    assert engine.cancel_sample("s:0") == engine.cancel_sample("nobody:7") == "none"
+    assert [ids for name, ids in backend.calls if name == "sample"] == [["s:0"]]
+    engine.stop()
 
 
 def test_unloading_a_model_runs_what_it_queued_in_order_then_frees_it_and_refuses_more(backend):

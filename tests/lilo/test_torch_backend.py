@@ -422,6 +422,20 @@ def test_a_stop_sequence_ends_a_sample(base):
     assert stopped["sequences"][0]["stop_reason"] == "stop"
 
 
+def test_a_cancelled_sample_stops_at_its_next_token_and_the_others_run_on(base):
+    backend = fresh_backend(base, {"a": LoraSpec(seed=0)})
+    asked: list[str] = []
+
+    def cancelled(request_id: str) -> bool:  # a:s2 is cancelled once the generation has asked about it 3 times
+        asked.append(request_id)
+        return request_id == "a:s2" and asked.count("a:s2") > 3
+
+    kept, stopped = backend.sample([sample_command("a", 1, temperature=0.0, max_tokens=8),
+                                    sample_command("a", 2, temperature=0.0, max_tokens=8)], cancelled)
+    assert len(kept["sequences"][0]["tokens"]) == 8
+    assert len(stopped["sequences"][0]["tokens"]) == 3 and stopped["sequences"][0]["stop_reason"] == "cancelled"
+
+
 def test_stop_strings_need_a_tokenizer(base):
     backend = fresh_backend(base, {"a": LoraSpec(seed=0)})  # the tiny model ships no tokenizer
     (result,) = backend.sample([sample_command("a", 1, stop_strings=["x"])])
