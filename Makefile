@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_INSTALLED := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench clean browser
 
 $(INSTALLED): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
@@ -19,11 +19,16 @@ $(INSTALLED): pyproject.toml
 	@# The tests run its recipes; it requires tml-renderers>=0.4.1, which the index lacks and which it imports only for
 	@# two model families, so its other dependencies are pinned in pyproject.toml's dev extras instead.
 	$(VENV)/bin/pip install -q --no-deps tinker-cookbook==0.6.1
-	@# The console's test drives a real headless browser: Debian's chromium and its driver (selenium is a dev extra).
+	@touch $@
+
+# Only the tests need it: the console's test drives a real headless browser, Debian's chromium and its driver
+# (selenium is a dev extra). Installed with apt-get, as root or through sudo; the demo never asks for it.
+browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 		echo "Installing Debian's chromium and chromium-driver for tests/e2e/test_console.py..."; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
-	@touch $@
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; else \
+			echo "The tests need chromium and chromium-driver: install them (apt-get install chromium chromium-driver) as root, then run make test again."; exit 1; fi; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 
 $(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
@@ -46,7 +51,7 @@ $(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pypro
 demo: $(INSTALLED)
 	$(VENV)/bin/lilo demo
 
-test: $(INSTALLED) $(VLLM_INSTALLED)
+test: $(INSTALLED) $(VLLM_INSTALLED) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest
 

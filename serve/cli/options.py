@@ -12,7 +12,7 @@ from pathlib import Path
 from cluster.service import STOP_MARGIN_S
 from lilo.settings import COMPRESS_BODIES, Settings, load_settings
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_STARTING = 0, 1, 2, 3, 4
 DETACHED_CHILD_FLAG = "--detached-child"
 # `lilo status` asks the trainers from a child process, a Ray driver (serve.cli.status).
 TRAINERS_CHILD_FLAG = "--trainers-child"

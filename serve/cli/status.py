@@ -13,7 +13,7 @@ import time
 
 from cluster.local import ClusterError, ClusterState, answers, connect_driver, healthz, running_state
 from lilo.settings import Settings
-from serve.cli.options import EXIT_NOT_RUNNING, EXIT_OK, TRAINERS_CHILD_FLAG, settings_of
+from serve.cli.options import EXIT_NOT_RUNNING, EXIT_OK, EXIT_STARTING, TRAINERS_CHILD_FLAG, settings_of
 
 # A driver retries a cluster that does not answer for minutes, deaf to SIGTERM: the child is killed after this long.
 TRAINER_QUERY_TIMEOUT_S = 20.0
@@ -181,6 +181,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                           "error": silence}))
     elif state is None:
         print(f"lilo is not running (home {settings.home}). Start it with `lilo up`.")
+    elif state.status == "starting" and not healthy:
+        uptime_s = time.time() - state.started_at
+        print(f"lilo is starting (pid {state.pid}, for {uptime_s:.0f} s, home {state.home}): "
+              f"{silence or 'its API does not answer yet'}.")
+        print(f"Ask again in a few seconds; `lilo up` writes its progress to {settings.log_file}.")
     elif silence is not None:
         print(f"lilo does not answer: its supervisor runs (pid {state.pid}, home {state.home}), but {silence}.")
         print("Stop what is left of it with `lilo down`, then start it again with `lilo up`.")
@@ -194,4 +199,6 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(line)
         for line in tenant_lines(tenants) if tenants else []:
             print(line)
+    if state is not None and state.status == "starting":
+        return EXIT_STARTING
     return EXIT_OK if answering else EXIT_NOT_RUNNING

@@ -99,6 +99,25 @@ def test_status_of_a_cluster_that_does_not_answer_exits_3_within_seconds(empty_h
     assert (report["running"], report["answering"], report["healthy"]) == (True, False, False)
 
 
+def test_status_of_a_cluster_still_starting_says_so_and_exits_4(empty_home):
+    """``lilo up`` has recorded the cluster as starting; its Ray head does not answer yet (nobody listens on the
+    ports it names, as in the test above)."""
+    settings = load_settings(env={}, home=empty_home)
+    lock = SupervisorLock(settings)
+    assert lock.acquire()
+    gcs_port, http_port = free_ports(2)
+    write_state(settings, ClusterState(pid=os.getpid(), status="starting", home=str(empty_home),
+                                       api_url=f"http://127.0.0.1:{http_port}", dashboard_url=settings.dashboard_url,
+                                       gcs_address=f"127.0.0.1:{gcs_port}", started_at=time.time()))
+    try:
+        result = lilo("status", "--home", str(empty_home), timeout_s=10)
+    finally:
+        lock.release()
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "lilo is starting" in result.stdout and str(settings.log_file) in result.stdout
+    assert "lilo down" not in result.stdout
+
+
 def test_status_without_a_cluster_exits_3(empty_home):
     result = lilo("status", "--home", str(empty_home))
     assert result.returncode == 3
