@@ -1,9 +1,11 @@
 """The Serve app answers the calls a Tinker client makes first, over real HTTP on the local cluster."""
 
 import httpx
+import pytest
 import tinker
 
 from helpers import API_KEY, AUTH
+from serve.tinker.client_flags import client_config
 
 
 def test_healthz_answers_ok(local_cluster):
@@ -12,10 +14,13 @@ def test_healthz_answers_ok(local_cluster):
     assert response.json() == {"status": "ok"}
 
 
-def test_client_config_answers_sdk_defaults(local_cluster):
-    response = httpx.post(f"{local_cluster.api_url}/api/v1/client/config", json={"sdk_version": "0.38.0"})
-    assert response.status_code == 200
-    assert response.json() == {}
+@pytest.mark.parametrize("host, setting, compressed", [
+    ("10.1.2.3", "auto", True), ("2001:db8::7", "auto", True), ("127.0.0.1", "auto", False), ("::1", "auto", False),
+    (None, "auto", False), ("127.0.0.1", "always", True), ("10.1.2.3", "never", False)])
+def test_client_config_asks_for_zstd_bodies_from_clients_on_other_machines(host, setting, compressed):
+    flags = client_config(host, setting)
+    assert flags["proto_compress_fwdbwd"] is compressed
+    assert flags["sample_use_retrieve_futures"] and flags["sample_join_sampling_session"]
 
 
 def test_server_capabilities_list_configured_base_models_default_first(local_cluster):
