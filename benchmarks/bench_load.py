@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 
 from bench_service import client_loop
-from private_cluster import private_cluster
+from private_cluster import futures_actor_of, private_cluster
 
 API_KEY = "tml-bench-load"
 HEADERS = {"X-API-Key": API_KEY}
@@ -216,18 +216,10 @@ def main() -> None:
 
     prepare_environment()  # before Ray is imported: this process connects as a driver of the private cluster
     # Each of 16 clients owns an adapter, plus the parked model: two trainers' worth of slots.
-    with private_cluster(TINY, args.port, "--trainers", "2", "--num-cpus", "4") as home:
-        import ray
-
-        from cluster.futures_actor import FUTURES_ACTOR_NAME
-        from cluster.local import NAMESPACE, connect_driver
-        from lilo.settings import load_settings
-
-        connect_driver(load_settings(home=home))
-        futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    with private_cluster(TINY, args.port, "--trainers", "2", "--num-cpus", "4") as home, \
+            futures_actor_of(home) as futures:
         result = asyncio.run(run(f"http://127.0.0.1:{args.port}", futures, args.clients, args.waiters, args.seconds,
                                  args.drain_s))
-        ray.shutdown()
     print(json.dumps({"bench": "load", **result, "seconds": args.seconds, "drain_s": args.drain_s}))
 
 

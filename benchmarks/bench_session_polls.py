@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Iterator
 
-from private_cluster import private_cluster
+from private_cluster import futures_actor_of, private_cluster
 
 TINY = "lilo/tiny-llama"
 MODES = ("retrieve_futures", "per_sample")
@@ -114,20 +114,12 @@ def main() -> None:
     from cluster.local import prepare_environment
 
     prepare_environment()  # before Ray is imported: this process connects as a driver of the private cluster
-    with private_cluster(TINY, args.port, "--trainers", "1", "--num-cpus", "4") as home:
-        import ray
-
-        from cluster.futures_actor import FUTURES_ACTOR_NAME
-        from cluster.local import NAMESPACE, connect_driver
-        from lilo.settings import load_settings
-
-        connect_driver(load_settings(home=home))
-        futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    with private_cluster(TINY, args.port, "--trainers", "1", "--num-cpus", "4") as home, \
+            futures_actor_of(home) as futures:
         for _ in range(args.rounds):
             for mode in MODES:
                 runs[mode].append(measure(f"http://127.0.0.1:{args.port}", futures, mode, args))
-        ray.shutdown()
     medians = {mode: {key: round(statistics.median(run[key] for run in runs[mode]), 2) for key in runs[mode][0]}
                for mode in MODES}
     ratio = medians["per_sample"]["stmt_per_sample"] / medians["retrieve_futures"]["stmt_per_sample"]

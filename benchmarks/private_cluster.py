@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from cluster.ports import free_ports
 
@@ -29,3 +29,20 @@ def private_cluster(base_model: str, port: int, *up_args: str) -> Iterator[Path]
     finally:
         lilo("down", "--home", str(home))
         shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def futures_actor_of(home: Path) -> Iterator[Any]:
+    """The futures DB actor of the private cluster in ``home``, this process connected to it as a Ray driver (call
+    ``cluster.local.prepare_environment`` before Ray is first imported)."""
+    import ray
+
+    from cluster.futures_actor import FUTURES_ACTOR_NAME
+    from cluster.local import NAMESPACE, connect_driver
+    from lilo.settings import load_settings
+
+    connect_driver(load_settings(home=home))
+    try:
+        yield ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
+    finally:
+        ray.shutdown()

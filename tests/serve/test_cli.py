@@ -1,5 +1,6 @@
 """Errors a user can act on, from the real `lilo` command (run as from a user's shell: helpers.lilo)."""
 
+import contextlib
 import json
 import os
 import re
@@ -76,21 +77,28 @@ def test_the_lilo_command_imports_no_ray_before_it_prepares_rays_environment():
     assert "ray" not in imported_top_levels(["serve.cli"])
 
 
-def test_status_of_a_cluster_that_does_not_answer_exits_3_within_seconds(empty_home):
-    """A supervisor that runs while its Ray head is gone: here this process holds the home's lock, and the state
-    it records names a GCS port and an API port that nobody listens on."""
-    settings = load_settings(env={}, home=empty_home)
+@contextlib.contextmanager
+def silent_supervisor(home, status: str):
+    """A supervisor that runs (this process holds the home's lock) whose recorded state, ``status``, names a GCS
+    port and an API port that nobody listens on; yields the GCS port."""
+    settings = load_settings(env={}, home=home)
     lock = SupervisorLock(settings)
     assert lock.acquire()
     gcs_port, http_port = free_ports(2)
-    write_state(settings, ClusterState(pid=os.getpid(), status="ready", home=str(empty_home),
+    write_state(settings, ClusterState(pid=os.getpid(), status=status, home=str(home),
                                        api_url=f"http://127.0.0.1:{http_port}", dashboard_url=settings.dashboard_url,
                                        gcs_address=f"127.0.0.1:{gcs_port}", started_at=time.time()))
     try:
-        result = lilo("status", "--home", str(empty_home), timeout_s=10)
-        as_json = lilo("status", "--json", "--home", str(empty_home), timeout_s=10)
+        yield gcs_port
     finally:
         lock.release()
+
+
+def test_status_of_a_cluster_that_does_not_answer_exits_3_within_seconds(empty_home):
+    """A supervisor that runs while its Ray head is gone."""
+    with silent_supervisor(empty_home, "ready") as gcs_port:
+        result = lilo("status", "--home", str(empty_home), timeout_s=10)
+        as_json = lilo("status", "--json", "--home", str(empty_home), timeout_s=10)
     assert result.returncode == 3, result.stdout + result.stderr
     assert f"its Ray cluster (GCS 127.0.0.1:{gcs_port}) does not answer" in result.stdout
     assert "lilo down" in result.stdout
@@ -100,21 +108,12 @@ def test_status_of_a_cluster_that_does_not_answer_exits_3_within_seconds(empty_h
 
 
 def test_status_of_a_cluster_still_starting_says_so_and_exits_4(empty_home):
-    """``lilo up`` has recorded the cluster as starting; its Ray head does not answer yet (nobody listens on the
-    ports it names, as in the test above)."""
-    settings = load_settings(env={}, home=empty_home)
-    lock = SupervisorLock(settings)
-    assert lock.acquire()
-    gcs_port, http_port = free_ports(2)
-    write_state(settings, ClusterState(pid=os.getpid(), status="starting", home=str(empty_home),
-                                       api_url=f"http://127.0.0.1:{http_port}", dashboard_url=settings.dashboard_url,
-                                       gcs_address=f"127.0.0.1:{gcs_port}", started_at=time.time()))
-    try:
+    """``lilo up`` has recorded the cluster as starting, and its Ray head does not answer yet."""
+    with silent_supervisor(empty_home, "starting"):
         result = lilo("status", "--home", str(empty_home), timeout_s=10)
-    finally:
-        lock.release()
     assert result.returncode == 4, result.stdout + result.stderr
-    assert "lilo is starting" in result.stdout and str(settings.log_file) in result.stdout
+    assert "lilo is starting" in result.stdout
+    assert str(load_settings(env={}, home=empty_home).log_file) in result.stdout
     assert "lilo down" not in result.stdout
 
 
