@@ -72,6 +72,7 @@ class FuturesActor:
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
         self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
+        self._retrieves = 0  # retrieve calls (each a client's retrieve_future), for stats and benchmarks
         self._traces = RequestTraces.if_enabled()
         freeze_startup()
 
@@ -230,6 +231,7 @@ class FuturesActor:
         costs one query per tick between them, never one each.
         """
         request_id = parse_request_id(request_id)
+        self._retrieves += 1
         if timeout_s <= 0:
             return await self._run(self._store.lookup, request_id, tenant)
         try:
@@ -382,6 +384,7 @@ class FuturesActor:
         counts = await self._run(self._store.count_by_status)
         db_mb, wal_mb = self._store.file_sizes_mb()
         return {"futures": counts, "outbox": self._store.outbox_size, "parked_waiters": self._waiter.parked,
+                "waiter_queries": self._waiter.queries, "retrieves": self._retrieves,
                 "parked_session_polls": self._sessions.parked, "session_polls": self._sessions.polls,
                 "session_poll_queries": self._sessions.queries,
                 "group_commits": self._committer.commits, "statements": self._store.statements,

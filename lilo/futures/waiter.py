@@ -42,6 +42,7 @@ class FutureWaiter:
         # request id -> (waiter, its tenant) for every parked caller
         self._parked: dict[int, list[tuple[asyncio.Future, str | None]]] = {}
         self._poller: asyncio.Task | None = None
+        self.queries = 0  # statements the ticks ran, for stats and benchmarks
 
     @property
     def parked(self) -> int:
@@ -87,6 +88,7 @@ class FutureWaiter:
         while self._parked:
             ids = list(self._parked)
             try:
+                self.queries += 1
                 states = await self._fetch(ids)
                 for request_id in ids:
                     state = states.get(request_id)
