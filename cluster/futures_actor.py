@@ -347,6 +347,13 @@ class FuturesActor:
     async def session_runs(self, session_ids: Sequence[str]) -> dict[str, list[dict]]:
         return await self._run(self._store.sessions.runs_of, list(session_ids))
 
+    # --- custom losses (lilo.futures.custom_losses) ---------------------------------------------------------
+    async def add_custom_loss(self, loss_id: str, session_id: str, tenant: str | None, body: dict) -> None:
+        await self._run(self._store.custom_losses.add, loss_id, session_id, tenant, body)
+
+    async def custom_loss(self, loss_id: str, tenant: str | None) -> dict:
+        return await self._run(self._store.custom_losses.get, loss_id, tenant)
+
     # --- checkpoints: expiry and publication (lilo.futures.checkpoint_records) -----------------------------
     async def readable_checkpoint(self, path: str, tenant: str | None, write: bool = False) -> tuple[dict, Any]:
         """(run, record) when ``tenant`` may use the checkpoint ``path``; else its run's 404, or 410 once expired."""

@@ -39,10 +39,10 @@ from serve.openai.params import ChatCompletionBody, CompletionBody
 from serve.tinker.client_flags import client_config, dynamic_config
 from serve.tinker.keys import TINKER_ROUTES
 from serve.tinker.requests import (
-    MAX_ID_CHARS, Body, CopyWeightsRequest, CreateModelRequest, CreateSamplingSessionRequest, FinishSessionRequest,
-    LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest, RetrieveFuturesRequest, SampleRequest,
-    SamplingSessionRequest, SaveWeightsRequest, SessionRequest, SessionSearchRequest, TinkerPathRequest, TtlRequest,
-    read_forward_backward,
+    MAX_ID_CHARS, Body, CopyWeightsRequest, CreateCustomLossRequest, CreateModelRequest, CreateSamplingSessionRequest,
+    FinishSessionRequest, LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest,
+    RetrieveFuturesRequest, SampleRequest, SamplingSessionRequest, SaveWeightsRequest, SessionRequest,
+    SessionSearchRequest, TinkerPathRequest, TtlRequest, read_forward_backward,
 )
 
 APP_NAME = "lilo"
@@ -311,6 +311,10 @@ class LiloIngress:
     @api.post("/api/v1/retrieve_futures")
     async def retrieve_futures(self, body: RetrieveFuturesRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
         return await self._control.sampling.retrieve_futures(body, tenant)
+
+    @api.post("/api/v1/create_custom_loss")
+    async def create_custom_loss(self, body: CreateCustomLossRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        return await self._control.training.custom_losses.create(body, tenant)
 
     @api.post("/api/v1/cancel_future")
     async def cancel_future(self, body: RetrieveFutureRequest, tenant: str = Depends(caller)) -> dict[str, Any]:

@@ -211,6 +211,11 @@ def two_on_one_trainer(created: list) -> list:
     """Two of ``created`` (training clients of one base model) placed on the same trainer. The session cluster has
     two trainers per base model and placement spreads a tenant's models over them, so two models made one after
     the other land apart: of three, two share one. Needs the ``ray_driver`` fixture."""
+    return on_one_trainer(created, 2)
+
+
+def on_one_trainer(created: list, count: int) -> list:
+    """``count`` of ``created`` placed on the same trainer (of 2 * count - 1, that many share one)."""
     import ray
 
     from cluster.futures_actor import FUTURES_ACTOR_NAME
@@ -220,7 +225,7 @@ def two_on_one_trainer(created: list) -> list:
     by_trainer: dict[str, list] = {}
     for client in created:
         by_trainer.setdefault(ray.get(futures.trainer_of.remote(client.model_id)), []).append(client)
-    return next(clients for clients in by_trainer.values() if len(clients) >= 2)[:2]
+    return next(clients for clients in by_trainer.values() if len(clients) >= count)[:count]
 
 
 @contextlib.contextmanager

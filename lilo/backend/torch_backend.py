@@ -353,12 +353,14 @@ class TorchBackend:
             return results
         # One row per datum, tagged with its request; rows go through the model in micro-batches of at most
         # max_batch_tokens (a lone longer row runs with its layers recomputed), gradients accumulating across them.
-        rows = [TrainRow(n, self.adapters[command.model_id].slot, datum, command.payload.loss_fn, config)
+        rows = [TrainRow(n, self.adapters[command.model_id].slot, datum, command.payload.loss_fn, config,
+                         command.payload.custom_loss)
                 for n, (_, command, _, config) in enumerate(valid) for datum in command.payload.data]
         slots = {row.slot for row in rows}
         pending = {} if forward_only else {slot: self.bank.grads[slot].clone() for slot in slots & self._grad_slots}
         outputs: list[list[dict]] = [[] for _ in valid]
         sums = [0.0] * len(valid)
+        custom_metrics: list[dict[str, float]] = [{} for _ in valid]
         chunk: Sequence[TrainRow] = ()
         passes = self._passes(rows)
         try:
@@ -373,9 +375,14 @@ class TorchBackend:
             ordered = (row for parts in passes for part in parts for row in part)
             by_row = {id(row): result for row, result in zip(ordered, row_results, strict=True)}
             for row in rows:
-                logprobs, elementwise, loss = by_row[id(row)]
-                outputs[row.request].append({"logprobs": logprobs.tolist(), "elementwise_loss": elementwise.tolist()})
+                logprobs, elementwise, loss, metrics = by_row[id(row)]
+                output = {"logprobs": logprobs.tolist()}
+                if elementwise is not None:  # a custom loss has none
+                    output["elementwise_loss"] = elementwise.tolist()
+                outputs[row.request].append(output)
                 sums[row.request] += loss
+                for key, value in metrics.items():
+                    custom_metrics[row.request][key] = custom_metrics[row.request].get(key, 0.0) + value
         except Exception as error:
             if isinstance(error, UnavailableError) or not _out_of_memory(error):
                 raise
@@ -395,8 +402,10 @@ class TorchBackend:
             return results
         if not forward_only:
             self._grad_slots.update(slots)
-        for n, (i, _, _, _) in enumerate(valid):
-            results[i] = {"loss_fn_outputs": outputs[n], "metrics": {"loss:sum": sums[n]}}
+        for n, (i, command, _, _) in enumerate(valid):
+            reduced = {key: value / len(command.payload.data) if key.endswith(":mean") else value
+                       for key, value in custom_metrics[n].items()}
+            results[i] = {"loss_fn_outputs": outputs[n], "metrics": {**reduced, "loss:sum": sums[n]}}
         return results
 
     def _passes(self, rows: Sequence[TrainRow]) -> list[list[list[TrainRow]]]:
@@ -426,11 +435,12 @@ class TorchBackend:
         return not forward_only and self._pass_tokens(rows) > self.max_batch_tokens
 
     def _rows_pass(self, rows: Sequence[TrainRow], forward_only: bool,
-                   recompute: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-        """(target logprobs, per-token loss, loss sum) of each row, its gradients accumulated into the rows' slots
-        unless ``forward_only``. The rows stay routed through the backward pass, which recomputes the
-        log-probabilities' slices (and with ``recompute`` every decoder layer). On a sharded base a rank with no
-        rows runs an idle one, as it must take part in the pass's collectives."""
+                   recompute: bool) -> list[RowResult]:
+        """(target logprobs, per-token loss (None for a custom loss), loss sum, a custom loss's metrics) of each
+        row, its gradients accumulated into the rows' slots unless ``forward_only``. The rows stay routed through
+        the backward pass, which recomputes the log-probabilities' slices (and with ``recompute`` every decoder
+        layer). On a sharded base a rank with no rows runs an idle one, as it must take part in the pass's
+        collectives."""
         batch = list(rows) or [_IDLE_ROW]
         packed = self._packs(batch)
         self._route([row.slot for row in batch], [len(row.datum.tokens) for row in batch] if packed else None)
@@ -446,13 +456,16 @@ class TorchBackend:
                     logprobs = _datum_logprobs(target_logprobs[index, start:], row.datum)
                     inputs = {key: torch.tensor(np.asarray(value), dtype=torch.float32, device=self.device)
                               for key, value in row.datum.loss_inputs.items() if key != "target_tokens"}
-                    elementwise = losses.LOSSES[row.loss_fn](logprobs, inputs, row.config)
-                    per_row.append((logprobs.detach(), elementwise.detach(), elementwise.sum()))
+                    elementwise, loss, metrics = losses.datum_loss(row.loss_fn, row.config, row.custom_loss, logprobs,
+                                                                   inputs)
+                    per_row.append((logprobs.detach(), None if elementwise is None else elementwise.detach(), loss,
+                                    {key: float(value.detach()) for key, value in metrics.items()}))
                 if not forward_only:
-                    torch.stack([loss for _, _, loss in per_row]).sum().backward()
+                    torch.stack([loss for _, _, loss, _ in per_row]).sum().backward()
         finally:
             self._route(None)
-        return [(logprobs, elementwise, float(loss.detach())) for logprobs, elementwise, loss in per_row[:len(rows)]]
+        return [(logprobs, elementwise, float(loss.detach()), metrics)
+                for logprobs, elementwise, loss, metrics in per_row[:len(rows)]]
 
     def _padded_hidden(self, batch: Sequence[TrainRow]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The last hidden states of ``batch`` as right-padded rows, and where each row's tokens start in them (its
@@ -516,7 +529,7 @@ class TorchBackend:
 
     # --- the rank group (lilo.backend.sharding) -------------------------------------------------------------
     def _rows_on_group(self, chunks: Sequence[Sequence[Sequence[TrainRow]]],
-                       forward_only: bool) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+                       forward_only: bool) -> list[RowResult]:
         """``_rows_pass`` over the group: each pass's parts one a rank, rank 0 running the first; the followers'
         gradients summed into rank 0's after the last. Returns every row's result, in the passes' order."""
         rows = [row for parts in chunks for part in parts for row in part]
@@ -607,7 +620,9 @@ class TorchBackend:
         self._adapter(command.model_id)
         config = check_train_input(command.payload, self.vocab_size)
         self.check_fits(command.payload)
-        return losses.LOSSES[command.payload.loss_fn], config
+        if command.payload.custom_loss is not None:
+            losses.check_custom_loss(command.payload.custom_loss, command.payload.data)
+        return losses.LOSSES.get(command.payload.loss_fn), config
 
     def _route(self, slots: Sequence[int] | None, lengths: Sequence[int] | None = None) -> None:
         """Tell every LoRA layer which slot each row uses (``BASE_SLOT``: none); with ``lengths``, of rows packed
@@ -856,6 +871,8 @@ def _padded_size(rows: Sequence[TrainRow]) -> int:
 
 
 # What a rank with no rows in a micro-batch runs: one token, through no adapter, of zero loss.
+# What a pass gives each row: (target logprobs, per-token loss or None, loss, custom metrics).
+RowResult = tuple[torch.Tensor, torch.Tensor | None, float, dict[str, float]]
 _IDLE_ROW = TrainRow(-1, BASE_SLOT, Datum(tokens=[0], loss_inputs={"target_tokens": [0], "weights": [0.0]}),
                      "cross_entropy", {})
 

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lilo.backend.provenance import Provenance
+from lilo.backend.training.loss_graph import LossGraph
 from lilo.errors import InvalidRequestError
 
 
@@ -83,6 +84,8 @@ class TrainInput:
     data: Sequence[Datum]
     loss_fn: str = "cross_entropy"
     loss_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # loss_fn "custom": the stored loss its loss_config's loss_id names, resolved by the ingress.
+    custom_loss: LossGraph | None = None
 
     @property
     def tokens(self) -> int:

@@ -28,6 +28,7 @@ class Kind(StrEnum):
     # Lifecycle requests: futures like the others, but never queued as commands.
     CREATE_MODEL = "create_model"
     UNLOAD_MODEL = "unload_model"
+    CREATE_CUSTOM_LOSS = "create_custom_loss"
 
 
 # Kinds whose commands of several models may share one backend execution.

@@ -99,6 +99,17 @@ sampling_sessions = Table(
     Column("clients", Integer, nullable=True),
 )
 
+# Losses clients uploaded to run on the server (create_custom_loss): the graph as sent, checked again when read.
+custom_losses = Table(
+    "custom_losses",
+    metadata,
+    Column("loss_id", String, primary_key=True),  # <session_id>:loss:<custom_loss_seq_id>
+    Column("session_id", String, nullable=False),
+    Column("tenant", String, nullable=True),
+    Column("body", Text, nullable=False),  # {"name", "inputs", "graph"} as JSON
+    Column("created_at", Float, nullable=False),
+)
+
 # Sequences sampled with record_stability_info, for stable_reinforce (lilo.futures.sequences).
 sampled_sequences = Table(
     "sampled_sequences",

@@ -37,6 +37,7 @@ from lilo.backend.provenance import RecordedSequence
 from lilo.engine.commands import Kind
 from lilo.futures import codec, sequences
 from lilo.futures.checkpoint_records import CheckpointRecords
+from lilo.futures.custom_losses import CustomLossRecords
 from lilo.futures.sequences import RecordedSample
 from lilo.futures.session_completions import FinishedRequest, FinishOrder, SessionTarget, completions_after
 from lilo.futures.session_queries import SessionQueries, unknown_session_error
@@ -199,6 +200,7 @@ class FuturesStore:
         self.checkpoints = CheckpointRecords(self.engine, clock)
         self.sessions = SessionQueries(self.engine, clock)
         self.finish_order = FinishOrder(self.engine)
+        self.custom_losses = CustomLossRecords(self.engine, clock)
         # The waiter's per-tick reads skip the pool: one long-lived connection (WAL: readers see every commit and
         # never block the writer), plain driver calls, counted by hand since no SQLAlchemy event sees them.
         self._reader = self.engine.raw_connection().driver_connection

@@ -126,6 +126,15 @@ class SamplingSessionRequest(Body):
     sampling_session_id: str = Field(max_length=MAX_ID_CHARS)
 
 
+class CreateCustomLossRequest(Body):
+    session_id: str = Field(max_length=MAX_ID_CHARS)
+    custom_loss_seq_id: int = Field(ge=0, lt=2**63)
+    name: str = Field(max_length=MAX_ID_CHARS)
+    # Checked by lilo.backend.training.loss_graph, whose refusals name what to change.
+    inputs: list[dict[str, Any]] = Field(max_length=64)
+    graph: dict[str, Any]
+
+
 class TtlRequest(Body):
     ttl_seconds: int | None = None
 

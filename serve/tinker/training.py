@@ -24,6 +24,7 @@ from lilo.futures.checkpoint_records import expiry_for
 from lilo.futures.store import Submission, unloaded_error
 from lilo.protocol.proto import ForwardBackwardCall
 from serve.tinker.actors import ANSWER_WITHIN_S, Actors
+from serve.tinker.custom_losses import CustomLosses
 from serve.tinker.images import has_images, image_fingerprints, with_images_laid_out
 from serve.tinker.requests import (
     Body, CreateModelRequest, FinishSessionRequest, LoadWeightsRequest, ModelRequest, OptimStepRequest,
@@ -59,6 +60,7 @@ class Training:
     def __init__(self, actors: Actors, submissions: Submissions, base_models: Sequence[str],
                  storage_bytes: Callable[[str], Awaitable[int]]) -> None:
         self._actors = actors
+        self.custom_losses = CustomLosses(actors)
         self._futures = actors.futures
         self._submissions = submissions
         self._base_models = list(base_models)
@@ -219,16 +221,16 @@ class Training:
             if has_images(train):
                 model = await self._futures.model.remote(call.model_id, tenant)
                 train = await with_images_laid_out(train, model["base_model"])
+            train = await self.custom_losses.resolved(train, tenant)
             check_train_input(train)
             if train.loss_fn in NEEDS_PROVENANCE:
                 records = await self._futures.recorded_sequences.remote(
                     call.model_id, named_sequences(d.provenance for d in train.data), tenant)
                 train = with_recorded_inputs(train, records)
         kind = Kind.FORWARD if call.forward_only else Kind.FORWARD_BACKWARD
-        batch_key = (train.loss_fn, tuple(sorted(train.loss_config.items())))
+        # No batch key: every loss shares a pass (each datum takes its own loss and config in it).
         return await self._submissions.submit(
-            Command(call.model_id, call.seq_id, kind, "", payload=train, batch_key=batch_key, tokens=train.tokens),
-            stored, tenant)
+            Command(call.model_id, call.seq_id, kind, "", payload=train, tokens=train.tokens), stored, tenant)
 
     async def optim_step(self, request: OptimStepRequest, tenant: str) -> dict[str, str]:
         async with self._submissions.spending_seq(request.model_id, request.seq_id, tenant):

@@ -95,6 +95,7 @@ OPERATIONS = [
     "POST /api/v1/retrieve_future",
     "POST /api/v1/retrieve_futures",
     "POST /api/v1/cancel_future",
+    "POST /api/v1/create_custom_loss",
     "POST /api/v1/join_sampling_session",
     "GET /api/v1/timing",
     "GET /api/v1/console/overview",

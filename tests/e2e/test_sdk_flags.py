@@ -1,12 +1,16 @@
 """The SDK (0.38.0) with the server feature flags lilo turns on: a sampling client polls its session's completions
 (retrieve_futures) instead of one long poll per sample, an abandoned sample is cancelled (cancel_future), an unpickled
-sampling client joins its session for a clone id of its own, and forward_backward bodies arrive zstd-compressed (the
-session cluster asks it of every client)."""
+sampling client joins its session for a clone id of its own, a custom loss runs on the server in one pass beside other
+clients' steps, and forward_backward bodies arrive zstd-compressed (the session cluster asks it of every client)."""
 
 import concurrent.futures
 import contextlib
 import pickle
 import sqlite3
+import time
+
+import numpy as np
+import torch
 
 import httpx
 import ray
@@ -15,7 +19,8 @@ from tinker import types
 
 from cluster.futures_actor import FUTURES_ACTOR_NAME
 from cluster.local import NAMESPACE
-from tests.helpers import eventually, sdk_datum
+from helpers import API_KEY, eventually, on_one_trainer, sdk_datum, unload_models
+from lilo.timing import critical_path_metrics
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
@@ -35,10 +40,12 @@ def samples(sampler: tinker.SamplingClient, count: int, seed: int = 0) -> list[t
 
 def test_client_config_turns_on_the_flags_lilo_implements(local_cluster, service):
     answered = httpx.post(f"{local_cluster.api_url}/api/v1/client/config", json={}).json()
+    # Compressed bodies: the session cluster runs --compress-bodies always.
     assert answered == {"sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
-                        "proto_compress_fwdbwd": True}  # compressed: the session cluster runs --compress-bodies always
+                        "custom_loss_server_side": True, "proto_compress_fwdbwd": True}
     config = service.holder.get_client_config()
     assert config.sample_use_retrieve_futures and config.sample_join_sampling_session and config.proto_compress_fwdbwd
+    assert config.custom_loss_server_side
 
 
 def test_a_sampling_client_polls_its_session_not_each_sample(service, ray_driver):
@@ -95,3 +102,54 @@ def test_an_abandoned_sample_is_cancelled_and_its_generation_stops(local_cluster
     assert status == "failed" and "cancelled by its client" in error
     # Its trainer is free again: the next sample of the session runs.
     assert len(samples(sampler, 1)[0].sequences[0].tokens) == 4
+
+
+def clipped_ratio_loss(logprobs, sampler_logprobs, advantages):
+    ratio = torch.exp(logprobs - sampler_logprobs)
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).sum()
+    return loss, {"custom/ratio:mean": ratio.mean()}
+
+
+def rl_datum(seed: int, length: int = 24) -> types.Datum:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 1000, length + 1).tolist()
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+        "target_tokens": tokens[1:], "sampler_logprobs": rng.normal(-7, 0.3, length).astype(np.float32),
+        "advantages": rng.normal(0, 1, length).astype(np.float32)})
+
+
+def test_a_server_side_custom_loss_runs_in_one_pass_beside_another_clients_cross_entropy(
+        service, local_cluster, ray_driver):
+    handle = service.create_custom_loss(
+        clipped_ratio_loss, {"logprobs": 1, "sampler_logprobs": 1, "advantages": 1}).result(timeout=TIMEOUT_S)
+    assert handle.loss_id is not None  # uploaded: the SDK sends forward_backward(data, "custom", {loss_id})
+    created = [service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+               for _ in range(5)]
+    try:
+        blocker, custom, plain = on_one_trainer(created, 3)
+        # A long forward (seconds here) keeps the trainer busy while both steps queue behind it: its next pass
+        # takes them together. Sent first, and given a moment to start: each client sends on its own.
+        busy = blocker.forward([sdk_datum(seed, length=400) for seed in range(24)], "cross_entropy")
+        time.sleep(0.5)
+        stepped = custom.forward_backward_custom([rl_datum(1), rl_datum(2)], handle)
+        crossed = plain.forward_backward([sdk_datum(3)], "cross_entropy")
+        busy.result(timeout=TIMEOUT_S)
+        output, _ = stepped.result(timeout=TIMEOUT_S), crossed.result(timeout=TIMEOUT_S)
+        timing = critical_path_metrics(custom.model_id, base_url=local_cluster.api_url, api_key=API_KEY)
+    finally:
+        unload_models(local_cluster.api_url, [client.model_id for client in created])
+    assert output.metrics["loss:sum"] != 0 and 0 < output.metrics["custom/ratio:mean"]
+    assert "surrogate_loss:sum" not in output.metrics  # no client-side forward and linearized backward
+    assert timing["lilo/forward_backward.execute.count"] == 1  # one request, one pass...
+    assert timing["lilo/forward_backward.execute.mean_batch"] == 2  # ...shared with the cross_entropy step
+
+
+def test_a_custom_loss_that_calls_outside_torch_is_refused_naming_the_node(local_cluster, service):
+    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+             {"op": "call_function", "name": "escape", "target": "os.system", "args": ["id"]},
+             {"op": "output", "name": "output", "target": "output",
+              "args": [{"tuple": [{"ref": "logprobs"}, {"dict": {}}]}]}]
+    answer = httpx.post(f"{local_cluster.api_url}/api/v1/create_custom_loss", headers={"X-API-Key": API_KEY}, json={
+        "session_id": service.holder.get_session_id(), "custom_loss_seq_id": 99, "name": "evil",
+        "inputs": [{"name": "logprobs", "rank": 1}], "graph": {"format": 1, "nodes": nodes}})
+    assert answer.status_code == 422 and "'escape' calls 'os.system'" in answer.json()["detail"]

@@ -29,8 +29,8 @@ class Follower:
         if not plan.forward_only:
             for slot in plan.grad_slots:
                 backend.bank.grads[slot.slot].zero_()
-        results = [[(logprobs.cpu(), elementwise.cpu(), loss) for logprobs, elementwise, loss
-                    in backend._rows_pass(rows, plan.forward_only, recompute)]
+        results = [[(logprobs.cpu(), None if elementwise is None else elementwise.cpu(), loss, metrics)
+                    for logprobs, elementwise, loss, metrics in backend._rows_pass(rows, plan.forward_only, recompute)]
                    for rows, recompute in plan.chunks]
         if not plan.forward_only:
             sum_gradients(backend.bank.grads, plan.grad_slots, backend._entry_index)

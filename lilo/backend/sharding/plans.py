@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, Sequence
 
+from lilo.backend.training.loss_graph import LossGraph
 from lilo.backend.types import Datum, LoraSpec, SamplingRequest
 
 
@@ -27,6 +28,7 @@ class TrainRow:
     datum: Datum
     loss_fn: str
     config: dict
+    custom_loss: LossGraph | None = None  # loss_fn "custom": the loss it runs
 
 
 @dataclasses.dataclass(frozen=True)

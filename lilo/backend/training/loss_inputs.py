@@ -10,6 +10,7 @@ from typing import Mapping
 import numpy as np
 
 from lilo.backend.provenance import RecordedSequence, recorded_inputs
+from lilo.backend.training.loss_graph import check_loss_inputs
 from lilo.backend.types import Datum, TrainInput
 from lilo.errors import InvalidRequestError
 
@@ -22,7 +23,10 @@ REQUIRED_INPUTS = {
     "gspo": ("target_tokens", "logprobs", "advantages"),
     # The sampler's logprobs come from its records (the datum's provenance), not from the client.
     "stable_reinforce": ("target_tokens", "advantages"),
+    # A loss the server stores (lilo.backend.training.loss_graph): the inputs it declares are checked with it.
+    "custom": ("target_tokens",),
 }
+CUSTOM = "custom"
 # The inputs that may carry K values per token, shape (tokens, K), by loss: cross_entropy's top-K form (Tinker's
 # "Top-K distillation": the loss is -sum_t sum_k w[t,k] log p(x[t,k]), and its logprobs come back (tokens, K)).
 TOP_K_INPUTS = {"cross_entropy": ("target_tokens", "weights")}
@@ -62,7 +66,7 @@ def check_train_input(train: TrainInput, vocab_size: int | None = None) -> dict[
     Without ``vocab_size`` (the ingress, before it knows the model's base) token ids are not checked against it."""
     if not train.data:
         raise InvalidRequestError("The request has no data; send at least one datum.")
-    config = loss_config(train.loss_fn, train.loss_config)
+    config = _custom_loss_config(train) if train.loss_fn == CUSTOM else loss_config(train.loss_fn, train.loss_config)
     for index, datum in enumerate(train.data):
         _check_datum(index, datum, train.loss_fn, vocab_size)
         if train.loss_fn in NEEDS_PROVENANCE and datum.provenance is None:
@@ -70,6 +74,18 @@ def check_train_input(train: TrainInput, vocab_size: int | None = None) -> dict[
                 f"Datum {index} has no provenance, which {train.loss_fn} needs: sample with "
                 "record_stability_info=True and attach each datum's sequence_ids with Datum.with_provenance.")
     return config
+
+
+def _custom_loss_config(train: TrainInput) -> dict[str, float]:
+    """A custom loss takes no config but the id of the stored loss (which the ingress resolved into
+    ``custom_loss``); its data must hold each input the loss declares, at its rank."""
+    if train.custom_loss is None or set(train.loss_config) - {"loss_id"}:
+        raise InvalidRequestError("loss_fn 'custom' runs a loss stored on the server: create it with "
+                                  "ServiceClient.create_custom_loss and pass its handle to forward_backward_custom "
+                                  "(loss_fn_config holds only its loss_id).")
+    check_loss_inputs(train.custom_loss, [{key: np.shape(values) for key, values in datum.loss_inputs.items()}
+                                          for datum in train.data])
+    return {}
 
 
 def with_recorded_inputs(train: TrainInput, records: Mapping[str, RecordedSequence]) -> TrainInput:
@@ -90,12 +106,14 @@ def _check_datum(index: int, datum: Datum, loss_fn: str, vocab_size: int | None)
     if missing:
         raise InvalidRequestError(f"Datum {index} lacks loss input(s) {', '.join(missing)}.")
     for key, values in datum.loss_inputs.items():
-        if len(values) != length:
+        per_datum = loss_fn == CUSTOM and np.ndim(values) == 0  # a scalar a custom loss declared (rank 0)
+        if not per_datum and len(values) != length:
             raise InvalidRequestError(
                 f"Datum {index}: {key} has {len(values)} entries but the input has {length} tokens; make them equal.")
         if key != "target_tokens" and not np.isfinite(np.asarray(values, dtype=np.float64)).all():
             raise InvalidRequestError(f"Datum {index}: {key} holds NaN or infinite values; send finite numbers.")
-    _check_top_k(index, datum, loss_fn)
+    if loss_fn != CUSTOM:  # a custom loss declares each input's rank itself
+        _check_top_k(index, datum, loss_fn)
     for key, values in (("tokens", datum.tokens), ("target_tokens", datum.loss_inputs["target_tokens"])):
         array = np.asarray(values)
         if array.min() < 0 or (vocab_size is not None and array.max() >= vocab_size):

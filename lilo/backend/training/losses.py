@@ -20,16 +20,23 @@ gradient) and the datum's loss inputs, and returns the per-token loss; a datum's
   ``logprobs`` input is not used). Config ``max_importance_weight``, default 2.0. See docs/losses.md for why this
   is lilo's definition.
 
-The inputs each needs and its config keys are ``loss_inputs``, which checks a request before it runs.
+The inputs each needs and its config keys are ``loss_inputs``, which checks a request before it runs. A ``custom``
+loss is one the client uploaded (``loss_graph``): it returns a scalar loss per datum, and metrics, rather than a
+per-token loss.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from lilo.backend.provenance import RECORDED_LOGPROBS, RECORDED_MASK
+from lilo.backend.training.loss_graph import LossGraph, run_loss_graph
+from lilo.backend.training.loss_inputs import CUSTOM
+from lilo.backend.types import Datum
+from lilo.errors import InvalidRequestError
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
 
@@ -77,6 +84,37 @@ def gspo(logprobs, inputs, config):
 def stable_reinforce(logprobs, inputs, config):
     weight = torch.exp(logprobs.detach() - inputs[RECORDED_LOGPROBS]).clamp(max=config["max_importance_weight"])
     return -inputs[RECORDED_MASK] * weight * inputs["advantages"] * logprobs
+
+
+def datum_loss(loss_fn: str, config: Mapping[str, float], custom_loss: LossGraph | None, logprobs: torch.Tensor,
+               inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
+    """One datum's (per-token loss, or None for a custom loss; its loss; a custom loss's metrics)."""
+    if custom_loss is None:
+        elementwise = LOSSES[loss_fn](logprobs, inputs, config)
+        return elementwise, elementwise.sum(), {}
+    loss, metrics = run_loss_graph(custom_loss, logprobs, inputs)
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not all(
+            isinstance(value, torch.Tensor) and value.ndim == 0 for value in metrics.values()):
+        raise InvalidRequestError(f"Custom loss {custom_loss.name!r} must return a scalar tensor loss and scalar "
+                                  "tensor metrics for each datum.")
+    return None, loss, metrics
+
+
+def check_custom_loss(custom_loss: LossGraph, data: Sequence[Datum]) -> None:
+    """Run ``custom_loss`` once on zeros shaped like each datum, without gradient: a loss that does not fit its
+    data (shapes, dtypes) fails its request alone here, not the pass it would share with others."""
+    for index, datum in enumerate(data):
+        targets = np.shape(datum.loss_inputs["target_tokens"])
+        inputs = {key: torch.as_tensor(np.asarray(value, dtype=np.float32))
+                  for key, value in datum.loss_inputs.items() if key != "target_tokens"}
+        try:
+            with torch.no_grad():
+                datum_loss(CUSTOM, {}, custom_loss, torch.zeros(targets), inputs)
+        except InvalidRequestError:
+            raise
+        except Exception as error:
+            raise InvalidRequestError(f"Custom loss {custom_loss.name!r} failed on datum {index}: "
+                                      f"{str(error).splitlines()[0][:300]}") from None
 
 
 LOSSES: dict[str, LossFn] = {
