@@ -28,6 +28,7 @@ from lilo.backend.checkpoints.state import AdapterState, read_peft, read_state, 
 from lilo.backend.training.loss_inputs import check_train_input
 from lilo.backend.adapters.bank import LoraBank
 from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, GROUPED, RUNS
+from lilo.backend.adapters.dimuon import SlotDimuon
 from lilo.backend.adapters.optimizer import SlotAdamW
 from lilo.backend.paging.store import PagedState, PageRestore, PageStore
 from lilo.backend.paging.policy import PageMove, Room, Tier, choose_victims
@@ -36,7 +37,8 @@ from lilo.backend.sharding.exchange import broadcast_slots, sum_gradients
 from lilo.backend.sharding.group import ShardedBase
 from lilo.backend.sharding.plans import Peers, Plan, SamplePlan, SlotUpdate, TrainPlan, TrainRow
 from lilo.backend.types import (
-    AdamParams, Datum, DatumImage, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput,
+    OPTIMIZERS, AdamParams, Datum, DatumImage, DimuonParams, LoadRequest, LoraSpec, SamplingRequest, SaveRequest,
+    TrainInput,
 )
 from lilo.backend.vision import ImageLayout, multimodal_inputs
 from lilo.engine.commands import Command, Kind
@@ -104,6 +106,7 @@ class TorchBackend:
         # A follower rank (lilo.backend.sharding) steps no optimizer, rank 0 does: it holds no Adam moments, which
         # on a GPU would take twice the bank's weights for nothing.
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads) if optimizer else None
+        self.dimuon = SlotDimuon(self.bank, self.optimizer) if optimizer else None
         # CUDA runs the LoRA deltas as torch's grouped GEMM; on CPU batched GEMMs over gathered rows are faster.
         self._grouped = self.device.type == "cuda"
         self.adapters: dict[str, Adapter] = {}
@@ -633,13 +636,32 @@ class TorchBackend:
         """The same for a generation: no autograd, so on the CPU one GEMM per run of rows at its adapter's rank."""
         self.bank.route(slots, GROUPED if self._grouped else RUNS)
 
-    def optim_step(self, commands: Sequence[Command[AdamParams]]) -> list[OptimStepResult | Exception]:
-        adapters = [self._adapter(command.model_id) for command in commands]
-        norms = self.optimizer.step([a.slot for a in adapters], [command.payload for command in commands])
-        self._stale.update(a.slot for a in adapters)
-        self.optimizer.zero_grad([a.slot for a in adapters])
-        self._grad_slots.difference_update(a.slot for a in adapters)
-        return [{"metrics": {"grad_norm:mean": norm}} for norm in norms]
+    def optim_step(self, commands: Sequence[Command[AdamParams | DimuonParams]]) -> list[OptimStepResult | Exception]:
+        """One step of every command's model, with the optimizer family it was created with (its spec's): AdamW's
+        fused over their slots, Dimuon's batched by rank; a step whose settings are another family's fails alone."""
+        results: list[Any] = [None] * len(commands)
+        families: dict[str, list[int]] = {}
+        for i, command in enumerate(commands):
+            try:
+                family = self._adapter(command.model_id).spec.optimizer
+                if not isinstance(command.payload, OPTIMIZERS[family]):
+                    raise InvalidRequestError(
+                        f"Model {command.model_id!r} trains with {family} (its optimizer_config at creation); send "
+                        f"{OPTIMIZERS[family].__name__} to its optim_step, not {type(command.payload).__name__}.")
+                families.setdefault(family, []).append(i)
+            except Exception as error:  # this request alone fails
+                results[i] = error
+        for family, members in families.items():
+            adapters = [self.adapters[commands[i].model_id] for i in members]
+            slots, params = [a.slot for a in adapters], [commands[i].payload for i in members]
+            norms = (self.optimizer.step(slots, params) if family == "adamw"
+                     else self.dimuon.step(slots, [a.spec for a in adapters], params))
+            self._stale.update(slots)
+            self.optimizer.zero_grad(slots)
+            self._grad_slots.difference_update(slots)
+            for i, norm in zip(members, norms):
+                results[i] = {"metrics": {"grad_norm:mean": norm}}
+        return results
 
     def sample(self, commands: Sequence[Command[SamplingRequest]],
                cancelled: Callable[[str], bool] = frozenset().__contains__) -> list[SampleResult | Exception]:
@@ -758,7 +780,10 @@ class TorchBackend:
     def _load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:
         request: LoadRequest = command.payload
         state = read_state(local_directory(self.checkpoint_dir, request.path))
-        before = self._state_of(self._adapter(command.model_id), with_optimizer=True)
+        current = self._adapter(command.model_id)
+        if not request.optimizer:  # the weights alone: the model keeps training with its own optimizer family
+            state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, optimizer=current.spec.optimizer))
+        before = self._state_of(current, with_optimizer=True)
         try:
             self._install(command.model_id, state, optimizer=request.optimizer)
         except Exception:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -21,6 +22,8 @@ class LoraSpec:
     train_mlp: bool = True
     train_unembed: bool = False
     seed: int | None = None
+    # Its optimizer family, for all its life (OPTIMIZERS): chosen at creation, kept by its checkpoints.
+    optimizer: str = "adamw"
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "LoraSpec":
@@ -31,11 +34,14 @@ class LoraSpec:
                                         "alpha, train_attn, train_mlp, train_unembed).")
         if not is_int(rank) or not (seed is None or is_int(seed)):
             raise malformed
+        optimizer = config.get("optimizer", "adamw")
+        if optimizer not in OPTIMIZERS:
+            raise InvalidRequestError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}.")
         try:
             alpha = config.get("alpha")
             return cls(rank=rank, alpha=None if alpha is None else float(alpha), seed=seed,
                        train_attn=bool(config.get("train_attn", True)), train_mlp=bool(config.get("train_mlp", True)),
-                       train_unembed=bool(config.get("train_unembed", True)))
+                       train_unembed=bool(config.get("train_unembed", True)), optimizer=optimizer)
         except (TypeError, ValueError):
             raise malformed from None
 
@@ -122,6 +128,24 @@ class AdamParams:
             raise InvalidRequestError(
                 f"Invalid AdamParams {self}: use learning_rate >= 0, 0 <= beta1, beta2 < 1, eps > 0, "
                 "weight_decay >= 0 and grad_clip_norm >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DimuonParams:
+    """One Dimuon step's settings (lilo.backend.adapters.dimuon says the rule)."""
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0  # <= 0: no clipping
+    beta1: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not (self.learning_rate >= 0 and 0 <= self.beta1 < 1 and math.isfinite(self.grad_clip_norm)):
+            raise InvalidRequestError(f"Invalid DimuonParams {self}: use learning_rate >= 0, 0 <= beta1 < 1 and a "
+                                      "finite grad_clip_norm.")
+
+
+# The optimizer families a model may train with: LoraSpec.optimizer, and the step parameters each takes.
+OPTIMIZERS = {"adamw": AdamParams, "dimuon": DimuonParams}
 
 
 @dataclasses.dataclass(frozen=True)

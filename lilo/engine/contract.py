@@ -33,7 +33,7 @@ import inspect
 from typing import Callable, Collection, NotRequired, Protocol, Sequence, TypedDict, TypeVar, runtime_checkable
 
 from lilo.backend.paging.policy import PageMove
-from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
+from lilo.backend.types import AdamParams, DimuonParams, LoadRequest, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.engine.commands import Command
 
 # What ``capture_checkpoint`` copies out and ``persist_checkpoint`` writes: the backend's own, opaque to the engine.
@@ -154,10 +154,10 @@ class Backend(Protocol[Captured]):
         validation (bad input, unknown model) gets its exception; the others run."""
         ...
 
-    def optim_step(self, commands: Sequence[Command[AdamParams]]) -> list[OptimStepResult | Exception]:
-        """One AdamW step for every command's model, each with its own hyperparameters, then its gradients are
-        zeroed; one model's step never depends on another's. (``TorchBackend`` raises for the whole batch when a
-        model is unknown.)"""
+    def optim_step(self, commands: Sequence[Command[AdamParams | DimuonParams]]) -> list[OptimStepResult | Exception]:
+        """One step for every command's model with the optimizer family it was created with (AdamW or Dimuon),
+        each with its own hyperparameters, then its gradients are zeroed; one model's step never depends on
+        another's, and a model that is unknown, or whose settings are another family's, fails alone."""
         ...
 
     def sample(self, commands: Sequence[Command[SamplingRequest]],

@@ -36,6 +36,7 @@ class CreateModelRequest(Body):
     model_seq_id: int = Field(ge=0)
     base_model: str = Field(max_length=MAX_ID_CHARS)
     lora_config: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None  # its optimizer family (serve.tinker.optimizers)
     # Checked when the model is recorded (serve.tinker.submissions.metadata_strings), whose refusal says what to send.
     user_metadata: Any = None
 
@@ -186,6 +187,8 @@ class FinishSessionRequest(Body):
 class OptimStepRequest(ModelRequest):
     seq_id: int = Field(ge=1)
     adam_params: dict[str, Any] = Field(default_factory=dict)
+    # Another family's settings, with its "type" (DimuonParams): the SDK sends these instead of adam_params.
+    optimizer_params: dict[str, Any] | None = None
 
 
 async def read_forward_backward(request: Request) -> ForwardBackwardCall:

@@ -17,7 +17,7 @@ from lilo.backend.checkpoints.index import WEIGHTS
 from lilo.backend.checkpoints.paths import checked_client_name, parse_tinker_path, tinker_path
 from lilo.backend.training.loss_inputs import NEEDS_PROVENANCE, check_train_input, with_recorded_inputs
 from lilo.backend.provenance import named_sequences
-from lilo.backend.types import AdamParams, LoadRequest, LoraSpec, SaveRequest
+from lilo.backend.types import LoadRequest, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError, QuotaExceededError
 from lilo.futures.checkpoint_records import expiry_for
@@ -25,15 +25,13 @@ from lilo.futures.store import Submission, unloaded_error
 from lilo.protocol.proto import ForwardBackwardCall
 from serve.tinker.actors import ANSWER_WITHIN_S, Actors
 from serve.tinker.custom_losses import CustomLosses
+from serve.tinker.optimizers import optimizer_family, step_params
 from serve.tinker.images import has_images, image_fingerprints, with_images_laid_out
 from serve.tinker.requests import (
     Body, CreateModelRequest, FinishSessionRequest, LoadWeightsRequest, ModelRequest, OptimStepRequest,
     SaveWeightsRequest,
 )
 from serve.tinker.submissions import NewModel, Submissions
-
-ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-
 
 def new_session_id() -> str:
     return f"session-{uuid.uuid4().hex[:16]}"
@@ -42,16 +40,6 @@ def new_session_id() -> str:
 def model_id_for(session_id: str, model_seq_id: int) -> str:
     # The SDK computes this itself for create-via-load, so every model id follows it.
     return f"{session_id}:train:{model_seq_id}"
-
-
-def adam_params(raw: dict[str, Any]) -> AdamParams:
-    unknown = sorted(set(raw) - set(ADAM_KEYS))
-    if unknown:
-        raise InvalidRequestError(f"Unknown adam_params key(s) {', '.join(unknown)}; known: {', '.join(ADAM_KEYS)}.")
-    try:
-        return AdamParams(**{key: float(value) for key, value in raw.items()})
-    except (TypeError, ValueError):
-        raise InvalidRequestError("adam_params values must be numbers.") from None
 
 
 class Training:
@@ -86,7 +74,10 @@ class Training:
 
     async def create_model(self, request: CreateModelRequest, tenant: str) -> dict[str, str]:
         model_id = model_id_for(request.session_id, request.model_seq_id)
-        spec = LoraSpec.from_config(request.lora_config or {})
+        family = optimizer_family(request.optimizer_config)
+        # The family goes with the model's config (not for AdamW, the default): a restore rebuilds its spec from it.
+        lora_config = {**(request.lora_config or {}), **({"optimizer": family} if family != "adamw" else {})}
+        spec = LoraSpec.from_config(lora_config)
         base_model, context = split_context_suffix(request.base_model)
         exists = await self._futures.trainer_of.remote(model_id, tenant)
         if not exists:  # the tenant's limits first: a base model it may not train is refused as that
@@ -100,9 +91,10 @@ class Training:
         # skips placement and finds its first future.
         trainer = None if exists else await self._actors.place(base_model, tenant)
         submission = Submission(model_id, Kind.CREATE_MODEL,
-                                {"base_model": base_model, "lora": request.lora_config},
+                                {"base_model": base_model, "lora": request.lora_config,
+                                 **({"optimizer": family} if family != "adamw" else {})},
                                 seq_id=0, tenant=tenant, trainer=trainer)
-        model = NewModel(base_model, request.lora_config or {}, request.session_id, request.user_metadata)
+        model = NewModel(base_model, lora_config, request.session_id, request.user_metadata)
         return await self._submissions.record_new_model(
             submission, model, lambda actor, request_id: actor.create_model_future.remote(model_id, spec, request_id))
 
@@ -160,8 +152,8 @@ class Training:
         if request.base_model not in (None, base_model):
             raise InvalidRequestError(f"{path!r} was trained on {base_model!r}; leave base_model out or pass that "
                                       "one.")
-        if (request.optimizer_config or {}).get("type", "adamw") != "adamw":
-            raise InvalidRequestError("Only the adamw optimizer is served here; leave optimizer_config out.")
+        # Resuming the optimizer state resumes its family: one named here must be that one.
+        family = optimizer_family(request.optimizer_config) if request.optimizer_config else None
         load = LoadRequest(path=path, optimizer=request.optimizer)
         trainer, spec = None, LoraSpec()  # both stay unused when the model exists already
         if not await self._futures.trainer_of.remote(model_id):
@@ -169,6 +161,11 @@ class Training:
             await self._futures.check_new_model.remote(tenant, base_model, 0)  # its rank: checked once read
             trainer = await self._actors.place(base_model, tenant)
             spec = await self._actors.trainer(trainer).weights_spec.remote(path)
+            if not request.optimizer:  # a new run from the weights: with the optimizer asked for, AdamW by default
+                spec = dataclasses.replace(spec, optimizer=family or "adamw")
+            elif family not in (None, spec.optimizer):
+                raise InvalidRequestError(f"{path!r} was trained with {spec.optimizer}, not {family}; leave "
+                                          "optimizer_config out to resume its optimizer state, or pass that one.")
             await self._futures.check_new_model.remote(tenant, base_model, spec.rank)
         submission = Submission(model_id, Kind.LOAD_WEIGHTS, {"path": path, "optimizer": load.optimizer,
                                                               "base_model": base_model},
@@ -234,10 +231,10 @@ class Training:
 
     async def optim_step(self, request: OptimStepRequest, tenant: str) -> dict[str, str]:
         async with self._submissions.spending_seq(request.model_id, request.seq_id, tenant):
-            params = adam_params(request.adam_params)
+            params = step_params(request.adam_params, request.optimizer_params)
         return await self._submissions.submit(
-            Command(request.model_id, request.seq_id, Kind.OPTIM_STEP, "", payload=params), request.adam_params,
-            tenant)
+            Command(request.model_id, request.seq_id, Kind.OPTIM_STEP, "", payload=params),
+            request.optimizer_params or request.adam_params, tenant)
 
     async def save(self, request: SaveWeightsRequest, kind: Kind, tenant: str) -> dict[str, str]:
         """A named save (``save_weights``, ``save_weights_for_sampler`` or ``save_weights_external``); its

@@ -134,7 +134,8 @@ def test_a_config_value_that_is_no_finite_number_is_refused(value, words):
 def test_every_loss_the_checks_accept_has_an_implementation_and_no_other():
     from lilo.backend.training import loss_inputs, losses
 
-    assert set(losses.LOSSES) == set(loss_inputs.CONFIG_KEYS) == set(loss_inputs.REQUIRED_INPUTS)
+    # "custom" is the one loss without an implementation here: the client uploads it (loss_graph).
+    assert set(losses.LOSSES) == set(loss_inputs.CONFIG_KEYS) == set(loss_inputs.REQUIRED_INPUTS) - {"custom"}
 
 
 def test_fused_optimizer_step_matches_torch_adamw_per_adapter(base):

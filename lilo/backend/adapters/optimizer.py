@@ -51,16 +51,9 @@ class SlotAdamW:
         """One fused AdamW step for these slots (slot i with ``params[i]``); returns each slot's gradient norm
         before clipping."""
         hyper = dict(zip(slots, params))
-        norms: dict[int, float] = {}
+        norms = clip_slots(self.grads, slots, [p.grad_clip_norm for p in params])
         for first, stop in slot_runs(slots):
             self.step_counts[first:stop] += 1
-            block = self.grads[first:stop]
-            block_norms = torch.linalg.vector_norm(block, dim=1)
-            norms.update(zip(range(first, stop), block_norms.tolist()))
-            clip = [min(1.0, hyper[s].grad_clip_norm / (norms[s] + 1e-6)) if hyper[s].grad_clip_norm > 0 else 1.0
-                    for s in range(first, stop)]
-            if any(c < 1.0 for c in clip):
-                block.mul_(torch.tensor(clip, dtype=block.dtype, device=block.device).unsqueeze(1))
         counts = self.step_counts.tolist()
         groups: dict[tuple[AdamParams, float], list[int]] = {}
         for slot, h in hyper.items():
@@ -72,7 +65,21 @@ class SlotAdamW:
                 [self.exp_avg[a:b] for a, b in runs], [self.exp_avg_sq[a:b] for a, b in runs], [],
                 [self.step_counts[a] for a, _ in runs], lr=h.learning_rate, beta1=h.beta1, beta2=h.beta2,
                 weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
-        return [norms[slot] for slot in slots]
+        return norms
+
+
+def clip_slots(grads: torch.Tensor, slots: Sequence[int], clip_norms: Sequence[float]) -> list[float]:
+    """Each slot's gradient norm (one norm kernel per run of consecutive slots), its gradients scaled down to its
+    clip norm where that is positive and smaller; returns the norms before clipping, in ``slots``' order."""
+    limit = dict(zip(slots, clip_norms))
+    norms: dict[int, float] = {}
+    for first, stop in slot_runs(slots):
+        block = grads[first:stop]
+        norms.update(zip(range(first, stop), torch.linalg.vector_norm(block, dim=1).tolist()))
+        clip = [min(1.0, limit[s] / (norms[s] + 1e-6)) if limit[s] > 0 else 1.0 for s in range(first, stop)]
+        if any(c < 1.0 for c in clip):
+            block.mul_(torch.tensor(clip, dtype=block.dtype, device=block.device).unsqueeze(1))
+    return [norms[slot] for slot in slots]
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
