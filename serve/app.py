@@ -19,10 +19,11 @@ from cluster.local import NAMESPACE
 from cluster.worker_setup import freeze_startup
 
 from lilo import __version__
-from lilo.api_keys import ApiKeys
+from lilo.api_keys import HEADER, ApiKeys
 from lilo.settings import Settings
 from lilo.engine.commands import Kind
 from lilo.errors import NotFoundError
+from lilo.session_tokens import SessionTokens
 from lilo.signed_urls import read_secret, secret_file
 from lilo.timing.traces import traces_endpoint
 from serve.console.routes import router as console_router
@@ -36,6 +37,7 @@ from serve.http.request_traces import TraceRequests
 from serve.openai.endpoint import openai_route
 from serve.openai.keys import OPENAI_ROUTES
 from serve.openai.params import ChatCompletionBody, CompletionBody
+from serve.tinker.auth import exchanged, key_details, refuse_deletion
 from serve.tinker.client_flags import client_config, dynamic_config
 from serve.tinker.keys import TINKER_ROUTES
 from serve.tinker.requests import (
@@ -91,6 +93,7 @@ class LiloIngress:
         BodyLimit.limit_bytes = max_body_bytes
         self._compress_bodies = compress_bodies
         ApiKeyGate.keys = ApiKeys(api_key_digests)
+        ApiKeyGate.tokens = self._tokens = SessionTokens(read_secret(Path(url_secret_file)))
         # The trainers come from the reconciler's registry (cluster.reconciler), not from these arguments: they
         # follow the cluster's GPU nodes as they come and go.
         self._control = ControlPlane(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE), base_models,
@@ -113,6 +116,20 @@ class LiloIngress:
     @api.post("/api/v1/client/dynamic_config")
     async def client_dynamic_config(self) -> dict[str, Any]:
         return dynamic_config()
+
+    # --- auth: a key exchanged for a token, a key's metadata (serve.tinker.auth) -------------------------------
+    @api.post("/api/v1/auth/token")
+    async def auth_token(self, tenant: str = Depends(caller)) -> dict[str, str]:
+        return exchanged(self._tokens, tenant)
+
+    @api.get("/api/v1/auth/apikey/me")
+    async def api_key_me(self, request: Request, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return key_details(request.headers.get(HEADER, ""), tenant)
+
+    @api.delete("/api/v1/auth/apikey/me")
+    async def delete_api_key_me(self, tenant: str = Depends(caller)) -> dict[str, Any]:
+        refuse_deletion()
+        return {}
 
     @api.post("/api/v1/create_session")
     async def create_session(self, body: Body, tenant: str = Depends(caller)) -> dict[str, Any]:

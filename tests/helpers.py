@@ -68,13 +68,19 @@ def stop_trainer(actor) -> None:
     ray.kill(actor)
 
 
-def tinker_cli(service, *args: str, api_key: str = API_KEY, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def tinker_cli(service, *args: str, api_key: str | None = API_KEY, cwd: Path | None = None, home: Path | None = None,
+               stdin: str | None = None) -> subprocess.CompletedProcess:
     """The real ``tinker`` command, pointed at ``service`` (anything with an ``api_url``) the way its users point
-    it: the environment."""
-    env = {**os.environ, "TINKER_BASE_URL": service.api_url, "TINKER_API_KEY": api_key, "TINKER_TELEMETRY": "0",
+    it: the environment (``api_key`` None: no TINKER_API_KEY; ``home``: the HOME its stored credentials go under),
+    ``stdin`` typed in."""
+    env = {**os.environ, "TINKER_BASE_URL": service.api_url, "TINKER_TELEMETRY": "0",
            # A crash prints every thread's Python stack.
-           "PYTHONFAULTHANDLER": "1"}
-    done = subprocess.run([TINKER_CLI, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+           "PYTHONFAULTHANDLER": "1", **({"TINKER_API_KEY": api_key} if api_key is not None else {}),
+           **({"HOME": str(home)} if home is not None else {})}
+    if api_key is None:
+        env.pop("TINKER_API_KEY", None)
+    done = subprocess.run([TINKER_CLI, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
+                          input=stdin)
     if done.returncode < 0:
         # Once in a CI run (never here, in hundreds of tries under load) the CLI died of SIGABRT with empty stderr
         # after finishing its command: Python 3.11 ends the SDK's daemon event-loop thread with pthread_exit at
@@ -82,7 +88,8 @@ def tinker_cli(service, *args: str, api_key: str = API_KEY, cwd: Path | None = N
         # command (idempotent in every test: downloads pass --force) runs once more; a second crash fails the test.
         warnings.warn(f"tinker {' '.join(args)} died of signal {-done.returncode}; running it once more. "
                       f"stderr: {done.stderr[-2000:]}")
-        done = subprocess.run([TINKER_CLI, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+        done = subprocess.run([TINKER_CLI, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
+                              input=stdin)
     return done
 
 

@@ -5,12 +5,14 @@ read, in the shape that prefix's clients read; the tenant of a valid one is left
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from fastapi import Request
 
 from lilo.api_keys import HEADER, ApiKeys, Unauthorized
+from lilo.session_tokens import InvalidToken, SessionTokens, looks_like_token
 from serve.http.limits import ASGIApp, Receive, Send, answer
 
 TENANT_SCOPE_KEY = "lilo.tenant"
@@ -35,6 +37,12 @@ async def refuse_plain(send: Send, message: str) -> None:
     await answer(send, 401, message, [(b"www-authenticate", HEADER.encode())])
 
 
+async def refuse_token(send: Send, message: str) -> None:
+    """A 401 for a token that is not (or no longer) good, marked so that the SDK exchanges its key again and
+    replays the request (RFC 6750's ``invalid_token``)."""
+    await answer(send, 401, message, [(b"www-authenticate", b'Bearer error="invalid_token"')])
+
+
 @dataclass(frozen=True)
 class KeyedRoutes:
     """The routes under ``prefix`` need a key, read by ``read_key``; a refusal is answered by ``refuse``.
@@ -56,6 +64,7 @@ class ApiKeyGate:
     it starts."""
 
     keys = ApiKeys({})
+    tokens: SessionTokens | None = None  # set with the cluster's secret when the ingress starts
 
     def __init__(self, app: ASGIApp, routes: tuple[KeyedRoutes, ...]) -> None:
         self.app = app
@@ -65,11 +74,21 @@ class ApiKeyGate:
         keyed = self._keyed(scope)
         if keyed is not None:
             try:
-                scope[TENANT_SCOPE_KEY] = ApiKeyGate.keys.tenant_for(keyed.read_key(dict(scope.get("headers") or [])))
+                scope[TENANT_SCOPE_KEY] = self.tenant_for(keyed.read_key(dict(scope.get("headers") or [])))
+            except InvalidToken as refusal:
+                await refuse_token(send, str(refusal))
+                return
             except Unauthorized as refusal:
                 await keyed.refuse(send, str(refusal))
                 return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def tenant_for(credential: str) -> str:
+        """The tenant of an API key, or of a token one was exchanged for (``lilo.session_tokens``)."""
+        if ApiKeyGate.tokens is not None and looks_like_token(credential):
+            return ApiKeyGate.tokens.tenant_for(credential, time.time())
+        return ApiKeyGate.keys.tenant_for(credential)
 
     def _keyed(self, scope: dict[str, Any]) -> KeyedRoutes | None:
         if scope["type"] != "http":

@@ -13,13 +13,14 @@ DYNAMIC_REFRESH_S = 300
 def client_config(client_host: str | None, compress_bodies: str) -> dict[str, Any]:
     """The flags for a client calling from ``client_host``.
 
+    - ``pjwt_auth_enabled``: the SDK exchanges its key for a token (auth/token) and sends that; whoami reads it.
     - ``sample_use_retrieve_futures``: one poll per sampling client for all its samples (retrieve_futures).
     - ``sample_join_sampling_session``: an unpickled sampling client asks for its clone id (join_sampling_session).
     - ``custom_loss_server_side``: a custom loss is stored (create_custom_loss) and runs in the trainer's pass.
     - ``proto_compress_fwdbwd``: zstd forward_backward bodies, per ``compress_bodies`` (Settings): under "auto",
       asked only of clients on other machines.
     """
-    return {"sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
+    return {"pjwt_auth_enabled": True, "sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
             "custom_loss_server_side": True, "proto_compress_fwdbwd": _compresses(client_host, compress_bodies)}
 
 

@@ -55,6 +55,9 @@ OPERATIONS = [
     "POST /api/v1/client/config",
     "GET /api/v1/get_server_capabilities",
     "POST /api/v1/client/dynamic_config",
+    "POST /api/v1/auth/token",
+    "GET /api/v1/auth/apikey/me",
+    "DELETE /api/v1/auth/apikey/me",
     "POST /api/v1/create_session",
     "POST /api/v1/session_heartbeat",
     "POST /api/v1/sessions/{session_id}/finish",
@@ -112,6 +115,7 @@ INVALID_ONLY = {"POST /api/v1/create_session"}
 CHECKPOINT = "/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}"
 NO_INVALID = {"GET /api/v1/healthz", "POST /api/v1/client/config", "GET /api/v1/get_server_capabilities",
               "POST /api/v1/client/dynamic_config", "POST /api/v1/telemetry", "POST /api/v1/forward_backward",
+              "POST /api/v1/auth/token", "GET /api/v1/auth/apikey/me", "DELETE /api/v1/auth/apikey/me",
               "GET /api/v1/samplers/{sampling_session_id}",
               "GET /api/v1/training_runs/{training_run_id}", "GET /api/v1/training_runs/{training_run_id}/checkpoints",
               f"DELETE {CHECKPOINT}", f"GET {CHECKPOINT}/external_weights_urls", f"POST {CHECKPOINT}/publish",

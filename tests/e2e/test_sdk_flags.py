@@ -41,8 +41,9 @@ def samples(sampler: tinker.SamplingClient, count: int, seed: int = 0) -> list[t
 def test_client_config_turns_on_the_flags_lilo_implements(local_cluster, service):
     answered = httpx.post(f"{local_cluster.api_url}/api/v1/client/config", json={}).json()
     # Compressed bodies: the session cluster runs --compress-bodies always.
-    assert answered == {"sample_use_retrieve_futures": True, "sample_join_sampling_session": True,
-                        "custom_loss_server_side": True, "proto_compress_fwdbwd": True}
+    assert answered == {"pjwt_auth_enabled": True, "sample_use_retrieve_futures": True,
+                        "sample_join_sampling_session": True, "custom_loss_server_side": True,
+                        "proto_compress_fwdbwd": True}
     config = service.holder.get_client_config()
     assert config.sample_use_retrieve_futures and config.sample_join_sampling_session and config.proto_compress_fwdbwd
     assert config.custom_loss_server_side

@@ -20,7 +20,7 @@ def test_healthz_answers_ok(local_cluster):
 def test_client_config_asks_for_zstd_bodies_from_clients_on_other_machines(host, setting, compressed):
     flags = client_config(host, setting)
     assert flags["proto_compress_fwdbwd"] is compressed
-    assert flags["sample_use_retrieve_futures"] and flags["sample_join_sampling_session"]
+    assert flags["sample_use_retrieve_futures"] and flags["sample_join_sampling_session"] and flags["pjwt_auth_enabled"]
 
 
 def test_server_capabilities_list_configured_base_models_default_first(local_cluster):
