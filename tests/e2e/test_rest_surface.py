@@ -331,9 +331,9 @@ def test_what_a_self_hosted_service_keeps_none_of_is_a_404_that_says_so(local_cl
     usage = admin.get_current_checkpoint_storage_usage().result(timeout=TIMEOUT_S)
     [row] = usage.data
     assert row.org_user_urn == "tml:user:local" and row.checkpoint_count >= 0 and row.size_bytes >= 0
-    # whoami needs the JWT exchange lilo does not run; the SDK says so itself, without asking the service.
-    with pytest.raises(RuntimeError, match="whoami requires JWT auth"):
-        rest.whoami().result(timeout=TIMEOUT_S)
+    # whoami reads the caller's identity from the token the SDK exchanged its key for.
+    identity = rest.whoami().result(timeout=TIMEOUT_S)
+    assert (identity.user_urn, identity.org_urn) == ("tml:user:local", "tml:organization:local")
     training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
     sampler_id = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)._sampling_session_id
     answer = rest.get_sampler(sampler_id).result(timeout=TIMEOUT_S)
