@@ -127,10 +127,12 @@ def _filters(settings: SamplingRequest, logits: torch.Tensor) -> bool:
 def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], None],
              requests: Sequence[SamplingRequest], slots: Sequence[int],
              decode: Decode | None = None, images: ImageLayout | None = None,
-             cancelled: Callable[[int], bool] | None = None) -> list[SampleResult]:
+             cancelled: Callable[[int], bool] | None = None,
+             between_tokens: Callable[[], None] | None = None) -> list[SampleResult]:
     """Sample every request (request i through adapter slot ``slots[i]``) in one batched generation, or one per
     prompt length for a family whose cache cannot take left-padded prompts. A request ``cancelled(i)`` says is
-    cancelled stops at its next token (its result is then of no use to anyone)."""
+    cancelled stops at its next token (its result is then of no use to anyone). ``between_tokens`` runs before
+    each token after the first (a slot's weights may change there: an inflight checkpoint saved again)."""
     lengths = {len(request.prompt) for request in requests}
     if len(lengths) > 1 and not family_of(getattr(model.config, "model_type", "")).left_padding:
         results: list[SampleResult | None] = [None] * len(requests)
@@ -138,7 +140,7 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
             indices = [i for i, request in enumerate(requests) if len(request.prompt) == length]
             of_group = None if cancelled is None else lambda j, indices=indices: cancelled(indices[j])
             generated = generate(model, route, [requests[i] for i in indices], [slots[i] for i in indices], decode,
-                                 images, of_group)
+                                 images, of_group, between_tokens)
             for i, result in zip(indices, generated):
                 results[i] = result
         return results  # type: ignore[return-value]
@@ -200,6 +202,8 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
                     next_ids[r, 0] = token
                 if all(row.stop_reason is not None for row in rows):
                     break
+                if between_tokens is not None:
+                    between_tokens()
                 mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=device)], dim=1)
                 positions = positions + 1
                 out = model(input_ids=next_ids.to(device), attention_mask=mask, position_ids=positions,

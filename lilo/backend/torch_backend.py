@@ -697,8 +697,9 @@ class TorchBackend:
                     generated = self._generate_on_group(requests, slots)
                 else:
                     ids = [commands[i].request_id for i in valid]
-                    generated = sampling.generate(self.model, self._route_sampling, requests, slots, self.decode,
-                                                  self.images, lambda j, ids=ids: cancelled(ids[j]))
+                    generated = sampling.generate(
+                        self.model, self._route_sampling, requests, slots, self.decode, self.images,
+                        lambda j, ids=ids: cancelled(ids[j]), between_tokens=lambda: self._refresh_samplers(pinned))
                 for i, result in zip(valid, generated):
                     results[i] = result
             waiting = deferred
@@ -813,11 +814,16 @@ class TorchBackend:
         targets = {"": self.bank.weights}
         if with_optimizer:
             targets.update({".exp_avg": self.optimizer.exp_avg, ".exp_avg_sq": self.optimizer.exp_avg_sq})
+        self._write_tensors(adapter, state, targets)
+        if with_optimizer:
+            self.optimizer.set_steps(adapter.slot, state.step)
+
+    def _write_tensors(self, adapter: Adapter, state: AdapterState, targets: dict[str, torch.Tensor]) -> None:
+        """``state``'s tensors into ``adapter``'s slot: each ``<key><suffix>`` into the flat tensor ``targets``
+        maps the suffix to."""
         for key, index, where in self._slices(adapter):
             for suffix, flat in targets.items():
                 self.bank.view(flat, index)[where] = state.tensors[key + suffix].to(flat.device, flat.dtype)
-        if with_optimizer:
-            self.optimizer.set_steps(adapter.slot, state.step)
 
     # --- sampler checkpoints -------------------------------------------------------------------------------
     def sampler_version(self, path: str) -> int:
@@ -837,6 +843,26 @@ class TorchBackend:
             self._load_sampler(key, pinned)
             pinned.add(key)
         return self._adapter(key).slot
+
+    def _refresh_samplers(self, paths: Collection[str]) -> None:
+        """Sampler checkpoints saved again since they were loaded (a model's inflight checkpoint, which each of its
+        inflight saves writes again): their new weights go into the slots they hold, so the rows of a generation
+        under way that sample them continue on them from their next token. A checkpoint being written stays as it
+        is until its marker says it is whole."""
+        for path in paths:
+            try:
+                version = self.sampler_version(path)
+            except NotFoundError:
+                continue
+            if self._samplers.get(path) == version:
+                continue
+            state = read_peft(local_directory(self.checkpoint_dir, path))
+            adapter = self.adapters[path]
+            if state.spec.rank != adapter.spec.rank:  # not the same model's weights: the next generation reloads
+                continue
+            self._write_tensors(adapter, state, {"": self.bank.weights})
+            self._stale.add(adapter.slot)
+            self._samplers[path] = version
 
     def _load_sampler(self, path: str, pinned: Container[str]) -> None:
         try:

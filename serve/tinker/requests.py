@@ -52,6 +52,8 @@ class SaveWeightsRequest(ModelRequest):
     age_encryption_recipients: list[str] | None = None  # save_weights_external's; refused (see Training.save)
     # save_weights_for_sampler without a path: the sampling session the saved weights open
     sampling_session_seq_id: int | None = Field(None, ge=0)
+    # "snapshot" (fixed weights) or "inflight" (the model's one mutable target, which later inflight saves update)
+    kind: Literal["snapshot", "inflight"] = "snapshot"
 
     @property
     def opens_sampling_session(self) -> bool:

@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 
 from cluster.futures_actor import SESSION_POLL_TIMEOUT_S
 from cluster.placement import choose_sampling_trainer, trainer_facts as ask_trainer_facts
-from lilo.backend.checkpoints.paths import ephemeral_name, sampler_run, tinker_path
+from lilo.backend.checkpoints.paths import INFLIGHT_NAME, ephemeral_name, sampler_run, tinker_path
 from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import Command, Kind
@@ -184,14 +184,16 @@ class Sampling:
 
     async def save_opening_session(self, request: SaveWeightsRequest, tenant: str) -> dict[str, str]:
         """``save_weights_for_sampler`` without a name: a sampler checkpoint whose future answers with the sampling
-        session that samples it. ``kind`` ``inflight`` is saved as a snapshot too.
+        session that samples it. A snapshot gets a checkpoint of its own; an ``inflight`` save writes the model's
+        one inflight checkpoint again (``INFLIGHT_NAME``), so every inflight session of the model, old and new,
+        samples the new weights (a torch generation under way from its next token); each save opens a new session.
 
         Both are named after the request's ``seq_id``, not its ``sampling_session_seq_id``: the SDK counts the
         latter up on every attempt, so a retry of a request already recorded would otherwise differ from it, a 409
         that the SDK retries (counting up again) until it gives up."""
         model_id, seq = request.model_id, request.seq_id
         model = await self._futures.model.remote(model_id, tenant)
-        name = ephemeral_name(seq)
+        name = INFLIGHT_NAME if request.kind == "inflight" else ephemeral_name(seq)
         sampling_session_id = sampling_session_id_for(model_id, seq)
         await self._futures.add_sampling_session.remote(
             sampling_session_id, model["session_id"] or "", model["base_model"],

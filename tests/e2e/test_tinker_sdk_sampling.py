@@ -70,6 +70,23 @@ def test_save_weights_and_get_sampling_client_samples_a_snapshot(service):
     assert first[0] != first[1]  # the samples of one request draw differently
 
 
+def test_inflight_sampling_clients_all_move_to_the_latest_inflight_save(service):
+    training = trained(service)
+    older = training.save_weights_and_get_sampling_client(kind="inflight").result(timeout=TIMEOUT_S)
+    scored = types.ModelInput.from_ints(memorized_tokens())
+    before = older.compute_logprobs(scored).result(timeout=TIMEOUT_S)
+    training.forward_backward([types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                                           loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3})],
+                              "cross_entropy").result(timeout=TIMEOUT_S)
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT_S)
+    assert older.compute_logprobs(scored).result(timeout=TIMEOUT_S) == before  # nothing published since
+    newer = training.save_weights_and_get_sampling_client(kind="inflight").result(timeout=TIMEOUT_S)
+    assert newer._sampling_session_id != older._sampling_session_id  # each save: a session (a namespace) of its own
+    # The later inflight save updated the one target both sample: the older client scores with the new weights.
+    after = older.compute_logprobs(scored).result(timeout=TIMEOUT_S)
+    assert after != before and after == newer.compute_logprobs(scored).result(timeout=TIMEOUT_S)
+
+
 def test_the_bare_base_model_samples_and_scores_unlike_a_trained_adapter(service):
     base = service.create_sampling_client(base_model=TINY).result(timeout=TIMEOUT_S)
     response = sample(base, num_samples=2, temperature=0.8, top_k=50, top_p=0.95, seed=5)

@@ -1,12 +1,13 @@
 """Sampling from sampler checkpoints and from the bare base model, in the torch backend on a real tiny Llama."""
 
 import copy
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from lilo.backend.checkpoints.paths import parse_tinker_path, sampler_run
+from lilo.backend.checkpoints.paths import INFLIGHT_NAME, parse_tinker_path, sampler_run
 from lilo.backend.checkpoints.state import AdapterState, read_peft, write_peft
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
 from lilo.backend.torch_backend import TorchBackend
@@ -81,6 +82,33 @@ def test_a_sampler_checkpoint_samples_as_the_adapter_did_when_it_was_saved(backe
     train(backend, "m", seed=2)  # training moves on; the snapshot does not
     assert greedy(backend, "m") != at_save
     assert greedy(backend, path) == at_save
+
+
+def test_an_inflight_checkpoint_saved_again_moves_a_generation_under_way_to_the_new_weights(backend):
+    backend.add_adapter("m", LoraSpec(rank=8, seed=0))
+    train(backend, "m", seed=1)
+    first = greedy(backend, "m", max_tokens=12)
+    path = save_for_sampler(backend, "m", INFLIGHT_NAME)
+    train(backend, "m", seed=2)
+    second = greedy(backend, "m", max_tokens=12)
+    assert second != first
+    refresh, tokens_seen = backend._refresh_samplers, []
+
+    def saved_again_after_three_tokens(paths):
+        tokens_seen.append(len(tokens_seen) + 1)
+        if len(tokens_seen) == 3:  # the model's next inflight save lands while the generation is under way
+            time.sleep(0.01)  # a marker of a later mtime than the first save's
+            save_for_sampler(backend, "m", INFLIGHT_NAME)
+        refresh(paths)
+
+    backend._refresh_samplers = saved_again_after_three_tokens
+    tokens = greedy(backend, path, max_tokens=12)
+    # The first three tokens came before the new weights did; from the fourth on, the generation runs on them.
+    assert tokens[:3] == first[:3] and tokens[3:] != first[3:]
+    slot = backend.adapters[path].slot
+    assert torch.equal(backend.bank.weights[slot], backend.bank.weights[backend.adapters["m"].slot])
+    backend._refresh_samplers = refresh
+    assert greedy(backend, path, max_tokens=12) == second  # a new generation samples the new weights from the start
 
 
 def test_the_bare_base_model_samples_without_any_adapter(backend, base):

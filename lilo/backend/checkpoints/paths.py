@@ -32,8 +32,13 @@ def checked_name(name: str) -> str:
     return name
 
 
+# The one sampler checkpoint of a training model that its inflight saves (kind "inflight") write again and again:
+# every inflight sampling session of the model samples it, so each save updates them all.
+INFLIGHT_NAME = f"{EPHEMERAL_PREFIX}inflight"
+
+
 def ephemeral_name(seq_id: int) -> str:
-    """The name of the sampler checkpoint an unnamed ``save_weights_for_sampler`` at ``seq_id`` writes."""
+    """The name of the sampler checkpoint an unnamed snapshot ``save_weights_for_sampler`` at ``seq_id`` writes."""
     return f"{EPHEMERAL_PREFIX}{seq_id}"
 
 
