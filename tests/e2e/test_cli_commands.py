@@ -1,0 +1,44 @@
+"""Every ``tinker`` CLI command a user runs against lilo, through the real CLI (tinker 0.38.0): what it can do, it
+does; what a self-hosted service cannot (billing in money, the Hugging Face hub with no internet), it refuses with a
+sentence. The checkpoint and run commands' details are in test_rest_surface.py; auth in test_cli_auth.py."""
+
+import json
+
+from helpers import cli_json, tinker_cli
+
+TINY = "lilo/tiny-llama"
+TIMEOUT_S = 120
+
+
+def test_model_list_shows_the_served_base_models(local_cluster):
+    listed = cli_json(local_cluster, "model", "list")
+    names = [model["model_name"] for model in listed["models"]]
+    assert names == list(local_cluster.base_models)
+    assert [model["model_name"] for model in cli_json(local_cluster, "model", "list", "tiny-llama")["models"]] == [TINY]
+    missing = tinker_cli(local_cluster, "model", "list", "no-such-model")  # names the organization: whoami
+    assert missing.returncode != 0 and "for organization tml:organization:local" in missing.stderr, missing.stderr
+
+
+def test_run_info_and_checkpoint_publication_work_from_the_cli(local_cluster, service):
+    training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+    path = training.save_weights_for_sampler("cli-published").result(timeout=TIMEOUT_S).path
+    assert cli_json(local_cluster, "run", "info", training.model_id)["training_run_id"] == training.model_id
+    assert tinker_cli(local_cluster, "checkpoint", "publish", path).returncode == 0
+    assert cli_json(local_cluster, "checkpoint", "info", path)["public"] is True
+    assert tinker_cli(local_cluster, "checkpoint", "unpublish", path).returncode == 0
+    assert cli_json(local_cluster, "checkpoint", "info", path)["public"] is False
+
+
+def test_billing_shows_storage_and_says_lilo_bills_nobody(local_cluster):
+    storage = cli_json(local_cluster, "billing", "checkpoint-storage")
+    assert json.dumps(storage) and "data" in storage
+    usage = tinker_cli(local_cluster, "billing", "usage", "2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z")
+    assert usage.returncode != 0 and "bills nobody" in usage.stderr, usage.stderr
+
+
+def test_push_hf_without_the_hub_says_so(local_cluster, service, tmp_path):
+    training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+    path = training.save_state("to-the-hub").result(timeout=TIMEOUT_S).path
+    pushed = tinker_cli(local_cluster, "checkpoint", "push-hf", path, "--repo", "someone/lilo-test", home=tmp_path)
+    assert pushed.returncode != 0, pushed.stdout
+    assert "hf auth login" in pushed.stderr or "huggingface" in pushed.stderr.lower(), pushed.stderr[-2000:]
