@@ -344,6 +344,9 @@ class FuturesActor:
                               after: tuple[float, str] | None) -> tuple[list[Any], bool]:
         return await self._run(self._store.sessions.search, tenant, query, limit, after)
 
+    async def session_requests(self, session_id: str, tenant: str, limit: int) -> list[dict[str, Any]]:
+        return await self._run(self._store.sessions.requests, session_id, tenant, limit)
+
     async def session_runs(self, session_ids: Sequence[str]) -> dict[str, list[dict]]:
         return await self._run(self._store.sessions.runs_of, list(session_ids))
 

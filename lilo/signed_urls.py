@@ -42,14 +42,15 @@ def signature(secret: bytes, grant: DownloadGrant) -> str:
     return hmac.new(secret, grant.message(), hashlib.sha256).hexdigest()
 
 
-def refusal(secret: bytes, grant: DownloadGrant, offered: str, now: float) -> str | None:
-    """Why a link with ``offered`` as its signature may not download ``grant`` now, as a sentence; None: it may."""
+def refusal(secret: bytes, grant: DownloadGrant, offered: str, now: float,
+            renewal: str = "get_external_weights_urls") -> str | None:
+    """Why a link with ``offered`` as its signature may not download ``grant`` now, as a sentence naming the call
+    that gives new links (``renewal``); None: it may."""
     # compare_digest takes only ASCII strings; a signature is hex, so anything else is no signature.
     if not offered.isascii() or not hmac.compare_digest(signature(secret, grant), offered):
-        return ("This download link is not one lilo signed (or it was altered); ask get_external_weights_urls for "
-                "new links.")
+        return f"This download link is not one lilo signed (or it was altered); ask {renewal} for new links."
     if grant.expires_at <= now:
-        return "This download link has expired; ask get_external_weights_urls for new links."
+        return f"This download link has expired; ask {renewal} for new links."
     return None
 
 

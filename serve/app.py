@@ -40,6 +40,7 @@ from serve.openai.params import ChatCompletionBody, CompletionBody
 from serve.tinker.auth import exchanged, key_details, refuse_deletion
 from serve.tinker.client_flags import client_config, dynamic_config
 from serve.tinker.keys import TINKER_ROUTES
+from serve.tinker.session_traces import TRACE_ROUTE
 from serve.tinker.requests import (
     MAX_ID_CHARS, Body, CopyWeightsRequest, CreateCustomLossRequest, CreateModelRequest, CreateSamplingSessionRequest,
     FinishSessionRequest, LoadWeightsRequest, ModelRequest, OptimStepRequest, RetrieveFutureRequest,
@@ -297,9 +298,18 @@ class LiloIngress:
         raise NotFoundError(NO_PROJECTS)
 
     @api.get("/api/v1/sessions/{session_id}/trace_export")
-    async def export_session_trace(self, session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
-        raise NotFoundError("lilo does not export session traces; the critical path of each model is at "
-                            "GET /api/v1/timing?model_id=... instead.")
+    async def export_session_trace(self, session_id: str, request: Request,
+                                   tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await self._control.session_traces.export(session_id, tenant, str(request.base_url))
+
+    @api.get(TRACE_ROUTE + "/{session_id}", response_class=Response,
+             responses={200: {"description": "the session's trace (Chrome trace-event JSON, which Perfetto opens)",
+                              "content": {"application/json": {}}}})
+    async def download_session_trace(self, session_id: str, tenant: str = Query(max_length=MAX_ID_CHARS),
+                                     expires: int = Query(ge=0, le=INT64_MAX),
+                                     signature: str = Query(max_length=128)) -> Response:
+        return Response(await self._control.session_traces.download(session_id, tenant, expires, signature),
+                        media_type="application/json")
 
     @api.get("/api/v1/audit")
     async def audit_log(self, tenant: str = Depends(caller)) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from serve.tinker.heartbeats import SessionBeats
 from serve.tinker.requests import PROTOBUF, RetrieveFutureRequest, SaveWeightsRequest
 from serve.tinker.runs import Runs
 from serve.tinker.sampling import Sampling
+from serve.tinker.session_traces import SessionTraces
 from serve.tinker.sessions import Sessions
 from serve.tinker.submissions import Submissions
 from serve.tinker.timing import Timing
@@ -73,6 +74,7 @@ class ControlPlane:
         self.sessions = Sessions(actors, self.runs)
         self.heartbeats = SessionBeats(futures)
         self.timing = Timing(actors)
+        self.session_traces = SessionTraces(actors, self.timing, url_secret)
         self.console = ConsoleOverview(actors, self.runs)
         self.openai = OpenAICompatible(actors, base_models)
 

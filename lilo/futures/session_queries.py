@@ -9,7 +9,7 @@ import orjson
 from sqlalchemy import Engine, and_, func, or_, select, true, update
 
 from lilo.errors import NotFoundError
-from lilo.futures.schema import models, sampling_sessions, sessions
+from lilo.futures.schema import futures, models, sampling_sessions, sessions
 from lilo.session_search import SessionRow, matches
 from lilo.tenants import LOCAL_TENANT, may_see, tenant_of
 
@@ -72,6 +72,17 @@ class SessionQueries:
                     break
                 after = (rows[-1].created_at, rows[-1].session_id)
         return found[:limit], len(found) > limit
+
+    def requests(self, session_id: str, tenant: str, limit: int) -> list[dict[str, Any]]:
+        """The first ``limit`` requests of the session's training runs and sampling sessions, oldest first; 404
+        unless the session is one of ``tenant``'s."""
+        _, runs, samplers = self.detail(session_id, tenant)
+        columns = (futures.c.model_id, futures.c.kind, futures.c.request_id, futures.c.seq_id, futures.c.status,
+                   futures.c.submitted_at, futures.c.finished_at, futures.c.trainer, futures.c.error)
+        with self._engine.connect() as connection:
+            return [dict(row) for row in connection.execute(
+                select(*columns).where(futures.c.model_id.in_([*runs, *samplers]))
+                .order_by(futures.c.request_id).limit(limit)).mappings()]
 
     def runs_of(self, session_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
         """session -> its runs' ``model_id`` and ``trainer`` (to count their checkpoints)."""

@@ -44,6 +44,10 @@ class Timing:
             )
         return snapshot
 
+    async def known(self, model_id: str, reader: str, tenant: str) -> dict[str, Any] | None:
+        """``snapshot`` of one of the caller's models, read without a reset; None where there is no timing."""
+        return await self._snapshot(model_id, False, f"{tenant}/{reader}", tenant)
+
     async def _snapshot(self, model_id: str | None, reset: bool, reader: str, tenant: str) -> dict[str, Any] | None:
         """A placed model's timing comes fresh from the trainer that holds it; everything else (the cluster view, a
         model no trainer holds any more) from the timing actor's merged view. Another tenant's model is one without

@@ -4,7 +4,10 @@ sentence. The checkpoint and run commands' details are in test_rest_surface.py; 
 
 import json
 
-from helpers import cli_json, tinker_cli
+import httpx
+from tinker import types
+
+from helpers import cli_json, sdk_datum, tinker_cli
 
 TINY = "lilo/tiny-llama"
 TIMEOUT_S = 120
@@ -42,3 +45,27 @@ def test_push_hf_without_the_hub_says_so(local_cluster, service, tmp_path):
     pushed = tinker_cli(local_cluster, "checkpoint", "push-hf", path, "--repo", "someone/lilo-test", home=tmp_path)
     assert pushed.returncode != 0, pushed.stdout
     assert "hf auth login" in pushed.stderr or "huggingface" in pushed.stderr.lower(), pushed.stderr[-2000:]
+
+
+def test_session_export_trace_writes_the_sessions_requests_and_critical_path(local_cluster, service, tmp_path):
+    training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+    training.forward_backward([sdk_datum(1)], "cross_entropy").result(timeout=TIMEOUT_S)
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=TIMEOUT_S)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    sampler.sample(prompt=types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
+                   sampling_params=types.SamplingParams(max_tokens=3)).result(timeout=TIMEOUT_S)
+    session_id = service.holder.get_session_id()
+    output = tmp_path / "session.pftrace"
+    exported = tinker_cli(local_cluster, "session", "export-trace", session_id, "--output", str(output))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    events = json.loads(output.read_text())["traceEvents"]
+    slices = {(event["name"], event["args"].get("status")) for event in events if event["ph"] == "X"}
+    assert {("create_model", "completed"), ("forward_backward", "completed"), ("optim_step", "completed"),
+            ("save_weights_for_sampler", "completed"), ("sample", "completed")} <= slices
+    [path] = [event["args"] for event in events if event["name"] == "critical path"
+              and event["tid"] == next(e["tid"] for e in events if e.get("args", {}).get("name") == training.model_id)]
+    assert path["lilo/forward_backward.execute.count"] >= 1
+    url = tinker_cli(local_cluster, "session", "export-trace", session_id, "--url-only").stdout.strip()
+    forged = url.replace("signature=", "signature=0")
+    refused = httpx.get(forged)
+    assert refused.status_code == 403 and "export_session_trace" in refused.json()["detail"]

@@ -90,6 +90,7 @@ OPERATIONS = [
     "GET /api/v1/sessions/{session_id}",
     "PUT /api/v1/sessions/{session_id}/project",
     "GET /api/v1/sessions/{session_id}/trace_export",
+    "GET /api/v1/downloads/session_traces/{session_id}",
     "GET /api/v1/audit",
     "GET /api/v1/billing/usage/events",
     "GET /api/v1/billing/usage/checkpoints/current",

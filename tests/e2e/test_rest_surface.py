@@ -324,7 +324,7 @@ def test_what_a_self_hosted_service_keeps_none_of_is_a_404_that_says_so(local_cl
     refusals = ((lambda: admin.get_billing_usage("2026-01-01", "2026-02-01"), "bills nobody"),
                 (lambda: admin.get_audit_log(), "keeps no audit log"),
                 (lambda: rest.assign_session_project("session-x", "proj"), "keeps no projects"),
-                (lambda: rest.export_session_trace("session-x"), "does not export session traces"))
+                (lambda: rest.export_session_trace("session-x"), "Unknown session_id"))
     for call, message in refusals:
         with pytest.raises(tinker.NotFoundError, match=message):
             call().result(timeout=TIMEOUT_S)
