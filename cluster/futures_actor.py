@@ -344,6 +344,9 @@ class FuturesActor:
                               after: tuple[float, str] | None) -> tuple[list[Any], bool]:
         return await self._run(self._store.sessions.search, tenant, query, limit, after)
 
+    async def billing_usage(self, tenant: str, start: float, end: float) -> dict[str, Any]:
+        return await self._run(self._store.billing_usage, tenant, start, end)
+
     async def session_requests(self, session_id: str, tenant: str, limit: int) -> list[dict[str, Any]]:
         return await self._run(self._store.sessions.requests, session_id, tenant, limit)
 

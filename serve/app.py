@@ -5,6 +5,7 @@ to the replica's control plane (serve.control), with the typed request FastAPI v
 Serve's ingress wrapper string annotations of body models do not resolve.)
 """
 
+import datetime
 import sys
 from pathlib import Path
 from typing import Any
@@ -317,9 +318,9 @@ class LiloIngress:
                             "log is <home>/lilo.log on the head node.")
 
     @api.get("/api/v1/billing/usage/events")
-    async def billing_usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:
-        raise NotFoundError("lilo is self-hosted and bills nobody, so it keeps no billing usage; each tenant's "
-                            "usage (tokens, execute seconds, models, storage) is at GET /api/v1/usage.")
+    async def billing_usage(self, starting_on: datetime.datetime, ending_before: datetime.datetime,
+                            tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await self._control.billing_usage(starting_on, ending_before, tenant)
 
     @api.get("/api/v1/usage")
     async def usage(self, tenant: str = Depends(caller)) -> dict[str, Any]:

@@ -13,6 +13,8 @@ caller's tenant.
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Any, Sequence
 
 from fastapi import Response
@@ -23,6 +25,7 @@ from cluster.futures_actor import RETRIEVE_TIMEOUT_S
 from cluster.reconciler import TrainerDirectory
 from lilo.backend.registry import base_model_spec
 from lilo.engine.commands import Kind
+from lilo.futures.billing import check_window
 from lilo.futures.schema import PENDING
 from lilo.futures.store import FutureState
 from serve.console.overview import ConsoleOverview
@@ -84,6 +87,12 @@ class ControlPlane:
         if request.opens_sampling_session:
             return await self.sampling.save_opening_session(request, tenant)
         return await self.training.save(request, Kind.SAVE_WEIGHTS_FOR_SAMPLER, tenant)
+
+    async def billing_usage(self, starting_on: datetime.datetime, ending_before: datetime.datetime,
+                            tenant: str) -> dict[str, Any]:
+        """``tinker billing usage``: the caller's usage in hourly buckets (lilo.futures.billing)."""
+        start, end = check_window(starting_on, ending_before, time.time())
+        return await self._futures.billing_usage.remote(tenant, start, end)
 
     async def retrieve_future(self, request: RetrieveFutureRequest, tenant: str) -> Response | dict[str, Any]:
         """Long-poll one future: its result once finished, else ``try_again``."""

@@ -499,9 +499,9 @@ def completion_for(kind: Kind, request_id: int, done: Future,
         body = encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"])
     elif kind == Kind.SAMPLE:
         body = encode_sample_response(result)
-        if recorded_prompt is not None:
-            return Completion.success(request_id, body, kind=kind,
-                                      recorded=RecordedSample.of(recorded_prompt, result))
+        sampled = sum(len(sequence["tokens"]) for sequence in result["sequences"])
+        recorded = RecordedSample.of(recorded_prompt, result) if recorded_prompt is not None else None
+        return Completion.success(request_id, body, kind=kind, recorded=recorded, sampled_tokens=sampled)
     elif kind in (Kind.CREATE_MODEL, Kind.UNLOAD_MODEL):
         body = orjson.dumps({"model_id": result, "type": kind})
     else:

@@ -36,6 +36,10 @@ futures = Table(
     # (lilo.futures.session_completions), so a sampling session's poll asks for what finished after its cursor.
     # Added after the first release (nullable: an older file gains it on open; its finished rows stay unnumbered).
     Column("finished_seq", Integer, nullable=True),
+    # What billing counts (lilo.futures.billing; added after the first release, nullable): a training pass's tokens,
+    # or a sample's prompt tokens, at submit; a sample's generated tokens once it finished.
+    Column("billed_tokens", Integer, nullable=True),
+    Column("sampled_tokens", Integer, nullable=True),
     UniqueConstraint("model_id", "seq_id", name="uq_futures_model_seq"),
     sqlite_autoincrement=True,
 )

@@ -35,7 +35,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, UnavailableError
 from lilo.backend.provenance import RecordedSequence
 from lilo.engine.commands import Kind
-from lilo.futures import codec, sequences
+from lilo.futures import billing, codec, sequences
 from lilo.futures.checkpoint_records import CheckpointRecords
 from lilo.futures.custom_losses import CustomLossRecords
 from lilo.futures.sequences import RecordedSample
@@ -80,6 +80,8 @@ class Submission:
     payload_sha256: str | None = None
     # Its request's trace context from the ingress (``lilo.timing.traces``); None when traces are off.
     trace: tuple[tuple[str, str], ...] | None = None
+    # What billing counts of it at submit (lilo.futures.billing): a training pass's tokens, a sample's prompt's.
+    billed_tokens: int | None = None
 
     def prepared(self) -> "Submission":
         if self.payload_sha256 is not None:
@@ -126,11 +128,13 @@ class Completion:
     kind: str = ""
     # A sample taken with record_stability_info: its sequences, recorded with its result.
     recorded: RecordedSample | None = None
+    # A sample's generated tokens, for billing (lilo.futures.billing).
+    sampled_tokens: int | None = None
 
     @classmethod
-    def success(cls, request_id: int, result: bytes, kind: str = "",
-                recorded: RecordedSample | None = None) -> "Completion":
-        return cls(request_id, True, result=result, kind=kind, recorded=recorded)
+    def success(cls, request_id: int, result: bytes, kind: str = "", recorded: RecordedSample | None = None,
+                sampled_tokens: int | None = None) -> "Completion":
+        return cls(request_id, True, result=result, kind=kind, recorded=recorded, sampled_tokens=sampled_tokens)
 
     @classmethod
     def failure(cls, request_id: int, error: str, category: str = "server", kind: str = "") -> "Completion":
@@ -296,7 +300,7 @@ class FuturesStore:
                 # single prepared INSERT run many times (no RETURNING round trip per row).
                 first_id = self._highest_request_id(connection) + 1
                 rows = [(first_id + n, submissions[i].model_id, submissions[i].kind, submissions[i].seq_id,
-                         PENDING, prints[i], submissions[i].tenant, now, trainers.get(i))
+                         PENDING, prints[i], submissions[i].tenant, now, trainers.get(i), submissions[i].billed_tokens)
                         for n, i in enumerate(inserting)]
                 connection.exec_driver_sql(_INSERT_FUTURE, rows)
                 for n, i in enumerate(inserting):
@@ -411,9 +415,10 @@ class FuturesStore:
         now = self._clock()
         statement = update(futures).where(futures.c.request_id == bindparam("rid"), futures.c.status == PENDING).values(
             status=bindparam("status"), result=bindparam("result"), error=bindparam("error"),
-            error_category=bindparam("category"), finished_at=now, finished_seq=self.finish_order.next())
+            error_category=bindparam("category"), sampled_tokens=bindparam("sampled"), finished_at=now,
+            finished_seq=self.finish_order.next())
         params = [{"rid": c.request_id, "status": COMPLETED if c.ok else FAILED, "result": c.result,
-                   "error": c.error, "category": c.category} for c in batch]
+                   "error": c.error, "category": c.category, "sampled": c.sampled_tokens} for c in batch]
         recorded = {c.request_id: c.recorded for c in batch if c.ok and c.recorded is not None}
         with self.engine.begin() as connection:
             connection.execute(statement, params)
@@ -767,6 +772,10 @@ class FuturesStore:
                 .values(clients=func.coalesce(sampling_sessions.c.clients, 0) + 1)
                 .returning(sampling_sessions.c.clients)).scalar_one()
 
+    def billing_usage(self, tenant: str, start: float, end: float) -> dict[str, Any]:
+        """The tenant's usage in hourly buckets (``lilo.futures.billing``)."""
+        return billing.usage_events(self.engine, tenant, LOCAL_TENANT, start, end)
+
     def session_completions(self, polls: Sequence[tuple[SessionTarget, int]]
                             ) -> dict[tuple[SessionTarget, int], tuple[list[FinishedRequest], int]]:
         """What finished in each polled sampling session after its cursor (``session_completions``)."""
@@ -788,7 +797,7 @@ class FuturesStore:
 
 _INSERT_FUTURE = (
     "INSERT INTO futures (request_id, model_id, kind, seq_id, status, payload_sha256, tenant, "
-    "submitted_at, trainer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "submitted_at, trainer, billed_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _STATES = ("SELECT request_id, status, result, error, error_category, kind, tenant FROM futures "
            "WHERE request_id IN ({marks})")

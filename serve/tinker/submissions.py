@@ -14,6 +14,7 @@ from cluster.placement import named_actor
 from cluster.unloading import failing_future
 from lilo.engine.commands import Command, Kind
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, QuotaExceededError
+from lilo.futures.billing import billed_tokens
 from lilo.futures.store import Submission
 from lilo.tenants import tenant_of
 from lilo.timing.traces import carrier, set_attributes
@@ -54,7 +55,10 @@ class Submissions:
         has finished, hand ``command`` under its request id to its trainer (``submission.trainer``, or for a routed
         one the model's). Returns the request id."""
         traced = carrier()
-        submission = dataclasses.replace(submission, tokens=command.tokens, trace=traced).prepared()
+        submission = dataclasses.replace(submission, tokens=command.tokens, trace=traced,
+                                         billed_tokens=billed_tokens(command.kind, command.tokens,
+                                                                     getattr(command.payload, "prompt", None))
+                                         ).prepared()
         outcome = await self._futures.submit_once.remote(submission)
         set_attributes(model_id=command.model_id, seq_id=command.seq_id, kind=str(command.kind),
                        tenant=tenant_of(submission.tenant), request_id=outcome.request_id,

@@ -2,6 +2,7 @@
 does; what a self-hosted service cannot (billing in money, the Hugging Face hub with no internet), it refuses with a
 sentence. The checkpoint and run commands' details are in test_rest_surface.py; auth in test_cli_auth.py."""
 
+import datetime
 import json
 
 import httpx
@@ -32,11 +33,25 @@ def test_run_info_and_checkpoint_publication_work_from_the_cli(local_cluster, se
     assert cli_json(local_cluster, "checkpoint", "info", path)["public"] is False
 
 
-def test_billing_shows_storage_and_says_lilo_bills_nobody(local_cluster):
+def test_billing_shows_the_hours_usage_and_storage(local_cluster, service):
+    training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+    training.forward_backward([sdk_datum(seed) for seed in range(2)], "cross_entropy").result(timeout=TIMEOUT_S)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
+    sampler.sample(prompt=types.ModelInput.from_ints([1, 2, 3, 4]), num_samples=2,
+                   sampling_params=types.SamplingParams(max_tokens=3)).result(timeout=TIMEOUT_S)
+    hour = datetime.datetime.now(datetime.timezone.utc).replace(minute=0, second=0, microsecond=0)
+    window = [(hour + datetime.timedelta(hours=k)).strftime("%Y-%m-%dT%H:%M:%SZ") for k in (-1, 1)]
+    usage = cli_json(local_cluster, "billing", "usage", *window)
+    mine = [row for row in usage["data"] if row["session_id"] == service.holder.get_session_id()]
+    quantities = {row["event_info"]["type"]: row["event_info"].get("token_count", row["event_info"].get("count"))
+                  for row in mine}
+    # Two datums of 16 tokens, a prompt of 4 sampled twice (prefilled once per request), 3 tokens each, one save.
+    assert quantities == {"training": 32, "sampling_prefill": 4, "sampling_sample": 6, "checkpoint": 1}, mine
+    assert all(row["estimated_cost_usd"] is None and row["base_model"] == TINY for row in mine)
+    unaligned = tinker_cli(local_cluster, "billing", "usage", "2026-01-01T00:30:00Z", "2026-01-02T00:00:00Z")
+    assert unaligned.returncode != 0 and "whole UTC hours" in unaligned.stderr, unaligned.stderr
     storage = cli_json(local_cluster, "billing", "checkpoint-storage")
-    assert json.dumps(storage) and "data" in storage
-    usage = tinker_cli(local_cluster, "billing", "usage", "2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z")
-    assert usage.returncode != 0 and "bills nobody" in usage.stderr, usage.stderr
+    assert "data" in storage
 
 
 def test_push_hf_without_the_hub_says_so(local_cluster, service, tmp_path):

@@ -122,7 +122,7 @@ NO_INVALID = {"GET /api/v1/healthz", "POST /api/v1/client/config", "GET /api/v1/
               f"DELETE {CHECKPOINT}", f"GET {CHECKPOINT}/external_weights_urls", f"POST {CHECKPOINT}/publish",
               f"DELETE {CHECKPOINT}/publish", "GET /api/v1/sessions/{session_id}",
               "PUT /api/v1/sessions/{session_id}/project", "GET /api/v1/sessions/{session_id}/trace_export",
-              "GET /api/v1/audit", "GET /api/v1/billing/usage/events", "GET /api/v1/billing/usage/checkpoints/current",
+              "GET /api/v1/audit", "GET /api/v1/billing/usage/checkpoints/current",
               "GET /api/v1/usage", "GET /oai/api/v1/models"}
 RUNS = [(label, mode) for label in OPERATIONS for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
         if not (mode is GenerationMode.POSITIVE and label in INVALID_ONLY)
