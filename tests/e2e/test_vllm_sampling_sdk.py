@@ -1,7 +1,8 @@
 """The sampling plane's vLLM path through the official tinker SDK: a service started with ``--samplers 1`` relays
 the samples vLLM answers exactly to its vLLM sampler actor, and they score as the trainer scores the same tokens
 (the cookbook's sampler-vs-trainer check); a sample right after a save reflects that save; the bare base model
-samples beside adapters in one engine; what vLLM cannot answer, the torch sampler still does."""
+samples beside adapters in one engine; what vLLM cannot answer, the torch sampler still does; an abandoned sample is
+cancelled on the sampler; inflight clients move to the latest inflight save."""
 
 import time
 
@@ -162,3 +163,43 @@ def test_the_openai_endpoint_samples_a_checkpoint_on_vllm_as_the_tinker_sdk_does
     assert completion.usage.completion_tokens == len(expected.tokens)
     found = phases(url, saved.path, until=lambda found: found.get("sample.vllm", {}).get("count", 0) >= 2)
     assert found["sample.vllm"]["count"] == 2 and "sample.execute" not in found
+
+
+def session_trace(url: str, session_id: str) -> list[dict]:
+    """The session's requests as ``tinker session export-trace`` gets them (a signed link to the trace)."""
+    link = httpx.get(f"{url}/api/v1/sessions/{session_id}/trace_export", headers={"X-API-Key": KEY}).json()["url"]
+    return [event for event in httpx.get(link).json()["traceEvents"] if event["ph"] == "X"]
+
+
+def test_an_abandoned_vllm_sample_is_cancelled_on_the_sampler(vllm_service):
+    service, url = vllm_service
+    _, saved = trained_checkpoint(service, "cancelled", steps=1, learning_rate=1e-2)
+    sampler = service.create_sampling_client(model_path=saved.path).result(timeout=TIMEOUT_S)
+    long = sample(sampler, [5, 6, 7], num_samples=16, max_tokens=400, temperature=1.0)
+    time.sleep(2.0)  # relayed to vLLM and generating
+    long.future().cancel()  # the SDK sends cancel_future; the relay cancels the sampler's call, vLLM aborts it
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        samples = [event for event in session_trace(url, service.holder.get_session_id())
+                   if event["name"] == "sample" and event["args"].get("status") != "pending"]
+        if any("cancelled by its client" in event["args"].get("error", "") for event in samples):
+            break
+        time.sleep(1.0)
+    else:
+        raise AssertionError(f"the abandoned sample was not cancelled: {samples}")
+    assert sample(sampler, [5, 6, 7]).result(timeout=TIMEOUT_S).sequences  # the sampler serves on
+
+
+def test_inflight_clients_on_vllm_sample_the_latest_inflight_save(vllm_service):
+    service, _ = vllm_service
+    training = service.create_lora_training_client(base_model=str(TINY_DIRECTORY), rank=8).result(timeout=TIMEOUT_S)
+    train(training, steps=2, learning_rate=3e-2, seed=6)
+    older = training.save_weights_and_get_sampling_client(kind="inflight").result(timeout=TIMEOUT_S)
+    prompt = [21, 22, 23]
+    first = sample(older, prompt, temperature=0.0).result(timeout=TIMEOUT_S).sequences[0]
+    train(training, steps=3, learning_rate=5e-2, seed=7)
+    newer = training.save_weights_and_get_sampling_client(kind="inflight").result(timeout=TIMEOUT_S)
+    moved = sample(older, prompt, temperature=0.0).result(timeout=TIMEOUT_S).sequences[0]
+    latest = sample(newer, prompt, temperature=0.0).result(timeout=TIMEOUT_S).sequences[0]
+    assert (moved.tokens, moved.logprobs) == (latest.tokens, latest.logprobs)
+    assert (moved.tokens, moved.logprobs) != (first.tokens, first.logprobs)
