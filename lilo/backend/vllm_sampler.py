@@ -12,8 +12,9 @@ the torch sampler.
 
 ``VllmSampler`` owns the engine (vLLM's ``AsyncLLM``: continuous batching, so concurrent ``sample`` calls share its
 batches) and the adapters published to it: each key maps to the PEFT directory it was last published from, loaded
-under a fresh LoRA id, so the next sample of the key uses the new weights while samples already running finish on
-the old ones. This module imports neither torch nor vLLM until an engine is made.
+under a fresh LoRA id, so the next sample of the key uses the new weights, and a sample already running continues on
+them from its next token (its request on the old version is aborted, and one on the new continues from the tokens
+so far); the old version is dropped once nothing runs on it. This module imports neither torch nor vLLM until an engine is made.
 """
 
 from __future__ import annotations
@@ -104,16 +105,19 @@ def _ranked(position: dict[int, Any], k: int) -> TopK:
     return [(token, logprob) for _, token, logprob in ranked]
 
 
-def sequence_of(completion: Any, topk: int) -> SampledSequence:
-    """A vLLM ``CompletionOutput`` as lilo's sampled sequence."""
-    if completion.finish_reason not in (STOP, LENGTH):
-        raise RuntimeError(f"vLLM ended a sample with {completion.finish_reason!r}.")
-    tokens = list(completion.token_ids)
+def sequence_of(stretches: list[Any], topk: int) -> SampledSequence:
+    """A sample's vLLM ``CompletionOutput``s as lilo's sampled sequence: one, or one per version of its adapter it
+    ran on (each continuing the tokens of the ones before), their tokens and logprobs end to end."""
+    reason = stretches[-1].finish_reason
+    if reason not in (STOP, LENGTH):
+        raise RuntimeError(f"vLLM ended a sample with {reason!r}.")
+    tokens = [token for stretch in stretches for token in stretch.token_ids]
+    positions = [position for stretch in stretches for position in stretch.logprobs]
     sequence: SampledSequence = {
-        "tokens": tokens, "logprobs": [position[token].logprob for position, token in zip(completion.logprobs, tokens)],
-        "stop_reason": completion.finish_reason}
+        "tokens": tokens, "logprobs": [position[token].logprob for position, token in zip(positions, tokens)],
+        "stop_reason": reason}
     if topk:
-        sequence["topk_logprobs"] = [_ranked(position, topk) for position in completion.logprobs]
+        sequence["topk_logprobs"] = [_ranked(position, topk) for position in positions]
     return sequence
 
 
@@ -226,8 +230,9 @@ class VllmSampler:
 
     # --- adapters ------------------------------------------------------------------------------------------
     async def load_adapter(self, key: str, peft_dir: str | Path) -> None:
-        """(Re)load the adapter ``key`` from its PEFT directory: the next sample of ``key`` uses these weights;
-        samples of its previous version already running finish on that one, which is dropped after them."""
+        """(Re)load the adapter ``key`` from its PEFT directory: the next sample of ``key`` uses these weights, and
+        samples of its previous version already running continue on them from their next token (``_generate``); the
+        previous version is dropped once none runs on it."""
         from vllm.lora.request import LoRARequest
 
         directory = Path(peft_dir)
@@ -282,33 +287,47 @@ class VllmSampler:
         """``request``'s samples through the adapter ``adapter`` (None: the bare base model). Runs in the engine's
         continuous batches with every other sample in flight."""
         self.check(request)
-        version = None
-        if adapter is not None:
-            version = self._versions.get(adapter)
-            if version is None:
-                raise NotFoundError(f"The adapter {adapter!r} is not loaded on this sampler; publish it first.")
-            version.running += 1
-        try:
-            outputs = await asyncio.gather(*(self._generate(request, k, version) for k in range(request.num_samples)))
-        finally:
-            if version is not None:
-                version.running -= 1
-                await self._drop_if_idle(version)
-        return {"sequences": [sequence_of(output.outputs[0], request.topk_sample_logprobs) for output in outputs]}
+        if adapter is not None and adapter not in self._versions:
+            raise NotFoundError(f"The adapter {adapter!r} is not loaded on this sampler; publish it first.")
+        stretches = await asyncio.gather(*(self._generate(request, k, adapter) for k in range(request.num_samples)))
+        return {"sequences": [sequence_of(found, request.topk_sample_logprobs) for found in stretches]}
 
-    async def _generate(self, request: SamplingRequest, sample_index: int, version: _Version | None) -> Any:
+    async def _generate(self, request: SamplingRequest, sample_index: int, adapter: str | None) -> list[Any]:
+        """Sample ``sample_index`` of ``request`` through the latest version of ``adapter``: its ``CompletionOutput``,
+        or, when a newer version is published while it generates (an inflight checkpoint saved again), one per
+        version, each continuing from the tokens before (its prompt and them prefilled again, mostly from the
+        prefix cache) as the torch sampler continues on a slot's new weights."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        final = None
-        async for output in self.engine.generate(
-                TokensPrompt(prompt_token_ids=list(request.prompt)),
-                SamplingParams(**sampling_params_of(request, sample_index)), uuid.uuid4().hex,
-                lora_request=version.lora if version is not None else None):
-            final = output
-        if final is None or not final.finished:
-            raise RuntimeError("vLLM returned no finished sample.")
-        return final
+        prompt, left, stretches = list(request.prompt), request.max_tokens, []
+        version = self._versions[adapter] if adapter is not None else None
+        while True:
+            final, newer = None, None
+            if version is not None:
+                version.running += 1
+            stream = self.engine.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+                **{**sampling_params_of(request, sample_index), "max_tokens": left}), uuid.uuid4().hex,
+                lora_request=version.lora if version is not None else None)
+            try:
+                async for output in stream:
+                    final = output
+                    latest = self._versions.get(adapter) if adapter is not None else None
+                    if latest is not None and latest is not version and not output.finished:
+                        newer = latest
+                        break
+            finally:
+                await stream.aclose()  # a stream left early aborts its request in the engine
+                if version is not None:
+                    version.running -= 1
+                    await self._drop_if_idle(version)
+            if final is None or (newer is None and not final.finished):
+                raise RuntimeError("vLLM returned no finished sample.")
+            stretches.append(final.outputs[0])
+            if newer is None:
+                return stretches
+            generated = list(final.outputs[0].token_ids)
+            prompt, left, version = prompt + generated, left - len(generated), newer
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -5,6 +5,7 @@ import dataclasses
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -208,6 +209,46 @@ def test_a_publish_under_the_same_key_is_used_by_the_very_next_sample(sampler, t
     ray.get(actor.publish.remote(key, str(directory)), timeout=TIMEOUT_S)
     assert vllm_samples(actor, [request], [key])[0]["sequences"][0]["tokens"] == by["b"]
     assert key in ray.get(actor.adapters.remote())
+
+
+def trainer_logprobs(backend, model_id: str, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The trainer's logprob of each of ``tokens`` after ``prompt`` under adapter ``model_id`` (a forward pass)."""
+    sequence = prompt + tokens
+    datum = Datum(tokens=sequence[:-1],
+                  loss_inputs={"target_tokens": sequence[1:], "weights": [1.0] * (len(sequence) - 1)})
+    (forward,) = backend.forward_backward([Command(model_id, 1, Kind.FORWARD, "f", payload=TrainInput(data=[datum]))],
+                                          forward_only=True)
+    return np.asarray(forward["loss_fn_outputs"][0]["logprobs"][len(prompt) - 1:])
+
+
+@needs_vllm
+def test_a_sample_under_way_continues_on_a_version_published_meanwhile(sampler, torch_side, tmp_path):
+    """An inflight checkpoint saved again while its samples generate: each continues on the new version from the
+    token it had reached, so its first tokens score as adapter a's, the rest as adapter b's."""
+    actor, _ = sampler
+    backend, directories = torch_side
+    directory = tmp_path / "sampler_weights" / "ephemeral-inflight"
+    shutil.copytree(directories["a"], directory)
+    key = f"tinker://run-{uuid.uuid4().hex[:6]}/sampler_weights/ephemeral-inflight"
+    ray.get(actor.publish.remote(key, str(directory)), timeout=TIMEOUT_S)
+    prompt = tokens_of("a")[:4]
+    # 16 samples of 480 tokens: seconds of generation here (a cancel 2 s into 16 x 400 still finds them running).
+    running = actor.sample.remote([SamplingRequest(prompt=prompt, max_tokens=480, seed=5, num_samples=16)], [key])
+    time.sleep(1.0)
+    shutil.rmtree(directory)
+    shutil.copytree(directories["b"], directory)
+    ray.get(actor.publish.remote(key, str(directory)), timeout=TIMEOUT_S)
+    (result,) = ray.get(running, timeout=TIMEOUT_S)
+    splits = []
+    for sequence in result["sequences"]:
+        got = np.asarray(sequence["logprobs"])
+        on_a = np.abs(got - trainer_logprobs(backend, "a", prompt, sequence["tokens"])) < 1e-3
+        on_b = np.abs(got - trainer_logprobs(backend, "b", prompt, sequence["tokens"])) < 1e-3
+        # The first token not scored as a's: from there on, every token scores as b's.
+        split = int(np.argmin(on_a)) if not on_a.all() else len(got)
+        assert on_a[:split].all() and on_b[split:].all(), sequence["logprobs"][:8]
+        splits.append(split)
+    assert any(0 < split < 480 for split in splits), splits  # the new version came in while they generated
 
 
 @needs_vllm
