@@ -14,7 +14,8 @@ the torch sampler.
 batches) and the adapters published to it: each key maps to the PEFT directory it was last published from, loaded
 under a fresh LoRA id, so the next sample of the key uses the new weights, and a sample already running continues on
 them from its next token (its request on the old version is aborted, and one on the new continues from the tokens
-so far); the old version is dropped once nothing runs on it. This module imports neither torch nor vLLM until an engine is made.
+so far); the old version is dropped once nothing runs on it. This module imports neither torch nor vLLM until an
+engine is made.
 """
 
 from __future__ import annotations
