@@ -98,7 +98,10 @@ def test_create_via_load_retried_is_one_model_and_bad_paths_are_refused_with_a_m
         ({**body, "model_seq_id": 1, "path": path.replace("/weights/", "/sampler_weights/")}, 422,
          "not a training checkpoint"),
         ({**body, "model_seq_id": 1, "base_model": "other/model"}, 422, "leave base_model out"),
-        ({**body, "model_seq_id": 1, "optimizer_config": {"type": "dimuon"}}, 422, "Only the adamw optimizer"),
+        # Resuming the optimizer state resumes its family; another is refused, as is a family lilo does not know.
+        ({**body, "model_seq_id": 1, "optimizer_config": {"type": "dimuon"}}, 422,
+         "was trained with adamw, not dimuon"),
+        ({**body, "model_seq_id": 1, "optimizer_config": {"type": "lion"}}, 422, "Unknown optimizer 'lion'"),
         ({"session_id": session_id, "path": path, "optimizer": True}, 422, "either model_id and seq_id"),
     ]
     for request, status, message in refusals:
