@@ -60,6 +60,10 @@ class CancelledByClientError(LiloError):
     """A sample its client abandoned and cancelled (``cancel_future``): its future fails with this, the client has
     stopped waiting for it."""
 
+    @classmethod
+    def of_sample(cls, request_id: str) -> "CancelledByClientError":
+        return cls(f"Sample {request_id} was cancelled by its client (cancel_future).")
+
 
 class TooLargeError(LiloError):
     """The request is larger than this server takes, as sent or once inflated (HTTP 413)."""

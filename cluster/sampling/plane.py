@@ -232,11 +232,6 @@ class SamplerRelay:
             self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t1, self._clock(),
                                 request_ids=[command.request_id], n=1, ok=True)
             future.set_result(outcome)
-        except ray.exceptions.TaskCancelledError:  # ``cancel``: vLLM stopped generating it
-            self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(),
-                                request_ids=[command.request_id], n=1, ok=False)
-            future.set_exception(CancelledByClientError(
-                f"Sample {command.request_id} was cancelled by its client (cancel_future)."))
         except ray.exceptions.RayActorError as error:
             self._ready.discard(sampler)
             self._count("torch: the sampler died")
@@ -246,6 +241,8 @@ class SamplerRelay:
         except Exception as error:  # its own error (an unknown checkpoint, bad input): the client's answer
             self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(),
                                 request_ids=[command.request_id], n=1, ok=False)
+            if isinstance(error, ray.exceptions.TaskCancelledError):  # ``cancel``: vLLM stopped generating it
+                error = CancelledByClientError.of_sample(command.request_id)
             future.set_exception(error)
 
     async def _sample_on(self, sampler: str, command: Command[SamplingRequest], key: str | None) -> Any:

@@ -527,7 +527,7 @@ class Engine:
             for index, (command, queued) in enumerate(self._samples):
                 if command.request_id == request_id:
                     del self._samples[index]
-                    self._settle(queued, _cancelled(request_id))
+                    self._settle(queued, CancelledByClientError.of_sample(request_id))
                     return "queued"
             self._cancelled.add(request_id)
             return "running"
@@ -536,7 +536,7 @@ class Engine:
         if command.request_id not in self._cancelled:
             return result
         self._cancelled.discard(command.request_id)
-        return _cancelled(command.request_id)
+        return CancelledByClientError.of_sample(command.request_id)
 
     # --- shutdown ------------------------------------------------------------------------------------------
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -566,10 +566,6 @@ class Engine:
             future.set_exception(result)
         else:
             future.set_result(result)
-
-
-def _cancelled(request_id: str) -> CancelledByClientError:
-    return CancelledByClientError(f"Sample {request_id} was cancelled by its client (cancel_future).")
 
 
 def _parts(taken: Sequence[tuple[Command, Future]], models: dict[str, None],

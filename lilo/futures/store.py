@@ -753,14 +753,15 @@ class FuturesStore:
     def sample_to_cancel(self, request_id: int, tenant: str | None = None) -> str | None:
         """The trainer of a sample still pending, to cancel it there; None when it has finished. NotFoundError
         for a request that is not the caller's (or not at all), InvalidRequestError for one that is no sample."""
-        state = self.lookup(request_id, tenant)
-        if state.kind != Kind.SAMPLE:
-            raise InvalidRequestError(f"Request {request_id} is a {state.kind}, not a sample; only samples can be "
-                                      "cancelled (training requests run in their model's order).")
-        if state.finished:
-            return None
         with self.engine.connect() as connection:
-            return connection.execute(select(futures.c.trainer).where(futures.c.request_id == request_id)).scalar()
+            row = connection.execute(select(futures.c.kind, futures.c.status, futures.c.tenant, futures.c.trainer)
+                                     .where(futures.c.request_id == request_id)).first()
+        if row is None or not may_see(tenant, row.tenant):
+            raise self.missing_error(request_id)
+        if row.kind != Kind.SAMPLE:
+            raise InvalidRequestError(f"Request {request_id} is a {row.kind}, not a sample; only samples can be "
+                                      "cancelled (training requests run in their model's order).")
+        return row.trainer if row.status == PENDING else None
 
     def join_sampling_session(self, sampling_session_id: str, tenant: str | None = None) -> int:
         """A new client of the session (an unpickled SamplingClient): its clone id, the session's next client count

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from fastapi import HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from lilo.futures.session_completions import CLONE_SPAN
 from lilo.protocol.proto import ForwardBackwardCall, decode_forward_backward, inflate
 from serve.http.limits import BodyLimit
 
@@ -111,7 +112,7 @@ class SampleRequest(Body):
 class SamplingSessionTarget(Body):
     type: Literal["sampling_session"] = "sampling_session"
     sampling_session_id: str = Field(max_length=MAX_ID_CHARS)
-    cloned_sampler_id: int = Field(0, ge=0, lt=2**63 // 10**9)
+    cloned_sampler_id: int = Field(0, ge=0, lt=2**63 // CLONE_SPAN)
 
 
 class RetrieveFuturesRequest(Body):

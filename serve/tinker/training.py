@@ -76,7 +76,8 @@ class Training:
         model_id = model_id_for(request.session_id, request.model_seq_id)
         family = optimizer_family(request.optimizer_config)
         # The family goes with the model's config (not for AdamW, the default): a restore rebuilds its spec from it.
-        lora_config = {**(request.lora_config or {}), **({"optimizer": family} if family != "adamw" else {})}
+        optimizer = {"optimizer": family} if family != "adamw" else {}
+        lora_config = {**(request.lora_config or {}), **optimizer}
         spec = LoraSpec.from_config(lora_config)
         base_model, context = split_context_suffix(request.base_model)
         exists = await self._futures.trainer_of.remote(model_id, tenant)
@@ -91,8 +92,7 @@ class Training:
         # skips placement and finds its first future.
         trainer = None if exists else await self._actors.place(base_model, tenant)
         submission = Submission(model_id, Kind.CREATE_MODEL,
-                                {"base_model": base_model, "lora": request.lora_config,
-                                 **({"optimizer": family} if family != "adamw" else {})},
+                                {"base_model": base_model, "lora": request.lora_config, **optimizer},
                                 seq_id=0, tenant=tenant, trainer=trainer)
         model = NewModel(base_model, lora_config, request.session_id, request.user_metadata)
         return await self._submissions.record_new_model(

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from lilo.errors import NotFoundError
+from lilo.errors import GoneError, InvalidRequestError, NotFoundError
 from lilo.futures.session_completions import CLONE_SPAN, SessionTarget, completions_after
 from lilo.futures.session_waiter import SessionWaiter
 from lilo.futures.store import Completion, FuturesStore, Submission
@@ -130,3 +130,15 @@ def test_parked_polls_are_answered_by_one_statement_per_write(store):
         await waiter.close()
 
     asyncio.run(scenario())
+
+
+def test_a_sample_to_cancel_names_its_trainer_while_it_is_pending(store):
+    pending = store.submit(Submission("s", "sample", {"seq": 1}, seq_id=1, trainer="t0", tenant="acme"))
+    assert store.sample_to_cancel(pending, "acme") == "t0"
+    with pytest.raises(GoneError, match="another API key"):  # another tenant's: answered as retrieve_future does
+        store.sample_to_cancel(pending, "globex")
+    store.complete_many([done(pending)])
+    assert store.sample_to_cancel(pending, "acme") is None  # finished: nothing to cancel
+    training = store.submit(Submission("model", "forward_backward", {}, seq_id=1, trainer="t0", tenant="acme"))
+    with pytest.raises(InvalidRequestError, match="not a sample"):
+        store.sample_to_cancel(training, "acme")

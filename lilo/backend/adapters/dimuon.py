@@ -79,8 +79,11 @@ class SlotDimuon:
         return norms
 
     def _step_rank(self, rank: int, slots: list[int], specs: list[LoraSpec], params: list[DimuonParams]) -> None:
-        rows = torch.tensor(slots, device=self.state.weights.device)
+        like = {"dtype": self.state.weights.dtype, "device": self.state.weights.device}
+        rows = torch.tensor(slots, device=like["device"])
         scale = (32 / rank) ** RANK_LR_EXPONENT
+        beta1 = torch.tensor([p.beta1 for p in params], **like)
+        lr = torch.tensor([p.learning_rate * scale for p in params], **like)
         for n, path in enumerate(self.bank.layers):
             if not any(self.bank.trains(path, spec) for spec in specs):
                 continue
@@ -89,10 +92,8 @@ class SlotDimuon:
                                                                                                slice(0, rank))
                 weights, grads, momentum = (self.bank.view(flat, index) for flat in (
                     self.state.weights, self.state.grads, self.state.exp_avg))
-                shape = (len(slots),) + (1,) * (weights[where].dim() - 1)
-                beta1 = torch.tensor([p.beta1 for p in params], dtype=weights.dtype, device=weights.device)
-                lr = torch.tensor([p.learning_rate * scale for p in params], dtype=weights.dtype,
-                                  device=weights.device)
-                moved = momentum[where] * beta1.view(shape) + grads[where] * (1 - beta1).view(shape)
+                moved = momentum[where]
+                shape = (len(slots),) + (1,) * (moved.dim() - 1)  # one setting per slot, over its matrices
+                moved = moved * beta1.view(shape) + grads[where] * (1 - beta1).view(shape)
                 momentum[where] = moved
                 weights[where] = weights[where] - lr.view(shape) * matrix_sign(preconditioned(moved))
