@@ -123,6 +123,11 @@ class Settings:
     # Following the GPUs: how long a create_model that found every trainer full waits for the trainer it asked
     # for, before its 429 (under the SDK's 60 s request timeout).
     trainer_wait_s: float = 30.0
+    # Where checkpoints, their exports and page files are kept (lilo.storage): a URI (s3://bucket/prefix,
+    # gs://bucket/prefix) or a directory every node mounts. None: under the home, on each trainer's own node.
+    storage: str | None = None
+    # The futures ledger: a postgresql:// URL (lilo.futures.store). None: SQLite under the home.
+    ledger: str | None = dataclasses.field(default=None, repr=False)
 
     @property
     def ray_temp_dir(self) -> Path:
@@ -346,6 +351,8 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_MAX_TRAINERS": ("max_trainers", int),
     "LILO_TRAINER_IDLE_TIMEOUT_S": ("trainer_idle_timeout_s", float),
     "LILO_TRAINER_WAIT_S": ("trainer_wait_s", float),
+    "LILO_STORAGE": ("storage", str),
+    "LILO_LEDGER": ("ledger", str),
 }
 
 

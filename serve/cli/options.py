@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tenants-file", type=Path, metavar="PATH",
                     help="TOML file of each tenant's share (weight) and limits, re-read when it changes or on SIGHUP "
                          "(default: $LILO_TENANTS_FILE; none: every tenant weight 1, unlimited; docs/operations.md)")
+    up.add_argument("--storage", metavar="URI",
+                    help="where checkpoints and page files are kept: s3://bucket/prefix, gs://bucket/prefix or a "
+                         "directory every node mounts (default: $LILO_STORAGE, else the home on each trainer's node)")
+    up.add_argument("--ledger", metavar="URL",
+                    help="the futures ledger: postgresql://user@host/db (default: $LILO_LEDGER, else SQLite "
+                         "under the home)")
     up.add_argument("--timeout", dest="startup_timeout_s", type=float, help="seconds to wait for readiness")
     up.add_argument("--detach", action="store_true", help="return once the service answers; stop with `lilo down`")
     up.add_argument(DETACHED_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
@@ -137,5 +143,5 @@ def settings_of(args: argparse.Namespace) -> Settings:
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "compress_bodies", "api_keys_file",
               "tenants_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",
-              "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s")
+              "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s", "storage", "ledger")
     return load_settings(**{name: getattr(args, name, None) for name in fields})
