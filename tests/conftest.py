@@ -16,6 +16,7 @@ prepare_environment()
 
 import pytest  # noqa: E402 (after prepare_environment, on purpose)
 
+from benchmarks.postgres_server import NO_FSYNC, PostgresServer, postgres_server  # noqa: E402
 from cluster.ports import free_ports  # noqa: E402
 from helpers import Clock, lilo, short_home  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402
@@ -148,3 +149,23 @@ def base(tiny_dir: Path):
 def clock() -> Clock:
     """A hand-driven clock (starts at t=100 s)."""
     return Clock()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the session's ledger tests, on loopback (benchmarks/postgres_server.py); it
+    fails, naming the package to install, where PostgreSQL is not installed."""
+    with postgres_server(NO_FSYNC) as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger(request, tmp_path) -> str:
+    """Where a test's futures ledger lives: a new SQLite file, or a new database on the session's PostgreSQL
+    server (``--ledger``). A test that pokes at SQLite itself takes ``SQLITE_ONLY``."""
+    if request.param == "sqlite":
+        return str(tmp_path / "db" / "futures.db")
+    return request.getfixturevalue("postgres").create_database()
+
+
+SQLITE_ONLY = pytest.mark.parametrize("ledger", ["sqlite"], indirect=True)

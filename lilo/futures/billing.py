@@ -20,8 +20,8 @@ TRAINING = (Kind.FORWARD_BACKWARD, Kind.FORWARD)
 CHECKPOINTS = (Kind.SAVE_WEIGHTS, Kind.SAVE_WEIGHTS_FOR_SAMPLER, Kind.SAVE_WEIGHTS_EXTERNAL)
 # One row per (hour, session, base model, kind) of the tenant's finished requests in the window: a request's session
 # and base model are its training run's, or its sampling session's.
-_USAGE = text("""
-SELECT CAST(f.submitted_at / 3600 AS INTEGER) AS hour, COALESCE(m.session_id, s.session_id) AS session,
+_USAGE_SQL = """
+SELECT {hour} AS hour, COALESCE(m.session_id, s.session_id) AS session,
        COALESCE(m.base_model, s.base_model) AS base, f.kind AS kind, COUNT(*) AS requests,
        SUM(f.billed_tokens) AS billed, SUM(f.sampled_tokens) AS sampled
 FROM futures f
@@ -30,7 +30,10 @@ LEFT JOIN sampling_sessions s ON s.sampling_session_id = f.model_id
 WHERE COALESCE(f.tenant, :local) = :tenant AND f.status = 'completed'
       AND f.submitted_at >= :start AND f.submitted_at < :end
 GROUP BY hour, session, base, kind
-""")
+"""
+# The hour a time falls in: SQLite's CAST truncates (the same, for times after 1970), PostgreSQL's would round.
+_USAGE = {"sqlite": text(_USAGE_SQL.format(hour="CAST(f.submitted_at / 3600 AS INTEGER)")),
+          "postgresql": text(_USAGE_SQL.format(hour="CAST(FLOOR(f.submitted_at / 3600) AS BIGINT)"))}
 
 
 def check_window(starting_on: datetime.datetime, ending_before: datetime.datetime, now: float) -> tuple[float, float]:
@@ -50,7 +53,8 @@ def check_window(starting_on: datetime.datetime, ending_before: datetime.datetim
 def usage_events(engine: Engine, tenant: str, local: str, start: float, end: float) -> dict[str, Any]:
     """The SDK's ``BillingUsageResponse`` for ``tenant`` (``local``: the tenant of requests recorded without one)."""
     with engine.connect() as connection:
-        rows = connection.execute(_USAGE, {"tenant": tenant, "local": local, "start": start, "end": end}).all()
+        rows = connection.execute(_USAGE[engine.dialect.name],
+                                  {"tenant": tenant, "local": local, "start": start, "end": end}).all()
     events = [event for row in rows for event in _events(row, tenant)]
     events.sort(key=lambda event: (event["bucket_start"], -_quantity(event["event_info"])))
     sessions = {event["session_id"]: {"user_metadata": None} for event in events if event["session_id"]}

@@ -17,10 +17,10 @@ from typing import Any, Iterable, Sequence
 
 import orjson
 from sqlalchemy import Engine, select, update
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from lilo.backend.checkpoints.paths import parse_tinker_path
 from lilo.errors import GoneError, InvalidRequestError, NotFoundError
+from lilo.futures.database import insert
 from lilo.futures.schema import checkpoints, models
 from lilo.tenants import may_see
 
@@ -109,8 +109,8 @@ class CheckpointRecords:
     def _upsert(self, path: str, tenant: str | None, **values: Any) -> None:
         model_id, _, _ = parse_tinker_path(path)
         with self._engine.begin() as connection:
-            connection.execute(sqlite_insert(checkpoints).values(tinker_path=path, model_id=model_id, tenant=tenant,
-                                                                 **{"public": 0, **values})
+            connection.execute(insert(connection, checkpoints).values(tinker_path=path, model_id=model_id,
+                                                                      tenant=tenant, **{"public": 0, **values})
                                .on_conflict_do_update(index_elements=[checkpoints.c.tinker_path], set_=values))
 
     def of_runs(self, model_ids: Sequence[str]) -> dict[str, CheckpointRecord]:

@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 from sqlalchemy import Engine, select
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from lilo.errors import ConflictError, NotFoundError
+from lilo.futures.database import insert
 from lilo.futures.schema import custom_losses
 from lilo.tenants import may_see
 
@@ -31,7 +31,7 @@ class CustomLossRecords:
         """Record the loss; a retry is a no-op, another loss under the same id a conflict."""
         encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS).decode()
         with self._engine.begin() as connection:
-            connection.execute(sqlite_insert(custom_losses).values(
+            connection.execute(insert(connection, custom_losses).values(
                 loss_id=loss_id, session_id=session_id, tenant=tenant, body=encoded,
                 created_at=self._clock()).on_conflict_do_nothing())
             known = connection.execute(select(custom_losses.c.body).where(custom_losses.c.loss_id == loss_id)).scalar()

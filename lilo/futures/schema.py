@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 from sqlalchemy import (
-    Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text, UniqueConstraint,
+    BigInteger, Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text, UniqueConstraint,
 )
 
 metadata = MetaData()
+
+# A 64-bit integer in either database: SQLite's INTEGER is one already (and only ``INTEGER PRIMARY KEY`` is the
+# rowid that AUTOINCREMENT needs); PostgreSQL's INTEGER is 32 bits, too few for ids, seqs and token counts.
+BigInt = BigInteger().with_variant(Integer(), "sqlite")
 
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
 
 futures = Table(
     "futures",
     metadata,
-    # AUTOINCREMENT: ids are never reused, so an id below the highest ever allocated that has no row was pruned.
-    Column("request_id", Integer, primary_key=True, autoincrement=True),
+    # AUTOINCREMENT (PostgreSQL: BIGSERIAL's sequence): ids are never reused, so an id below the highest ever
+    # allocated that has no row was pruned (lilo.futures.database.highest_request_id).
+    Column("request_id", BigInt, primary_key=True, autoincrement=True),
     Column("model_id", String, nullable=False),
     Column("kind", String, nullable=False),  # a lilo.engine.commands.Kind (RENAMED_COLUMNS: once request_type)
-    Column("seq_id", Integer, nullable=True),
+    Column("seq_id", BigInt, nullable=True),
     Column("status", String, nullable=False, default=PENDING),
     # The payload's fingerprint, never the payload (it travels to its trainer directly): a retry with the same one
     # is the same request, another under the same seq a conflict. (Files written before kept a payload column;
@@ -35,11 +40,11 @@ futures = Table(
     # The order finished futures were written in: every write that finishes some stamps them with the next number
     # (lilo.futures.session_completions), so a sampling session's poll asks for what finished after its cursor.
     # Added after the first release (nullable: an older file gains it on open; its finished rows stay unnumbered).
-    Column("finished_seq", Integer, nullable=True),
+    Column("finished_seq", BigInt, nullable=True),
     # What billing counts (lilo.futures.billing; added after the first release, nullable): a training pass's tokens,
     # or a sample's prompt tokens, at submit; a sample's generated tokens once it finished.
-    Column("billed_tokens", Integer, nullable=True),
-    Column("sampled_tokens", Integer, nullable=True),
+    Column("billed_tokens", BigInt, nullable=True),
+    Column("sampled_tokens", BigInt, nullable=True),
     UniqueConstraint("model_id", "seq_id", name="uq_futures_model_seq"),
     sqlite_autoincrement=True,
 )
@@ -54,7 +59,7 @@ RENAMED_COLUMNS = (("futures", "request_type", "kind"),)
 FINISHED_INDEX = Index("ix_futures_finished_at", futures.c.finished_at)
 # A sampling session's samples finished after a cursor (retrieve_futures); samples only, so training's writes skip it.
 SESSION_FINISHED_INDEX = Index("ix_futures_session_finished", futures.c.model_id, futures.c.finished_seq,
-                               sqlite_where=futures.c.kind == "sample")
+                               sqlite_where=futures.c.kind == "sample", postgresql_where=futures.c.kind == "sample")
 
 models = Table(
     "models",
@@ -74,7 +79,7 @@ models = Table(
     Column("unloaded_reason", Text, nullable=True),
     # The highest seq id among its futures pruned so far: a model restored after all its futures are gone still
     # takes its client's next step, which comes with the seq after it.
-    Column("pruned_seq", Integer, nullable=True),
+    Column("pruned_seq", BigInt, nullable=True),
 )
 
 sessions = Table(
@@ -100,7 +105,7 @@ sampling_sessions = Table(
     # Added after the first release (nullable, so an older file gains it on open; NULL: the local tenant's).
     Column("tenant", String, nullable=True),
     # How many clients joined the session (join_sampling_session), each given the next count as its clone id.
-    Column("clients", Integer, nullable=True),
+    Column("clients", BigInt, nullable=True),
 )
 
 # Losses clients uploaded to run on the server (create_custom_loss): the graph as sent, checked again when read.
@@ -135,9 +140,9 @@ tenant_usage = Table(
     "tenant_usage",
     metadata,
     Column("tenant", String, primary_key=True),
-    Column("train_tokens", Integer, nullable=False, default=0),
-    Column("sample_tokens", Integer, nullable=False, default=0),
-    Column("requests", Integer, nullable=False, default=0),
+    Column("train_tokens", BigInt, nullable=False, default=0),
+    Column("sample_tokens", BigInt, nullable=False, default=0),
+    Column("requests", BigInt, nullable=False, default=0),
 )
 
 # What lilo keeps about a checkpoint beside its files (which the trainer of its run keeps): when it expires, whether

@@ -17,6 +17,7 @@ from sqlalchemy import bindparam, delete, select, update
 
 from lilo.backend.provenance import RecordedSequence
 from lilo.errors import GoneError, InvalidRequestError, NotFoundError
+from lilo.futures.database import insert
 from lilo.futures.schema import futures, sampled_sequences, sampling_sessions
 from lilo.tenants import may_see
 
@@ -52,7 +53,9 @@ def insert_records(connection: Any, recorded: dict[int, RecordedSample], now: fl
             for request_id, sample in recorded.items() if request_id in owners
             for k, (tokens, logprobs) in enumerate(sample.sequences)]
     if rows:
-        connection.execute(sampled_sequences.insert().prefix_with("OR REPLACE"), rows)
+        upsert = insert(connection, sampled_sequences)
+        connection.execute(upsert.on_conflict_do_update(index_elements=[sampled_sequences.c.sequence_id], set_={
+            column: upsert.excluded[column] for column in rows[0] if column != "sequence_id"}), rows)
 
 
 def take_for_training(connection: Any, model_id: str, model_session_id: str | None, sequence_ids: Sequence[str],

@@ -27,7 +27,7 @@ _QUERY = ("SELECT model_id, seq_id, request_id, status, length(result), finished
           "WHERE kind = 'sample' AND ({terms}) ORDER BY finished_seq, request_id")
 # A session's clones share its rows; the clone is told apart here, not in SQL, whose planner would then rather
 # walk every row of the clone by seq (the unique index) than only those finished after the cursor.
-_TERM = "(model_id = ? AND finished_seq > ?)"
+_TERM = "(model_id = {mark} AND finished_seq > {mark})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +66,11 @@ class FinishOrder:
         return next(self._numbers)
 
 
-def completions_after(read, polls: Sequence[tuple[SessionTarget, int]],
-                      page: int = PAGE) -> dict[tuple[SessionTarget, int], tuple[list[FinishedRequest], int]]:
+def completions_after(read, polls: Sequence[tuple[SessionTarget, int]], page: int = PAGE,
+                      mark: str = "?") -> dict[tuple[SessionTarget, int], tuple[list[FinishedRequest], int]]:
     """For each (target, cursor): its samples finished after ``cursor``, oldest first, at most about a ``page``,
-    and the cursor to poll with next. ``read(sql, params)`` runs one statement per ``MAX_TARGETS`` polls.
+    and the cursor to poll with next. ``read(sql, params)`` runs one statement per ``MAX_TARGETS`` polls, with
+    ``mark`` for each parameter (the driver's placeholder).
 
     A sample's row is found by its session (the ``model_id`` column) through a partial index of samples; the
     statement names ``kind = 'sample'`` as the index does, or SQLite would not use it."""
@@ -78,13 +79,14 @@ def completions_after(read, polls: Sequence[tuple[SessionTarget, int]],
     for poll in found:
         by_session.setdefault(poll[0].sampling_session_id, []).append(poll)
     distinct = list(found)
+    term = _TERM.format(mark=mark)
     for start in range(0, len(distinct), MAX_TARGETS):
         chunk = distinct[start:start + MAX_TARGETS]
         params: list = []
         for target, cursor in chunk:
             params += [target.sampling_session_id, cursor]
         for model_id, seq_id, request_id, status, size, number in read(
-                _QUERY.format(terms=" OR ".join([_TERM] * len(chunk))), tuple(params)):
+                _QUERY.format(terms=" OR ".join([term] * len(chunk))), tuple(params)):
             request = FinishedRequest(request_id, status == "completed", size or 0)
             for target, cursor in by_session[model_id]:
                 if number > cursor and seq_id // CLONE_SPAN == target.clone:

@@ -1,4 +1,5 @@
-"""FuturesStore: the ledger behind every future, a SQLite file written by exactly one process (the futures DB actor).
+"""FuturesStore: the ledger behind every future, written by exactly one process (the futures DB actor): a SQLite file,
+or a PostgreSQL database (``lilo.futures.database`` has what differs between them).
 
 It records what the service needs to answer for a request, never the request itself: its metadata, its payload's
 fingerprint (a retry with the same payload is the same request, another under the same seq a 409), and its result
@@ -8,7 +9,8 @@ directly, which orders them itself (lilo.engine.queues).
 What keeps it off the critical path:
 - submissions that arrive together share one commit, in arrival order (ids are allocated by one writer);
 - completions are one UPDATE by primary key per request, one transaction per batch, retried on "database is
-  locked" and kept in a bounded outbox when they still cannot be written, never dropped silently;
+  locked" (PostgreSQL: a lock timeout, a connection lost or refused) and kept in a bounded outbox when they still
+  cannot be written, never dropped silently;
 - results are pruned after the retention time, so the file stays bounded in a long run.
 """
 
@@ -17,25 +19,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import sqlite3
-import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import orjson
-from sqlalchemy import (
-    Engine, bindparam, create_engine, event, func, inspect, literal, select, true, tuple_, union_all, update,
-)
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import bindparam, event, func, inspect, literal, select, true, tuple_, union_all, update
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, UnavailableError
 from lilo.backend.provenance import RecordedSequence
 from lilo.engine.commands import Kind
-from lilo.futures import billing, codec, sequences
+from lilo.futures import billing, codec, database, sequences
 from lilo.futures.checkpoint_records import CheckpointRecords
 from lilo.futures.custom_losses import CustomLossRecords
 from lilo.futures.sequences import RecordedSample
@@ -55,9 +52,10 @@ USAGE_COLUMNS = ("train_tokens", "sample_tokens", "requests")
 RETRY_ATTEMPTS = 6
 RETRY_BASE_S = 1.0  # 1 + 2 + 4 + 8 + 16 + 32: about a minute before a batch goes to the outbox
 OUTBOX_LIMIT = 100_000
-# Under SQLite's compiled-in bound-parameter limit (32766 since 3.32), with room for a few other parameters.
+# Under SQLite's compiled-in bound-parameter limit (32766 since 3.32; PostgreSQL's is 65535), with room for a few
+# other parameters.
 MAX_BOUND_PARAMS = 32_000
-MAX_REQUEST_ID = (1 << 63) - 1  # SQLite's largest INTEGER
+MAX_REQUEST_ID = (1 << 63) - 1  # SQLite's largest INTEGER, PostgreSQL's largest BIGINT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,11 +177,16 @@ def chunks(items: Sequence, size: int = MAX_BOUND_PARAMS) -> Iterator[Sequence]:
 
 
 class FuturesStore:
-    def __init__(self, path: Path | str, *, retention_s: float = DEFAULT_RETENTION_S,
+    """The ledger at ``location``: a SQLite file's path, or a ``postgresql://`` URL (LedgerUnreachableError when
+    it does not answer). ``path`` is the file (None for PostgreSQL); ``location`` says where it is, without a
+    password."""
+
+    def __init__(self, location: Path | str, *, retention_s: float = DEFAULT_RETENTION_S,
                  retry_attempts: int = RETRY_ATTEMPTS, retry_base_s: float = RETRY_BASE_S,
                  busy_timeout_ms: int = 5000, outbox_limit: int = OUTBOX_LIMIT,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.path = prepare_db_path(Path(path))
+        self.path = None if database.is_url(location) else prepare_db_path(Path(location))
+        self.location = database.shown(location if self.path is None else self.path)
         self.retention_s = retention_s
         self._retry_attempts = retry_attempts
         self._retry_base_s = retry_base_s
@@ -191,7 +194,7 @@ class FuturesStore:
         self._sleep = sleep
         self._outbox: deque[Completion] = deque()
         self._outbox_limit = outbox_limit
-        self.engine = _sqlite_engine(self.path, busy_timeout_ms)
+        self.engine = database.open_engine(location if self.path is None else self.path, busy_timeout_ms)
         # Cheap always-on counters, so load on the file shows in stats and benchmarks.
         self.statements = self.commits = 0
         event.listen(self.engine, "before_cursor_execute", self._count_statement)
@@ -205,10 +208,10 @@ class FuturesStore:
         self.sessions = SessionQueries(self.engine, clock)
         self.finish_order = FinishOrder(self.engine)
         self.custom_losses = CustomLossRecords(self.engine, clock)
-        # The waiter's per-tick reads skip the pool: one long-lived connection (WAL: readers see every commit and
-        # never block the writer), plain driver calls, counted by hand since no SQLAlchemy event sees them.
-        self._reader = self.engine.raw_connection().driver_connection
-        self._reader_lock = threading.Lock()
+        # The waiter's per-tick reads skip the pool (database.Reader), counted by hand since no SQLAlchemy event
+        # sees them.
+        self._reader = database.Reader(self.engine)
+        self._insert_future = _INSERT_FUTURE.replace("?", self._reader.mark)
 
     def _count_statement(self, *_args: Any) -> None:
         self.statements += 1
@@ -217,9 +220,8 @@ class FuturesStore:
         self.commits += 1
 
     def file_sizes_mb(self) -> tuple[float, float]:
-        """(database, write-ahead log) sizes in MiB."""
-        wal = self.path.with_name(self.path.name + "-wal")
-        return (self.path.stat().st_size / 2**20, wal.stat().st_size / 2**20 if wal.exists() else 0.0)
+        """(database, write-ahead log) sizes in MiB (PostgreSQL: the database's, and 0)."""
+        return database.sizes_mb(self.engine, self.path)
 
     # --- schema --------------------------------------------------------------------------------------------
     def rename_old_columns(self) -> None:
@@ -298,11 +300,11 @@ class FuturesStore:
             if inserting:
                 # The one writer allocates ids itself, consecutively in arrival order, so the whole group is a
                 # single prepared INSERT run many times (no RETURNING round trip per row).
-                first_id = self._highest_request_id(connection) + 1
+                first_id = database.allocate_request_ids(connection, len(inserting))
                 rows = [(first_id + n, submissions[i].model_id, submissions[i].kind, submissions[i].seq_id,
                          PENDING, prints[i], submissions[i].tenant, now, trainers.get(i), submissions[i].billed_tokens)
                         for n, i in enumerate(inserting)]
-                connection.exec_driver_sql(_INSERT_FUTURE, rows)
+                connection.exec_driver_sql(self._insert_future, rows)
                 for n, i in enumerate(inserting):
                     outcomes[i] = SubmitOutcome(first_id + n, trainer=trainers.get(i))
         for i, sub in enumerate(submissions):
@@ -374,9 +376,11 @@ class FuturesStore:
 
     # --- reading ---------------------------------------------------------------------------------------------
     def _read(self, sql: str, params: tuple) -> list[tuple]:
-        with self._reader_lock:
-            self.statements += 1
-            return self._reader.execute(sql, params).fetchall()
+        self.statements += 1
+        return self._reader.read(sql, params)
+
+    def _marks(self, count: int) -> str:
+        return ",".join([self._reader.mark] * count)
 
     # --- completion ----------------------------------------------------------------------------------------
     def complete_many(self, completions: Sequence[Completion]) -> bool:
@@ -394,7 +398,9 @@ class FuturesStore:
             try:
                 self._write_completions(batch)
                 return True
-            except (OperationalError, PoolTimeoutError) as error:
+            except (DBAPIError, PoolTimeoutError) as error:
+                if not _transient(error):
+                    raise
                 if attempt == self._retry_attempts:
                     self._to_outbox(batch, error)
                     return False
@@ -440,7 +446,7 @@ class FuturesStore:
         """States of these ids (result bytes only for finished ones); ids with no row are absent."""
         found: dict[int, FutureState] = {}
         for chunk in chunks(list(request_ids)):
-            for row in self._read(_STATES.format(marks=",".join("?" * len(chunk))), tuple(chunk)):
+            for row in self._read(_STATES.format(marks=self._marks(len(chunk))), tuple(chunk)):
                 found[row[0]] = FutureState(*row)
         return found
 
@@ -458,7 +464,7 @@ class FuturesStore:
         query = _PENDING_TENANTS if pending else _TENANTS
         found: dict[int, str | None] = {}
         for chunk in chunks(list(request_ids)):
-            found.update(self._read(query.format(marks=",".join("?" * len(chunk))), tuple(chunk)))
+            found.update(self._read(query.format(marks=self._marks(len(chunk))), tuple(chunk)))
         return found
 
     def pending_by_tenant(self) -> dict[str, int]:
@@ -476,7 +482,7 @@ class FuturesStore:
             return
         rows = [{"tenant": tenant, **{column: counts.get(column, 0) for column in USAGE_COLUMNS}}
                 for tenant, counts in added.items()]
-        insert = sqlite_insert(tenant_usage)
+        insert = database.insert(self.engine, tenant_usage)
         with self.engine.begin() as connection:
             connection.execute(insert.on_conflict_do_update(index_elements=["tenant"], set_={
                 column: tenant_usage.c[column] + insert.excluded[column] for column in USAGE_COLUMNS}), rows)
@@ -518,9 +524,7 @@ class FuturesStore:
 
     @staticmethod
     def _highest_request_id(connection) -> int:
-        """The highest id ever allocated (AUTOINCREMENT keeps it in sqlite_sequence even after pruning)."""
-        value = connection.exec_driver_sql("SELECT seq FROM sqlite_sequence WHERE name = 'futures'").scalar()
-        return int(value or 0)
+        return database.highest_request_id(connection)
 
     # --- retention -----------------------------------------------------------------------------------------
     def prune(self) -> int:
@@ -533,13 +537,13 @@ class FuturesStore:
             if highest:
                 connection.execute(
                     update(models).where(models.c.model_id == bindparam("pruned_model"))
-                    .values(pruned_seq=func.max(func.coalesce(models.c.pruned_seq, -1), bindparam("seq"))),
+                    .values(pruned_seq=database.greatest(connection, func.coalesce(models.c.pruned_seq, -1),
+                                                         bindparam("seq"))),
                     [{"pruned_model": model_id, "seq": seq} for model_id, seq in highest])
             deleted = connection.execute(futures.delete().where(old)).rowcount
             sequences.prune_expired(connection, self._clock())
         if deleted:
-            with self.engine.connect() as connection:
-                connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            database.after_prune(self.engine)
         return deleted
 
     def count_by_status(self) -> dict[str, int]:
@@ -731,7 +735,7 @@ class FuturesStore:
                              model_path: str | None = None, tenant: str | None = None) -> None:
         """Record a sampling session; a retry is a no-op, a different session under the same id a conflict."""
         with self.engine.begin() as connection:
-            connection.execute(sqlite_insert(sampling_sessions).values(
+            connection.execute(database.insert(connection, sampling_sessions).values(
                 sampling_session_id=sampling_session_id, session_id=session_id, base_model=base_model,
                 model_path=model_path, created_at=self._clock(), tenant=tenant).on_conflict_do_nothing())
             row = connection.execute(select(sampling_sessions).where(
@@ -780,7 +784,7 @@ class FuturesStore:
     def session_completions(self, polls: Sequence[tuple[SessionTarget, int]]
                             ) -> dict[tuple[SessionTarget, int], tuple[list[FinishedRequest], int]]:
         """What finished in each polled sampling session after its cursor (``session_completions``)."""
-        return completions_after(self._read, polls)
+        return completions_after(self._read, polls, mark=self._reader.mark)
 
     def recorded_sequences(self, model_id: str, sequence_ids: Sequence[str],
                            tenant: str | None = None) -> dict[str, RecordedSequence]:
@@ -791,8 +795,7 @@ class FuturesStore:
             return sequences.take_for_training(connection, model_id, session_id, sequence_ids, tenant, self._clock())
 
     def close(self) -> None:
-        with self._reader_lock:
-            self._reader.close()
+        self._reader.close()
         self.engine.dispose()
 
 
@@ -875,19 +878,8 @@ def _short(error: Exception) -> str:
     return str(getattr(error, "orig", error)).splitlines()[0]
 
 
-def _sqlite_engine(path: Path, busy_timeout_ms: int) -> Engine:
-    engine = create_engine(f"sqlite:///{path}", connect_args={"timeout": busy_timeout_ms / 1000})
+def _transient(error: Exception) -> bool:
+    """Whether a failed write may succeed when tried again: SQLite's "database is locked", PostgreSQL's lock timeout
+    or lost or refused connection (OperationalError), a connection the pool found dead, a pool timeout."""
+    return not isinstance(error, DBAPIError) or isinstance(error, OperationalError) or error.connection_invalidated
 
-    @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        # Payloads are tens of KiB: larger pages mean fewer overflow pages per row (takes effect on a new file).
-        cursor.execute("PRAGMA page_size=16384")
-        cursor.execute("PRAGMA journal_mode=WAL")
-        # With WAL, NORMAL loses at most the last commits on power loss, never consistency; FULL would fsync on
-        # every commit.
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-        cursor.close()
-
-    return engine

@@ -1,5 +1,5 @@
-"""The futures store on real SQLite files: codec, idempotent submits, metadata-only scans, completion retries,
-retention, the database path."""
+"""The futures store on real SQLite files and a real PostgreSQL server (the ``ledger`` fixture runs each test on
+both): codec, idempotent submits, metadata-only scans, completion retries, retention, the database path."""
 
 import sqlite3
 import struct
@@ -7,8 +7,11 @@ import threading
 
 import numpy as np
 import orjson
+import psycopg
 import pytest
 from sqlalchemy import event
+
+from conftest import SQLITE_ONLY
 
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError, UnavailableError
 from lilo.futures import codec, paths
@@ -16,8 +19,8 @@ from lilo.futures.store import Completion, FuturesStore, Submission, parse_reque
 
 
 @pytest.fixture
-def store(tmp_path, clock):
-    opened = FuturesStore(tmp_path / "db" / "futures.db", clock=clock, retry_base_s=0.02, busy_timeout_ms=50)
+def store(ledger, clock):
+    opened = FuturesStore(ledger, clock=clock, retry_base_s=0.02, busy_timeout_ms=50)
     yield opened
     opened.close()
 
@@ -135,6 +138,7 @@ def test_a_retry_of_a_pending_request_says_which_trainer_to_hand_it_to_again(sto
 
 
 # --- the ledger keeps no payload -----------------------------------------------------------------------------
+@SQLITE_ONLY  # reads the file's bytes
 def test_the_file_records_a_fingerprint_never_the_payload(store):
     marker = [123456789] * 4096  # 16 KiB of one int32 in the packed encoding
     request_id = store.submit(Submission("m", "forward_backward", {"tokens": marker}, seq_id=0))
@@ -204,21 +208,26 @@ def test_completions_update_by_primary_key_in_one_transaction(store):
     assert store.complete_many([Completion.success(i, b"r%d" % i) for i in ids[:4]] +
                                [Completion.failure(ids[4], "out of memory", "server")])
     assert statements.commits == 1
-    assert all("WHERE futures.request_id = ?" in sql for sql in statements.sql if sql.startswith("UPDATE"))
+    assert all("WHERE futures.request_id = " in sql for sql in statements.sql if sql.startswith("UPDATE"))
     states = store.states(ids)
     assert [states[i].status for i in ids] == ["completed"] * 4 + ["failed"]
     assert (states[ids[4]].error, states[ids[4]].category) == ("out of memory", "server")
 
 
-def hold_write_lock(path) -> sqlite3.Connection:
-    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    blocker.execute("BEGIN IMMEDIATE")
+def hold_write_lock(store: FuturesStore) -> sqlite3.Connection | psycopg.Connection:
+    """Another process's connection that holds the lock the store's writes need, until it rolls back."""
+    if store.path is not None:
+        blocker = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
+        blocker.execute("BEGIN IMMEDIATE")
+        return blocker
+    blocker = psycopg.connect(store.engine.url.set(drivername="postgresql").render_as_string(hide_password=False))
+    blocker.execute("LOCK TABLE futures IN EXCLUSIVE MODE")  # reads go on; UPDATE waits for its lock_timeout
     return blocker
 
 
 def test_a_held_write_lock_delays_completions_but_loses_none(store):
     ids = [store.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(20)]
-    blocker = hold_write_lock(store.path)
+    blocker = hold_write_lock(store)
     threading.Timer(0.3, blocker.rollback).start()
     assert store.complete_many([Completion.success(i, b"done") for i in ids])
     blocker.close()
@@ -227,7 +236,7 @@ def test_a_held_write_lock_delays_completions_but_loses_none(store):
 
 def test_completions_that_exhaust_their_retries_wait_in_the_outbox(store, caplog):
     ids = [store.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(3)]
-    blocker = hold_write_lock(store.path)
+    blocker = hold_write_lock(store)
     assert not store.complete_many([Completion.success(i, b"done") for i in ids])
     assert store.outbox_size == 3
     assert f"kept in the outbox for retry: {ids}" in caplog.text
@@ -237,15 +246,16 @@ def test_completions_that_exhaust_their_retries_wait_in_the_outbox(store, caplog
     assert store.outbox_size == 0 and store.count_by_status() == {"completed": 3}
 
 
-def test_a_full_outbox_says_which_completion_it_lost(tmp_path, caplog):
-    small = FuturesStore(tmp_path / "f.db", retry_attempts=1, busy_timeout_ms=10, outbox_limit=2)
+def test_a_full_outbox_says_which_completion_it_lost(ledger, caplog):
+    small = FuturesStore(ledger, retry_attempts=1, busy_timeout_ms=10, outbox_limit=2)
     ids = [small.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(3)]
-    blocker = hold_write_lock(small.path)
+    blocker = hold_write_lock(small)
     small.complete_many([Completion.success(i, b"x") for i in ids])
     blocker.rollback()
     blocker.close()
     assert small.outbox_size == 2
     assert f"request {ids[0]} dropped" in caplog.text
+    small.close()
 
 
 # --- retrieval and retention ----------------------------------------------------------------------------------
@@ -270,6 +280,7 @@ def test_pending_futures_are_never_pruned(store, clock):
     assert store.lookup(request_id).status == "pending"
 
 
+@SQLITE_ONLY  # measures the file (PostgreSQL's autovacuum keeps its database bounded on its own schedule)
 def test_the_file_stays_bounded_in_a_long_run(store, clock):
     def one_hour(hour: int) -> None:
         ids = [o.request_id for o in store.submit_many(
@@ -288,6 +299,7 @@ def test_the_file_stays_bounded_in_a_long_run(store, clock):
 
 
 # --- the file -------------------------------------------------------------------------------------------------
+@SQLITE_ONLY  # SQLite's settings
 def test_the_database_runs_wal_with_synchronous_normal_and_a_busy_timeout(store):
     with store.engine.connect() as connection:
         pragma = lambda name: connection.exec_driver_sql(f"PRAGMA {name}").scalar()  # noqa: E731

@@ -1,0 +1,96 @@
+"""A throwaway PostgreSQL server on this machine, for the ledger's tests (tests/conftest.py) and bench_futures.py.
+
+``postgres_server()`` makes a cluster in a temp directory (``initdb``, trust authentication: nothing but this
+machine's loopback reaches it), starts it on a free port of 127.0.0.1 with its socket in that directory, and stops
+and removes it afterwards. PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` user.
+Each caller takes a database of its own (``create_database``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from cluster.ports import free_ports
+
+SUPERUSER = "postgres"
+MISSING = ("PostgreSQL's server programs (initdb, pg_ctl) are not installed; install Debian's postgresql package "
+           "(apt-get install postgresql) to run the ledger's PostgreSQL tests and benchmark.")
+# For tests: nothing is flushed to disk (a crash loses the server, which is thrown away anyway).
+NO_FSYNC = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+def server_programs() -> Path:
+    """The directory with initdb and pg_ctl: on the PATH, else Debian's newest /usr/lib/postgresql/<version>/bin."""
+    on_path = shutil.which("initdb")
+    candidates = ([Path(on_path).resolve().parent] if on_path else []) + [
+        Path(found) for found in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)]
+    for directory in candidates:
+        if (directory / "initdb").exists() and (directory / "pg_ctl").exists():
+            return directory
+    raise RuntimeError(MISSING)
+
+
+class PostgresServer:
+    def __init__(self, port: int, socket_dir: Path) -> None:
+        self.port = port
+        self.socket_dir = socket_dir
+        self._names = itertools.count()
+
+    def url(self, database: str = "postgres", password: str | None = None) -> str:
+        """The server's ``database`` as ``--ledger`` takes it (a password is accepted and ignored: trust)."""
+        secret = f":{password}" if password is not None else ""
+        return f"postgresql://{SUPERUSER}{secret}@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self) -> str:
+        """A new, empty database; returns its URL."""
+        import psycopg
+
+        name = f"ledger_{os.getpid()}_{next(self._names)}"
+        with psycopg.connect(host="127.0.0.1", port=self.port, user=SUPERUSER, dbname="postgres",
+                             autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+
+@contextlib.contextmanager
+def postgres_server(settings: dict[str, str] | None = None) -> Iterator[PostgresServer]:
+    """A running server (``settings``: its -c options, such as NO_FSYNC), stopped and removed on exit."""
+    programs = server_programs()
+    root = Path(tempfile.mkdtemp(prefix="lilo-pg-", dir="/tmp"))
+    data, sockets = root / "data", root / "sockets"
+    sockets.mkdir()
+    as_owner: list[str] = []
+    if os.geteuid() == 0:
+        as_owner = ["runuser", "-u", SUPERUSER, "--"]
+        for path in (root, sockets):
+            shutil.chown(path, SUPERUSER, SUPERUSER)
+    run = lambda *args: subprocess.run([*as_owner, *map(str, args)], check=True, capture_output=True,  # noqa: E731
+                                       text=True)
+    started = False
+    try:
+        run(programs / "initdb", "-D", data, "-A", "trust", "-U", SUPERUSER, "-E", "UTF8", "--locale=C", "--no-sync")
+        options = {"listen_addresses": "127.0.0.1", **(settings or {})}
+        for attempt in range(3):  # a free port may be taken before the server binds it
+            port = free_ports(1)[0]
+            flags = " ".join([f"-p {port}", f"-k {sockets}", *(f"-c {key}={value}" for key, value in options.items())])
+            try:
+                run(programs / "pg_ctl", "-D", data, "-l", root / "server.log", "-w", "-o", flags, "start")
+                started = True
+                break
+            except subprocess.CalledProcessError:
+                if attempt == 2:
+                    log = (root / "server.log").read_text() if (root / "server.log").exists() else ""
+                    raise RuntimeError(f"PostgreSQL did not start on 127.0.0.1:{port}:\n{log[-2000:]}") from None
+        yield PostgresServer(port, sockets)
+    finally:
+        if started:
+            run(programs / "pg_ctl", "-D", data, "-m", "fast", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
