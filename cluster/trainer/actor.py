@@ -149,8 +149,9 @@ class TrainerActor:
         return future
 
     async def _in_checkpoint_dir(self, function: Callable[..., T], *args: Any) -> T:
-        """``function(checkpoint_dir, *args)``, off the event loop: the checkpoint files' reads and writes."""
-        return await asyncio.to_thread(function, (await self._loaded()).backend.checkpoint_dir, *args)
+        """``function(the checkpoints' storage, *args)``, off the event loop: the checkpoint files' reads and
+        writes."""
+        return await asyncio.to_thread(function, (await self._loaded()).backend.checkpoints.storage, *args)
 
     async def describe(self) -> dict[str, Any]:
         """Its name, base model, node and whether it holds a GPU, at once (``ready`` waits for the base model to

@@ -8,6 +8,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+import ray
+
 if TYPE_CHECKING:
     from cluster.trainer.config import TrainerConfig
     from lilo.backend.sharding.group import RankGroup
@@ -26,6 +28,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     from lilo.backend.sharding.group import join, load_sharded_base
     from lilo.backend.torch_backend import TorchBackend
     from lilo.backend.vision import image_layout
+    from lilo.storage import CHECKPOINTS, Storage
 
     directory = model_directory(base_model, config.model_cache_dir)
     device = resolve_device(config.device)
@@ -48,9 +51,12 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
         # model, and no rank a private copy of it.
         model, sharded = load_sharded_base(directory, device, compute_dtype(device), config.model_cache_dir)
     follower = group is not None and group.rank > 0
-    page_dir = config.page_dir / name if config.page_dir and not follower else None
+    node_id = ray.get_runtime_context().get_node_id()
+    page_dir = config.node_directory(config.page_dir, node_id) / name if config.page_dir and not follower else None
+    checkpoint_dir = config.node_directory(config.checkpoint_dir, node_id) if config.checkpoint_dir else None
     backend = TorchBackend(model, max_adapters=config.max_adapters, max_rank=config.max_rank,
-                           sampler_slots=config.sampler_slots, checkpoint_dir=config.checkpoint_dir,
+                           sampler_slots=config.sampler_slots, checkpoint_dir=checkpoint_dir,
+                           storage=Storage(config.storage).child(CHECKPOINTS) if config.storage else None,
                            base_model_name=base_model, decode=load_decoder(directory),
                            host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
                            disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),

@@ -36,6 +36,9 @@ class TrainerConfig:
     page_dir: Path | None = None
     # Computed tokens per pass (None: sized from the device's free memory) and the coalescing window's cap.
     max_batch_tokens: int | None = None
+    # Where checkpoints and page files are kept (lilo.storage; None: the directories above, on this node). With a
+    # storage, those directories hold this node's copies, under a directory of its own (``node_directory``).
+    storage: str | None = None
     # Whether passes run packed where the family allows (lilo.backend.training.packing); off: padded, the reference
     # the packed path is tested against.
     pack: bool = True
@@ -50,4 +53,9 @@ class TrainerConfig:
                    checkpoint_dir=settings.home / "checkpoints", host_adapter_mb=settings.host_adapter_mb,
                    disk_adapter_gb=settings.disk_adapter_gb, page_dir=settings.home / "pages",
                    max_batch_tokens=settings.max_batch_tokens, coalesce_window_ms=settings.coalesce_window_ms,
-                   memory_gb=settings.trainer_memory_gb)
+                   memory_gb=settings.trainer_memory_gb, storage=settings.storage)
+
+    def node_directory(self, directory: Path, node_id: str) -> Path:
+        """Where this node keeps its copies of what ``directory`` holds: ``directory`` itself, or with a storage,
+        a directory of this node's beside it (nodes that share a home never share copies)."""
+        return directory if self.storage is None else directory.parent / "nodes" / node_id[:16] / directory.name

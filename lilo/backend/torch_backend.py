@@ -23,7 +23,8 @@ from torch import nn
 
 from lilo.backend import sampling
 from lilo.backend.training import batch_tokens, losses, packing, token_logprobs
-from lilo.backend.checkpoints.paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, tinker_path
+from lilo.backend.checkpoints.paths import PEFT_CONFIG, TINKER_SCHEME, checked_name, tinker_path
+from lilo.backend.checkpoints.stored import CheckpointShelf
 from lilo.backend.checkpoints.state import AdapterState, read_peft, read_state, write_peft, write_state
 from lilo.backend.training.loss_inputs import check_train_input
 from lilo.backend.adapters.bank import LoraBank
@@ -43,6 +44,7 @@ from lilo.backend.types import (
 from lilo.backend.vision import ImageLayout, multimodal_inputs
 from lilo.engine.commands import Command, Kind
 from lilo.engine.contract import ForwardBackwardResult, LoadResult, OptimStepResult, SampleResult, SaveResult
+from lilo.storage import Storage
 from lilo.errors import InvalidRequestError, NotFoundError, SaturatedError, TooLargeError, UnavailableError
 
 DEFAULT_MAX_ADAPTERS = 16
@@ -63,7 +65,7 @@ class Adapter:
 class TorchBackend:
     def __init__(self, model: nn.Module, *, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  max_rank: int = DEFAULT_MAX_RANK, sampler_slots: int = DEFAULT_SAMPLER_SLOTS,
-                 checkpoint_dir: Path | None = None,
+                 checkpoint_dir: Path | None = None, storage: Storage | None = None,
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  decode: sampling.Decode | None = None, host_adapter_bytes: int = 0, disk_adapter_bytes: int = 0,
                  page_dir: Path | None = None, sharded: ShardedBase | None = None, optimizer: bool = True,
@@ -77,7 +79,10 @@ class TorchBackend:
         self.device = next(model.parameters()).device
         self.decode = decode  # the base model's detokenizer, for stop strings
         self.max_batch_tokens = max_batch_tokens
-        self.checkpoint_dir = checkpoint_dir or Path(tempfile.gettempdir()) / "lilo-checkpoints"
+        # This node's checkpoint files; ``storage`` (the checkpoints' root in --storage) keeps them where any
+        # trainer reaches them, None: the directory itself.
+        directory = checkpoint_dir or Path(tempfile.gettempdir()) / "lilo-checkpoints"
+        self.checkpoints = CheckpointShelf(storage or Storage(directory), directory)
         self.base_model_name = base_model_name or str(getattr(model.config, "_name_or_path", ""))
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
@@ -706,6 +711,16 @@ class TorchBackend:
         return results
 
     # --- checkpoints ---------------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        """This node's checkpoint directory: its copies, or with the default storage the checkpoints themselves."""
+        return self.checkpoints.local
+
+    @checkpoint_dir.setter
+    def checkpoint_dir(self, directory: Path) -> None:
+        """Keep checkpoints in ``directory`` itself (the default storage)."""
+        self.checkpoints = CheckpointShelf(Storage(directory), directory)
+
     def _slices(self, adapter: Adapter):
         """(key, A or B parameter index, slice of the slot) of every projection the adapter trains."""
         rank = adapter.spec.rank
@@ -745,14 +760,14 @@ class TorchBackend:
         return AdapterState(state.spec, tensors, state.step, captured_at=state.paged_at)
 
     def persist_checkpoint(self, command: Command[SaveRequest], captured: tuple[str, AdapterState]) -> SaveResult:
-        """Write the captured adapter; returns its ``tinker://`` path (the directory is ``local_directory`` of it)."""
+        """Write the captured adapter, on this node and then in the storage; returns its ``tinker://`` path."""
         name, state = captured
         path = tinker_path(command.model_id, command.kind, name)
-        directory = local_directory(self.checkpoint_dir, path)
-        if command.kind == Kind.SAVE_WEIGHTS:
-            write_state(state, directory)
-        else:
-            write_peft(state, directory, self.base_model_name)
+        with self.checkpoints.writing(path) as directory:
+            if command.kind == Kind.SAVE_WEIGHTS:
+                write_state(state, directory)
+            else:
+                write_peft(state, directory, self.base_model_name)
         if command.payload.sampling_session_id:
             return {"path": path, "sampling_session_id": command.payload.sampling_session_id}
         return {"path": path}
@@ -780,7 +795,7 @@ class TorchBackend:
 
     def _load_checkpoint(self, command: Command[LoadRequest]) -> LoadResult:
         request: LoadRequest = command.payload
-        state = read_state(local_directory(self.checkpoint_dir, request.path))
+        state = read_state(self.checkpoints.fetched(request.path))
         current = self._adapter(command.model_id)
         if not request.optimizer:  # the weights alone: the model keeps training with its own optimizer family
             state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, optimizer=current.spec.optimizer))
@@ -826,11 +841,13 @@ class TorchBackend:
                 self.bank.view(flat, index)[where] = state.tensors[key + suffix].to(flat.device, flat.dtype)
 
     # --- sampler checkpoints -------------------------------------------------------------------------------
-    def sampler_version(self, path: str) -> int:
-        """When the sampler checkpoint ``path`` was last written whole (its marker file, written last: a save under
-        the same name again replaces it)."""
+    def sampler_version(self, path: str, fetch: bool = True) -> int:
+        """When this node's copy of the sampler checkpoint ``path`` was last written whole (its marker file, written
+        last: a save under the same name again replaces it); with ``fetch``, the copy is first brought up to the
+        storage's (``CheckpointShelf.fetched``)."""
         try:
-            return (local_directory(self.checkpoint_dir, path) / PEFT_CONFIG).stat().st_mtime_ns
+            directory = self.checkpoints.fetched(path) if fetch else self.checkpoints.directory(path)
+            return (directory / PEFT_CONFIG).stat().st_mtime_ns
         except FileNotFoundError:
             raise NotFoundError(
                 f"No sampler checkpoint {path!r} here; pass a path save_weights_for_sampler returned.") from None
@@ -851,12 +868,12 @@ class TorchBackend:
         is until its marker says it is whole."""
         for path in paths:
             try:
-                version = self.sampler_version(path)
+                version = self.sampler_version(path, fetch=False)
             except NotFoundError:
                 continue
             if self._samplers.get(path) == version:
                 continue
-            state = read_peft(local_directory(self.checkpoint_dir, path))
+            state = read_peft(self.checkpoints.directory(path))
             adapter = self.adapters[path]
             if state.spec.rank != adapter.spec.rank:  # not the same model's weights: the next generation reloads
                 continue
@@ -868,7 +885,7 @@ class TorchBackend:
         try:
             version = self.sampler_version(path)
         except NotFoundError:
-            if path not in self._samplers or not local_directory(self.checkpoint_dir, path).is_dir():
+            if path not in self._samplers or not self.checkpoints.directory(path).is_dir():
                 raise
             # Being saved again under its name: the copy in place is its latest whole version.
             version = self._samplers[path]
@@ -877,7 +894,7 @@ class TorchBackend:
                 self.remove_adapter(path)
             self._make_room(pinned)
             try:
-                self._install(path, read_peft(local_directory(self.checkpoint_dir, path)), optimizer=False)
+                self._install(path, read_peft(self.checkpoints.directory(path)), optimizer=False)
             except (KeyError, RuntimeError) as error:  # tensors of another model: the slot is not kept (nor counted)
                 self.remove_adapter(path)
                 raise InvalidRequestError(

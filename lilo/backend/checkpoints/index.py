@@ -1,13 +1,13 @@
-"""Checkpoints on disk as clients see them: a training run's list, deleting one, and the LoRA spec of a weights
-checkpoint (to create a model from it).
+"""Checkpoints in their storage as clients see them: a training run's list, deleting one, its files, and the LoRA
+spec of a weights checkpoint (to create a model from it).
 
-Layout (``checkpoint_paths.local_directory``): ``<root>/<run>/{weights|sampler_weights}/<name>/``, written by the
-trainer that owns the run. These functions run on that trainer too (``TrainerActor.list_checkpoints`` and
-friends), so they see the files wherever they are; on a multi-node cluster, loading or sampling a checkpoint on a
-different trainer than the one that wrote it needs ``root`` on storage every node mounts (the cluster home on a
-shared filesystem).
-Nothing a client sends reaches outside ``root``: run ids and names are checked, and every directory is resolved and
-checked to lie under it.
+Layout (``checkpoint_paths.local_directory``): ``<root>/<run>/{weights|sampler_weights|external_weights}/<name>/``,
+where ``root`` is the checkpoints' storage (``lilo.storage``): the home on the trainer's own node by default, or a
+mount or object store every trainer reaches (``--storage``). These functions run on a trainer
+(``TrainerActor.list_checkpoints`` and friends); a checkpoint counts once its kind's marker file is stored, which
+its writer stores last.
+Nothing a client sends reaches outside ``root``: run ids and names are checked, and on a local filesystem every
+directory is resolved and checked to lie under it.
 """
 
 from __future__ import annotations
@@ -19,16 +19,20 @@ import shutil
 from pathlib import Path
 
 from lilo.backend.checkpoints.paths import (
-    KIND_DIRECTORIES, META_FILE, PEFT_CONFIG, TINKER_SCHEME, checked_name, local_directory, parse_tinker_path,
+    KIND_DIRECTORIES, META_FILE, PEFT_CONFIG, TINKER_SCHEME, checked_name, parse_tinker_path,
 )
 from lilo.backend.types import LoraSpec
 from lilo.engine.commands import Kind
 from lilo.errors import InvalidRequestError, NotFoundError
+from lilo.storage import Storage
 
 WEIGHTS, SAMPLER_WEIGHTS = KIND_DIRECTORIES[Kind.SAVE_WEIGHTS], KIND_DIRECTORIES[Kind.SAVE_WEIGHTS_FOR_SAMPLER]
 EXTERNAL_WEIGHTS = KIND_DIRECTORIES[Kind.SAVE_WEIGHTS_EXTERNAL]
 # The file each kind writes last: a directory without it is still being written (or its write was cut short).
 COMPLETE_MARKERS = {WEIGHTS: META_FILE, SAMPLER_WEIGHTS: PEFT_CONFIG, EXTERNAL_WEIGHTS: PEFT_CONFIG}
+# Which upload of a checkpoint a copy is (lilo.backend.checkpoints.stored): kept beside its files, never listed or
+# served as one of them.
+VERSION_FILE = ".version"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,45 +55,52 @@ class CheckpointEntry:
         return f"{TINKER_SCHEME}{self.run}/{self.checkpoint_id}"
 
 
-def list_checkpoints(root: Path, run: str) -> list[CheckpointEntry]:
-    """The complete checkpoints of ``run``, oldest first."""
-    found = []
-    for kind, marker in COMPLETE_MARKERS.items():
-        directory = _inside(root, root / _checked_run(run) / kind)
-        if not directory.is_dir():
-            continue
-        for entry in directory.iterdir():
-            if (entry / marker).is_file() and _checked_name_or_none(entry.name):
-                try:
-                    stats = [path.stat() for path in entry.iterdir() if path.is_file()]
-                except FileNotFoundError:  # deleted while we looked
-                    continue
-                if not stats:
-                    continue
-                found.append(CheckpointEntry(run, kind, entry.name, max(stat.st_mtime for stat in stats),
-                                             sum(stat.st_size for stat in stats)))
+Root = Path | Storage
+
+
+def as_storage(root: Root) -> Storage:
+    """``root`` as a Storage (a Path is a directory on this node)."""
+    return root if isinstance(root, Storage) else Storage(root)
+
+
+def list_checkpoints(root: Root, run: str) -> list[CheckpointEntry]:
+    """The complete checkpoints of ``run``, oldest first (one listing of the run's tree)."""
+    store = as_storage(root)
+    _inside(store, _checked_run(run))
+    trees: dict[tuple[str, str], dict[str, tuple[float, int]]] = {}
+    for relative, info in store.tree(run).items():
+        parts = relative.split("/")
+        if (len(parts) == 3 and parts[0] in COMPLETE_MARKERS and _checked_name_or_none(parts[1])
+                and parts[2] != VERSION_FILE):
+            trees.setdefault((parts[0], parts[1]), {})[parts[2]] = (info.mtime_ns / 1e9, info.size)
+    found = [CheckpointEntry(run, kind, name, max(time_s for time_s, _ in files.values()),
+                             sum(size for _, size in files.values()))
+             for (kind, name), files in trees.items() if COMPLETE_MARKERS[kind] in files]
     return sorted(found, key=lambda checkpoint: (checkpoint.time_s, checkpoint.checkpoint_id))
 
 
-def latest_weights(root: Path, run: str) -> tuple[CheckpointEntry, float] | None:
+def latest_weights(root: Root, run: str) -> tuple[CheckpointEntry, float] | None:
     """``run``'s latest save_weights checkpoint (the last written) and when its state was captured (read from its
     metadata file; its write time for a checkpoint saved before lilo recorded that); None when it has none."""
-    latest = max((entry for entry in list_checkpoints(root, run) if entry.kind == WEIGHTS),
+    store = as_storage(root)
+    latest = max((entry for entry in list_checkpoints(store, run) if entry.kind == WEIGHTS),
                  key=lambda entry: entry.time_s, default=None)
     if latest is None:
         return None
-    meta = json.loads((local_directory(root, latest.tinker_path) / META_FILE).read_text())
+    meta = json.loads(store.read(f"{relative_directory(latest.tinker_path)}/{META_FILE}"))
     captured = meta.get("captured_at")
     return latest, latest.time_s if captured is None else float(captured)
 
 
-def delete_checkpoint(root: Path, run: str, checkpoint_id: str) -> None:
-    """Remove ``<run>/<checkpoint_id>`` (``<kind directory>/<name>``) from disk."""
-    directory = _inside(root, local_directory(root, checkpoint_path(run, checkpoint_id)))
-    if not directory.is_dir():
+def delete_checkpoint(root: Root, run: str, checkpoint_id: str) -> None:
+    """Remove ``<run>/<checkpoint_id>`` (``<kind directory>/<name>``) from its storage, its marker first."""
+    store = as_storage(root)
+    path = checkpoint_path(run, checkpoint_id)
+    directory = _inside(store, relative_directory(path))
+    if not store.files(directory):
         raise NotFoundError(f"Training run {run!r} has no checkpoint {checkpoint_id!r}; list its checkpoints for "
                             "the ids there are.")
-    shutil.rmtree(directory)
+    store.delete_tree(directory, COMPLETE_MARKERS[parse_tinker_path(path)[1]])
 
 
 def checkpoint_path_parts(path: str) -> tuple[str, str]:
@@ -110,60 +121,74 @@ def checkpoint_path(run: str, checkpoint_id: str) -> str:
     return f"{TINKER_SCHEME}{_checked_run(run)}/{kind}/{name}"
 
 
-def checkpoint_files(root: Path, path: str) -> dict[str, int]:
-    """``file name -> size`` of the complete checkpoint ``path`` (plain files directly in its directory; links and
-    anything else are left out, so nothing served from here can lead elsewhere)."""
-    directory = _complete_directory(root, path)
-    return {entry.name: entry.stat().st_size for entry in sorted(directory.iterdir())
-            if entry.is_file() and not entry.is_symlink()}
+def relative_directory(path: str) -> str:
+    """Where the ``tinker://`` checkpoint ``path`` lies in its storage: ``<run>/<kind directory>/<name>``."""
+    return "/".join(parse_tinker_path(path))
 
 
-def read_checkpoint_file(root: Path, path: str, file: str, offset: int, length: int) -> bytes:
+def checkpoint_files(root: Root, path: str) -> dict[str, int]:
+    """``file name -> size`` of the complete checkpoint ``path`` (plain files directly in its directory; on a local
+    filesystem links are left out, so nothing served from here can lead elsewhere)."""
+    store = as_storage(root)
+    return {name: info.size for name, info in sorted(_complete_files(store, path).items())}
+
+
+def read_checkpoint_file(root: Root, path: str, file: str, offset: int, length: int) -> bytes:
     """Up to ``length`` bytes of one file of the checkpoint ``path``, from ``offset``; only a file that
     ``checkpoint_files`` lists can be read."""
-    if file not in checkpoint_files(root, path):
+    store = as_storage(root)
+    if file not in _complete_files(store, path):
         raise NotFoundError(f"Checkpoint {path!r} has no file {file!r}; ask for its download links again.")
-    with open(_complete_directory(root, path) / file, "rb") as opened:
-        opened.seek(offset)
-        return opened.read(length)
+    return store.read(f"{relative_directory(path)}/{file}", offset, length)
 
 
-def copy_checkpoint(root: Path, source: str, destination: str) -> None:
-    """Make ``destination`` hold the files of ``source``, as hard links where the filesystem allows (no bytes are
-    duplicated, and deleting either leaves the other whole), else as copies. A copy already there is kept."""
-    files = checkpoint_files(root, source)
-    target = _inside(root, local_directory(root, destination))
-    if target.is_dir():
+def copy_checkpoint(root: Root, source: str, destination: str) -> None:
+    """Make ``destination`` hold the files of ``source``: on a local filesystem as hard links where it allows
+    (no bytes are duplicated, and deleting either leaves the other whole), else as copies, the marker last. A copy
+    already there is kept."""
+    store = as_storage(root)
+    files = _complete_files(store, source)
+    target = _inside(store, relative_directory(destination))
+    marker = COMPLETE_MARKERS[parse_tinker_path(destination)[1]]
+    if marker in store.files(target):
         return
-    staging = target.with_name(f".{target.name}.copying")
+    if not store.is_local:
+        store.copy_tree(relative_directory(source), target, marker)
+        return
+    staging = store.local_path(target).with_name(f".{Path(target).name}.copying")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for name in files:
-        origin = _complete_directory(root, source) / name
+        origin = store.local_path(f"{relative_directory(source)}/{name}")
         try:
             os.link(origin, staging / name)
         except OSError:  # another filesystem, or one without hard links
             shutil.copy2(origin, staging / name)
-    staging.rename(target)  # whole or not at all: a listing never sees half a copy
+    staging.rename(store.local_path(target))  # whole or not at all: a listing never sees half a copy
 
 
-def _complete_directory(root: Path, path: str) -> Path:
-    """The directory of the complete checkpoint ``path`` (its kind's marker written), else NotFoundError."""
+def _complete_files(store: Storage, path: str) -> dict:
+    """The files of the complete checkpoint ``path`` (its kind's marker stored), else NotFoundError."""
     _, kind, _ = parse_tinker_path(path)
-    directory = _inside(root, local_directory(root, path))
-    if not (directory / COMPLETE_MARKERS[kind]).is_file():
+    directory = _inside(store, relative_directory(path))
+    files = {name: info for name, info in store.files(directory).items() if name != VERSION_FILE}
+    if COMPLETE_MARKERS[kind] not in files:
         raise NotFoundError(f"No checkpoint {path!r} here (deleted, or never saved); pass a path a save returned.")
-    return directory
+    if store.is_local:
+        files = {name: info for name, info in files.items()
+                 if not store.local_path(f"{directory}/{name}").is_symlink()}
+    return files
 
 
-def weights_spec(root: Path, path: str) -> LoraSpec:
+def weights_spec(root: Root, path: str) -> LoraSpec:
     """The LoRA spec a ``save_weights`` checkpoint was saved with (read from its small metadata file only)."""
+    store = as_storage(root)
     _, kind, _ = parse_tinker_path(path)
     if kind != WEIGHTS:
         raise InvalidRequestError(f"{path!r} is not a training checkpoint; pass a path save_state (save_weights) "
                                   "returned: tinker://<run>/weights/<name>.")
     try:
-        meta = json.loads((_inside(root, local_directory(root, path)) / META_FILE).read_text())
+        meta = json.loads(store.read(f"{_inside(store, relative_directory(path))}/{META_FILE}"))
     except FileNotFoundError:
         raise NotFoundError(f"No training checkpoint {path!r} here (deleted, or never saved); pass a path "
                             "save_state returned.") from None
@@ -183,9 +208,10 @@ def _checked_run(run: str) -> str:
     return run
 
 
-def _inside(root: Path, directory: Path) -> Path:
-    """``directory``, once it is certain to lie under ``root`` (symlinks followed)."""
-    if not directory.resolve().is_relative_to(root.resolve()):
-        raise InvalidRequestError(f"{directory.name!r} lies outside the checkpoint directory; pass an id the "
+def _inside(store: Storage, relative: str) -> str:
+    """``relative``, once it is certain to lie under ``store`` (on a local filesystem, symlinks followed; an
+    object store has no links, and names are checked before they get here)."""
+    if store.is_local and not store.local_path(relative).resolve().is_relative_to(store.local_path("").resolve()):
+        raise InvalidRequestError(f"{Path(relative).name!r} lies outside the checkpoint directory; pass an id the "
                                   "checkpoint list gave.")
-    return directory
+    return relative
