@@ -167,5 +167,3 @@ def ledger(request, tmp_path) -> str:
         return str(tmp_path / "db" / "futures.db")
     return request.getfixturevalue("postgres").create_database()
 
-
-SQLITE_ONLY = pytest.mark.parametrize("ledger", ["sqlite"], indirect=True)

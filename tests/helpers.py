@@ -22,6 +22,7 @@ from typing import Callable, Iterator, TypeVar
 import httpx
 import numpy as np
 import psutil
+import pytest
 
 
 LILO = str(Path(sys.executable).parent / "lilo")
@@ -156,6 +157,10 @@ def tcp_listeners(processes: list[psutil.Process]) -> list[tuple[str, int, str]]
         for conn in psutil.net_connections(kind="tcp")
         if conn.status == psutil.CONN_LISTEN and conn.pid in names
     ]
+
+
+# A test of the ``ledger`` fixture (tests/conftest.py) that pokes at SQLite itself: it runs on SQLite only.
+SQLITE_ONLY = pytest.mark.parametrize("ledger", ["sqlite"], indirect=True)
 
 
 class Clock:

@@ -1,5 +1,5 @@
-"""``tinker billing usage`` from a real SQLite ledger (lilo.futures.billing): hourly buckets per session and base
-model of a tenant's finished requests, what each counts, and the window's rules."""
+"""``tinker billing usage`` from a real ledger, SQLite and PostgreSQL (lilo.futures.billing): hourly buckets per
+session and base model of a tenant's finished requests, what each counts, and the window's rules."""
 
 import datetime
 
@@ -12,9 +12,9 @@ from lilo.futures.store import Completion, FuturesStore, Submission
 HOUR = 3600.0
 
 
-def test_a_tenants_requests_become_hourly_events_per_session_and_base_model(tmp_path, clock):
-    store = FuturesStore(tmp_path / "futures.db", clock=clock)
-    clock.now = 10 * HOUR + 5
+def test_a_tenants_requests_become_hourly_events_per_session_and_base_model(ledger, clock):
+    store = FuturesStore(ledger, clock=clock)
+    clock.now = 10 * HOUR + 3599  # late in the hour: its bucket is still hour 10 (floored, never rounded)
     store.add_session("s1", tenant="acme")
     store.add_model("s1:train:0", "base-a", {"rank": 4}, tenant="acme", session_id="s1")
     store.add_sampling_session("s1:sample:0", "s1", "base-a", tenant="acme")

@@ -49,8 +49,8 @@ def test_a_ttl_is_an_hour_to_ten_years_or_none():
 
 
 @pytest.fixture
-def store(tmp_path, clock):
-    opened = FuturesStore(tmp_path / "futures.db", clock=clock)
+def store(ledger, clock):
+    opened = FuturesStore(ledger, clock=clock)
     opened.add_model("run-a", "lilo/tiny-llama", {"rank": 4}, tenant="alpha", trainer="lilo-trainer-0")
     yield opened
     opened.close()

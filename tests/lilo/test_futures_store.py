@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from sqlalchemy import event
 
-from conftest import SQLITE_ONLY
+from helpers import SQLITE_ONLY
 
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError, UnavailableError
 from lilo.futures import codec, paths

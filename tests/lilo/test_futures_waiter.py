@@ -1,4 +1,5 @@
-"""FutureWaiter and GroupCommitter over a real SQLite store, on a real event loop."""
+"""FutureWaiter and GroupCommitter over a real store (SQLite and PostgreSQL: the ``ledger`` fixture), on a real event
+loop."""
 
 import asyncio
 import random
@@ -12,8 +13,8 @@ from lilo.futures.waiter import FutureWaiter
 
 
 @pytest.fixture
-def store(tmp_path):
-    opened = FuturesStore(tmp_path / "futures.db")
+def store(ledger):
+    opened = FuturesStore(ledger)
     yield opened
     opened.close()
 
@@ -128,9 +129,9 @@ def queries_per_tick(store, waiters: int, ticks: int = 10) -> float:
     return asyncio.run(scenario()) / ticks
 
 
-def test_one_query_per_tick_whatever_the_number_of_waiters(tmp_path):
-    few = queries_per_tick(FuturesStore(tmp_path / "few.db"), waiters=8)
-    many = queries_per_tick(FuturesStore(tmp_path / "many.db"), waiters=2048)
+def test_one_query_per_tick_whatever_the_number_of_waiters(store):
+    few = queries_per_tick(store, waiters=8)
+    many = queries_per_tick(store, waiters=2048)  # the first 8 are those above again
     assert 0 < few <= 1.0
     assert 0 < many <= 1.0
 

@@ -1,4 +1,5 @@
-"""A sampling session's finished requests after a cursor (the SDK's retrieve_futures), on a real SQLite ledger: the
+"""A sampling session's finished requests after a cursor (the SDK's retrieve_futures), on a real SQLite ledger and
+a real PostgreSQL one (the ``ledger`` fixture): the
 order writes finished them in, clones kept apart, pages that never split a write, one statement for many polls,
 and the long polls parked on them (lilo.futures.session_waiter)."""
 
@@ -13,8 +14,8 @@ from lilo.futures.store import Completion, FuturesStore, Submission
 
 
 @pytest.fixture
-def store(tmp_path, clock):
-    opened = FuturesStore(tmp_path / "futures.db", clock=clock)
+def store(ledger, clock):
+    opened = FuturesStore(ledger, clock=clock)
     yield opened
     opened.close()
 
@@ -68,18 +69,23 @@ def test_many_polls_cost_one_statement(store):
     assert answers[(SessionTarget("a"), 10**6)] == ([], 10**6)
 
 
-def test_a_page_ends_between_writes_and_numbers_go_on_after_a_reopen(tmp_path, clock):
-    store = FuturesStore(tmp_path / "futures.db", clock=clock)
+def test_a_page_ends_between_writes_and_numbers_go_on_after_a_reopen(ledger, clock):
+    store = FuturesStore(ledger, clock=clock)
     ids = [sample(store, "s", seq) for seq in range(1, 6)]
     store.complete_many([done(ids[0])])
     store.complete_many([done(request_id) for request_id in ids[1:4]])  # one write: one number
     store.complete_many([done(ids[4])])
-    found, cursor = completions_after(store._read, [(SessionTarget("s"), 0)], page=2)[(SessionTarget("s"), 0)]
+
+    def after(cursor: int) -> tuple[list, int]:
+        poll = (SessionTarget("s"), cursor)
+        return completions_after(store._read, [poll], page=2, mark=store._reader.mark)[poll]
+
+    found, cursor = after(0)
     assert [r.request_id for r in found] == ids[:4]  # the page of 2 runs to the end of the second write
-    rest, end = completions_after(store._read, [(SessionTarget("s"), cursor)], page=2)[(SessionTarget("s"), cursor)]
+    rest, end = after(cursor)
     assert [r.request_id for r in rest] == ids[4:]
     store.close()
-    reopened = FuturesStore(tmp_path / "futures.db", clock=clock)
+    reopened = FuturesStore(ledger, clock=clock)
     late = sample(reopened, "s", 9)
     reopened.complete_many([done(late)])
     assert [r.request_id for r in poll(reopened, SessionTarget("s"), end)[0]] == [late]
