@@ -49,15 +49,15 @@ class PostgresServer:
         secret = f":{password}" if password is not None else ""
         return f"postgresql://{SUPERUSER}{secret}@127.0.0.1:{self.port}/{database}"
 
-    def create_database(self) -> str:
-        """A new, empty database; returns its URL."""
+    def create_database(self, password: str | None = None) -> str:
+        """A new, empty database; returns its URL (with ``password`` in it, which trust ignores)."""
         import psycopg
 
         name = f"ledger_{os.getpid()}_{next(self._names)}"
         with psycopg.connect(host="127.0.0.1", port=self.port, user=SUPERUSER, dbname="postgres",
                              autocommit=True) as admin:
             admin.execute(f'CREATE DATABASE "{name}"')
-        return self.url(name)
+        return self.url(name, password)
 
 
 @contextlib.contextmanager

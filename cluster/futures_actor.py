@@ -1,10 +1,11 @@
-"""The futures DB actor: the one process that writes the SQLite file behind every future.
+"""The futures DB actor: the one process that writes the ledger behind every future, a SQLite file or a PostgreSQL
+database (``--ledger``; lilo.futures.database).
 
-An async Ray actor (``lilo-futures`` in namespace ``lilo``), pinned to the node that holds its file. All database
-work runs on one thread of its own, so the event loop keeps answering while SQLite works: submissions that arrive
-together share a commit (in arrival order), completions are written in batches, and every parked
-``retrieve`` is answered by one query per tick. It restarts after a crash and reopens the same file, so nothing
-it acknowledged is lost.
+An async Ray actor (``lilo-futures`` in namespace ``lilo``), pinned to the node that started the service (where a
+SQLite file lives). All database work runs on one thread of its own, so the event loop keeps answering while the
+database works: submissions that arrive together share a commit (in arrival order), completions are written in
+batches, and every parked ``retrieve`` is answered by one query per tick. It restarts after a crash and reopens the
+same ledger, so nothing it acknowledged is lost.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.util import metrics
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from sqlalchemy.exc import OperationalError
 
 from cluster.local import NAMESPACE
 from cluster.worker_setup import freeze_startup
 from lilo.errors import QuotaExceededError
 from lilo.futures.admission import Admission
+from lilo.futures.database import LedgerUnreachableError
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.request_traces import RequestTraces
 from lilo.engine.commands import Kind
@@ -54,14 +57,18 @@ PRUNE_EVERY_S = 600.0
 USAGE_METRICS = {"train_tokens": "Tokens of forward and forward_backward requests recorded",
                  "sample_tokens": "Tokens of sample requests recorded (prompt and completions)",
                  "requests": "Requests recorded", "models": "Models held", "inflight": "Requests not yet finished"}
+# A PostgreSQL ledger that does not answer when the actor (re)starts is tried again this long before the actor gives
+# up (its start already checked it answers: this covers a restart while the database is briefly away).
+OPEN_RETRY_S = 60.0
 ORPHAN_MESSAGE = ("The service stopped before this request finished, so it did not take effect; send it again to the "
                   "running service.")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=10_000)
 class FuturesActor:
-    def __init__(self, db_path: str, retention_s: float = DEFAULT_RETENTION_S) -> None:
-        self._store = FuturesStore(db_path, retention_s=retention_s)
+    def __init__(self, ledger: str, retention_s: float = DEFAULT_RETENTION_S) -> None:
+        """``ledger``: the SQLite file's path, or a ``postgresql://`` URL."""
+        self._store = _open_store(ledger, retention_s)
         self._policy = PolicyFile(None)  # the tenants file's (use_tenants_file)
         self._admission = Admission()
         self._usage_gauges: dict[str, Any] | None = None
@@ -217,7 +224,14 @@ class FuturesActor:
         """On the database thread: read whose the requests still pending are (one query per batch, so a waiter gets
         a result at once only when it is its own), then write the results, which change only those; None when they
         went to the outbox."""
-        pending = self._store.tenants_of([completion.request_id for completion in completions], pending=True)
+        try:
+            pending = self._store.tenants_of([completion.request_id for completion in completions], pending=True)
+        except OperationalError as error:
+            # The database is unreachable for now (PostgreSQL down): the write below retries, then keeps the
+            # results in the outbox. Parked retrieves then learn them from their next poll, not at once.
+            logger.warning("could not read whose %d completed request(s) are (%s); writing them anyway",
+                           len(completions), str(error.orig or error).splitlines()[0])
+            pending = {}
         if not self._store.complete_many(completions):
             return None
         return pending
@@ -395,19 +409,32 @@ class FuturesActor:
 
     async def stats(self) -> dict[str, Any]:
         counts = await self._run(self._store.count_by_status)
-        db_mb, wal_mb = self._store.file_sizes_mb()
+        db_mb, wal_mb = await self._run(self._store.file_sizes_mb)
         return {"futures": counts, "outbox": self._store.outbox_size, "parked_waiters": self._waiter.parked,
                 "waiter_queries": self._waiter.queries, "retrieves": self._retrieves,
                 "parked_session_polls": self._sessions.parked, "session_polls": self._sessions.polls,
                 "session_poll_queries": self._sessions.queries,
                 "group_commits": self._committer.commits, "statements": self._store.statements,
-                "commits": self._store.commits, "db_mb": db_mb, "wal_mb": wal_mb, "db_path": str(self._store.path),
+                "commits": self._store.commits, "db_mb": db_mb, "wal_mb": wal_mb, "db_path": self._store.location,
                 "pid": os.getpid()}
 
 
-def get_futures_actor(db_path: str, name: str = FUTURES_ACTOR_NAME, **options: Any) -> ray.actor.ActorHandle:
-    """The cluster's futures DB actor, created on first use on this driver's node (where its file lives)."""
+def _open_store(ledger: str, retention_s: float) -> FuturesStore:
+    deadline = time.monotonic() + OPEN_RETRY_S
+    while True:
+        try:
+            return FuturesStore(ledger, retention_s=retention_s)
+        except LedgerUnreachableError as error:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("%s Trying again.", error)
+            time.sleep(2.0)
+
+
+def get_futures_actor(ledger: str, name: str = FUTURES_ACTOR_NAME, **options: Any) -> ray.actor.ActorHandle:
+    """The cluster's futures DB actor, created on first use on this driver's node (where a SQLite file lives), on
+    ``ledger``: the file's path, or a ``postgresql://`` URL (``cluster.service.ledger_of``)."""
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     return FuturesActor.options(
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, scheduling_strategy=here,
-    ).remote(db_path, **options)
+    ).remote(ledger, **options)

@@ -147,8 +147,27 @@ def reload_tenants(settings: Settings, progress: Progress) -> None:
     if settings.tenants_file is None:
         progress("SIGHUP received; no tenants file to re-read (start with --tenants-file)")
         return
-    error = ray.get(get_futures_actor(str(settings.futures_db)).reload_tenants.remote(), timeout=30)
+    error = ray.get(get_futures_actor(ledger_of(settings)).reload_tenants.remote(), timeout=30)
     progress(f"SIGHUP received; {error or f're-read the tenants file {settings.tenants_file}'}")
+
+
+def ledger_of(settings: Settings) -> str:
+    """What the futures DB actor opens: the --ledger URL, else the SQLite file under the home."""
+    return settings.ledger if settings.ledger is not None else str(settings.futures_db)
+
+
+def check_ledger(settings: Settings, progress: Progress) -> None:
+    """A PostgreSQL ledger must answer from here, the node its actor runs on, before the service starts on it: else
+    a ClusterError names it (without its password) and what to check."""
+    if settings.ledger is None:
+        return
+    from lilo.futures.database import LedgerUnreachableError, open_engine, shown
+
+    try:
+        open_engine(settings.ledger, busy_timeout_ms=5000).dispose()
+    except LedgerUnreachableError as error:
+        raise ClusterError(str(error)) from None
+    progress(f"The futures ledger is PostgreSQL: {shown(settings.ledger)}")
 
 
 def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progress: Progress) -> None:
@@ -174,7 +193,8 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     serve_starting.shutdown(wait=False)
     # Detached: they outlive this driver and every redeploy of the Serve app.
     get_timing_actor()
-    futures_db = get_futures_actor(str(settings.futures_db))
+    check_ledger(settings, progress)
+    futures_db = get_futures_actor(ledger_of(settings))
     ray.get(futures_db.use_tenants_file.remote(str(settings.tenants_file) if settings.tenants_file else None))
     orphans = futures_db.fail_orphans.remote()
     follow = follows_gpus(settings)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping
 
 from lilo.api_keys import ApiKeyConfigError, load_key_digests
 from lilo.backend.registry import DEFAULT_BASE_MODEL, MODEL_PATHS_ENV, is_servable, unservable_message
-from lilo.futures.paths import default_db_path
+from lilo.futures.paths import default_db_path, is_ledger_url
 from lilo.tenant_policy import TenantsFileError, read_tenants_file
 
 # Ray puts unix sockets under <temp dir>/session_<timestamp>_<pid>/sockets/..., and a unix socket path may not
@@ -281,6 +281,9 @@ class Settings:
         unknown = [name for name in self.base_models if name not in served and not is_servable(name)]
         if unknown:
             raise SettingsError(unservable_message(unknown))
+        if self.ledger is not None and not is_ledger_url(self.ledger):  # never echoed: it may hold a password
+            raise SettingsError("--ledger (LILO_LEDGER) takes a PostgreSQL URL, postgresql://user:password@host:5432/"
+                                "database; leave it out for the SQLite file under the home.")
         if self.ray_address is None and len(str(self.ray_temp_dir)) > MAX_RAY_TEMP_DIR_CHARS:
             raise SettingsError(
                 f"The Ray temp dir {self.ray_temp_dir} is too long for Ray's unix sockets "

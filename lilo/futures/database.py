@@ -20,9 +20,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
+from lilo.futures.paths import is_ledger_url as is_url
+
 logger = logging.getLogger(__name__)
 
-URL_PREFIXES = ("postgresql://", "postgres://", "postgresql+psycopg://")
 DRIVER = "postgresql+psycopg"
 CONNECT_TIMEOUT_S = 10
 _SEQUENCE = "pg_get_serial_sequence('futures', 'request_id')"
@@ -30,11 +31,6 @@ _SEQUENCE = "pg_get_serial_sequence('futures', 'request_id')"
 
 class LedgerUnreachableError(RuntimeError):
     """The PostgreSQL ledger could not be opened; the message names it (never its password) and what to check."""
-
-
-def is_url(location: str | Path) -> bool:
-    """Whether ``location`` names a PostgreSQL database rather than a SQLite file."""
-    return isinstance(location, str) and location.startswith(URL_PREFIXES)
 
 
 def shown(location: str | Path) -> str:

@@ -1,4 +1,5 @@
-"""Where the futures database lives: node-local by default, never silently on a network filesystem."""
+"""Where the futures database lives: a SQLite file, node-local by default and never silently on a network filesystem;
+or a PostgreSQL database named by its URL (``--ledger``; lilo.futures.database)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "gl
                        "beegfs", "afs", "sshfs", "virtiofs"}
 
 
+LEDGER_URL_PREFIXES = ("postgresql://", "postgres://", "postgresql+psycopg://")
+
+
 def default_db_path(home: Path) -> Path:
     return home / "futures.db"
+
+
+def is_ledger_url(location: str | Path) -> bool:
+    """Whether ``location`` names a PostgreSQL database rather than a SQLite file."""
+    return isinstance(location, str) and location.startswith(LEDGER_URL_PREFIXES)
 
 
 def filesystem_type(path: Path, mounts_file: Path = Path("/proc/mounts")) -> str | None:

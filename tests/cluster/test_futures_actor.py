@@ -1,4 +1,5 @@
-"""The futures DB actor on the real local cluster: the one writer, long-polls, and nothing lost to a crash."""
+"""The futures DB actor on the real local cluster: the one writer, long-polls, and nothing lost to a crash, on a
+SQLite file and (one test) on a PostgreSQL database."""
 
 import time
 import uuid
@@ -87,18 +88,39 @@ def test_heartbeats_noted_by_the_api_are_written_in_the_background(futures):
     wait_for_heartbeat(ray.get(futures.stats.remote())["db_path"], "s-alpha", since=before)
 
 
-def test_a_killed_actor_restarts_and_loses_nothing_it_acknowledged(futures):
-    acknowledged = [
-        ray.get(futures.submit.remote(Submission(f"m{i % 4}", "forward_backward", {"s": i}, seq_id=i)))
-        for i in range(40)
-    ]
-    ray.get(futures.complete.remote([Completion.success(acknowledged[0], b"done")]))
+def killed_and_restarted(futures) -> None:
     old_pid = ray.get(futures.stats.remote())["pid"]
     ray.kill(futures, no_restart=False)
     eventually(lambda: ray.get(futures.stats.remote(), timeout=10)["pid"] != old_pid,
                "the futures actor answering from a new process", timeout_s=60,
                ignoring=(ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                          ray.exceptions.GetTimeoutError))
+
+
+def loses_nothing_it_acknowledged(futures, requests: int = 40) -> None:
+    acknowledged = [
+        ray.get(futures.submit.remote(Submission(f"m{i % 4}", "forward_backward", {"s": i}, seq_id=i)))
+        for i in range(requests)
+    ]
+    ray.get(futures.complete.remote([Completion.success(acknowledged[0], b"done")]))
+    killed_and_restarted(futures)
     assert [ray.get(futures.retrieve.remote(rid, 0)).status for rid in acknowledged[1:]] == \
         ["pending"] * len(acknowledged[1:])
     assert ray.get(futures.retrieve.remote(acknowledged[0])).result == b"done"
+    # Ids go on after the highest ever allocated.
+    assert ray.get(futures.submit.remote(Submission("m-after", "optim_step", {}, seq_id=0))) == acknowledged[-1] + 1
+
+
+def test_a_killed_actor_restarts_and_loses_nothing_it_acknowledged(futures):
+    loses_nothing_it_acknowledged(futures)
+
+
+def test_an_actor_on_a_postgresql_ledger_restarts_and_loses_nothing_it_acknowledged(ray_driver, postgres):
+    name = f"lilo-futures-test-{uuid.uuid4().hex[:8]}"
+    futures = get_futures_actor(postgres.create_database(password="s3cret"), name=name)
+    try:
+        loses_nothing_it_acknowledged(futures, requests=8)
+        stats = ray.get(futures.stats.remote())
+        assert stats["db_path"].startswith("postgresql://postgres:***@127.0.0.1:") and stats["db_mb"] > 0
+    finally:
+        ray.kill(futures, no_restart=True)

@@ -15,6 +15,7 @@ from helpers import SQLITE_ONLY
 
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError, UnavailableError
 from lilo.futures import codec, paths
+from lilo.futures.database import LedgerUnreachableError
 from lilo.futures.store import Completion, FuturesStore, Submission, parse_request_id
 
 
@@ -306,6 +307,13 @@ def test_the_database_runs_wal_with_synchronous_normal_and_a_busy_timeout(store)
         assert pragma("journal_mode") == "wal"
         assert pragma("synchronous") == 1  # NORMAL
         assert pragma("busy_timeout") == 50
+
+
+def test_a_postgresql_ledger_that_does_not_answer_is_named_without_its_password(postgres):
+    for url in ("postgresql://lilo:s3cret@127.0.0.1:1/lilo", postgres.url("no_such_database", password="s3cret")):
+        with pytest.raises(LedgerUnreachableError, match="cannot be reached .* Check that PostgreSQL runs") as refused:
+            FuturesStore(url)
+        assert "s3cret" not in str(refused.value) and ":***@127.0.0.1:" in str(refused.value)
 
 
 def test_parent_directories_are_created(tmp_path):

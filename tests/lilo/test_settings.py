@@ -177,3 +177,13 @@ def test_trainer_ranks_apply_to_every_base_model_unless_one_is_named():
     assert (settings.ranks_of("lilo/tiny-llama"), settings.ranks_of(DEFAULT_BASE_MODEL)) == (4, 2)
     assert settings.most_ranks == 4
     assert load_settings(env={}).ranks_of(DEFAULT_BASE_MODEL) == 1
+
+
+def test_the_ledger_is_a_postgresql_url_never_echoed_or_sqlite_by_default():
+    assert load_settings(env={}).ledger is None
+    url = "postgresql://lilo:s3cret@db.internal:5432/lilo"
+    settings = load_settings(env={"LILO_LEDGER": url})
+    assert settings.ledger == url and "s3cret" not in repr(settings)
+    with pytest.raises(SettingsError, match="--ledger .LILO_LEDGER. takes a PostgreSQL URL") as refused:
+        load_settings(env={}, ledger="mysql://lilo:s3cret@db/lilo")
+    assert "s3cret" not in str(refused.value)
