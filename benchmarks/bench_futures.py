@@ -12,12 +12,19 @@ db_mb and wal_mb are the two files as the run leaves them (SQLite folds the log 
 16 KiB); checkpointed_mb (store target) is their size once the log is folded in: what the ledger holds.
 Targets on a 2-core machine: submit >= 4,000 op/s with p99 <= 50 ms at 128 submitters, db_mb <= 10 for 1,024
 requests.
+
+``--ledger postgresql`` runs it on a PostgreSQL database instead (a server this benchmark starts on loopback with
+PostgreSQL's default settings, benchmarks/postgres_server.py): db_mb is then the whole database (with its empty
+catalogs, about 7.5 MB), wal_mb 0, and checkpointed_mb the ledger's tables with their indexes. ``--ledger both``
+runs both and prints their figures side by side in one line: {"bench": "futures", .., "ledger": "both",
+"sqlite": {..}, "postgresql": {..}}.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -28,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from postgres_server import postgres_server
+from sqlalchemy import text
 
 from lilo.futures.group_commit import GroupCommitter
 from lilo.futures.store import Completion, FuturesStore, Submission
@@ -60,8 +69,8 @@ def workload(models: int, requests: int, seed: int = 0) -> list[Submission]:
 class StoreTarget:
     """The store in this process, behind the same group committer, DB thread and waiter the actor uses."""
 
-    def __init__(self, path: Path, poller: str) -> None:
-        self.store = FuturesStore(path)
+    def __init__(self, ledger: str, poller: str) -> None:
+        self.store = FuturesStore(ledger)
         self.db = ThreadPoolExecutor(max_workers=1)
         self.committer = GroupCommitter(lambda group: self._run(self.store.submit_many, group))
         self.waiter = FutureWaiter(lambda ids: self._run(self.store.states, ids))
@@ -95,9 +104,12 @@ class StoreTarget:
         return {"statements": self.store.statements, "commits": self.store.commits, "db_mb": db_mb, "wal_mb": wal_mb}
 
     async def checkpointed_mb(self) -> float:
-        """The file's size once the write-ahead log is folded into it (what the ledger really holds)."""
+        """The file's size once the write-ahead log is folded into it (what the ledger really holds); PostgreSQL:
+        the size of the ledger's tables and indexes."""
         def fold() -> float:
             with self.store.engine.connect() as connection:
+                if self.store.path is None:
+                    return round(float(connection.execute(text(_TABLES_SIZE)).scalar_one()) / 2**20, 2)
                 connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
             return round(sum(self.store.file_sizes_mb()), 2)
         return await self._run(fold)
@@ -111,7 +123,7 @@ class StoreTarget:
 class ActorTarget:
     """The futures DB actor on a private, loopback-only Ray instance started by this benchmark."""
 
-    def __init__(self, path: Path, temp_dir: Path) -> None:
+    def __init__(self, ledger: str, temp_dir: Path) -> None:
         from cluster.local import prepare_environment
 
         prepare_environment()
@@ -122,7 +134,7 @@ class ActorTarget:
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp_dir), log_to_driver=False,
                  _node_ip_address="127.0.0.1", namespace="lilo-bench")
         self.ray = ray
-        self.actor = get_futures_actor(str(path), name="lilo-futures-bench")
+        self.actor = get_futures_actor(ledger, name="lilo-futures-bench")
         ray.get(self.actor.stats.remote())
 
     async def submit(self, sub: Submission) -> int:
@@ -143,6 +155,9 @@ class ActorTarget:
     async def close(self) -> None:
         self.ray.kill(self.actor)
         self.ray.shutdown()
+
+
+_TABLES_SIZE = "SELECT SUM(pg_total_relation_size(quote_ident(tablename))) FROM pg_tables WHERE schemaname = 'public'"
 
 
 async def run(target, args) -> dict[str, Any]:
@@ -205,27 +220,39 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--await-waiters", type=int, default=512)
+    parser.add_argument("--ledger", choices=["sqlite", "postgresql", "both"], default="sqlite",
+                        help="where the ledger lives: a SQLite file, a PostgreSQL database this benchmark starts on "
+                             "loopback, or each in turn")
     args = parser.parse_args()
     if args.target == "actor" and args.poller != "shared":
         parser.error("--poller per-caller exists only for --target store; the actor always uses the shared poller")
 
-    work_dir = Path(tempfile.mkdtemp(prefix="lilo-bf-", dir="/tmp"))
-    try:
-        if args.target == "store":
-            target = StoreTarget(work_dir / "futures.db", args.poller)
-        else:
-            target = ActorTarget(work_dir / "futures.db", work_dir / "ray")
-
-        async def go():
+    ledgers = ["sqlite", "postgresql"] if args.ledger == "both" else [args.ledger]
+    results: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as servers:
+        server = servers.enter_context(postgres_server()) if "postgresql" in ledgers else None
+        for ledger in ledgers:
+            work_dir = Path(tempfile.mkdtemp(prefix="lilo-bf-", dir="/tmp"))
             try:
-                return await run(target, args)
+                location = str(work_dir / "futures.db") if ledger == "sqlite" else server.create_database()
+                results[ledger] = measure(args, location, work_dir)
             finally:
-                await target.close()
+                shutil.rmtree(work_dir, ignore_errors=True)
+    head = {"bench": "futures", "target": args.target, "poller": args.poller, "ledger": args.ledger}
+    print(json.dumps({**head, **(results if args.ledger == "both" else results[args.ledger])}))
 
-        result = asyncio.run(go())
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    print(json.dumps({"bench": "futures", "target": args.target, "poller": args.poller, **result}))
+
+def measure(args, ledger: str, work_dir: Path) -> dict[str, Any]:
+    """The figures of one run on the ledger at ``ledger`` (a SQLite path or a PostgreSQL URL)."""
+    target = StoreTarget(ledger, args.poller) if args.target == "store" else ActorTarget(ledger, work_dir / "ray")
+
+    async def go():
+        try:
+            return await run(target, args)
+        finally:
+            await target.close()
+
+    return asyncio.run(go())
 
 
 if __name__ == "__main__":
