@@ -7,10 +7,14 @@ same port is a real outage that loses nothing: an upload during it fails for rea
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pyarrow.fs as pafs
 from moto.server import ThreadedMotoServer
+
+# Its request log would fill every failing test's report.
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 # The credentials travel in the URI, so every process of a test cluster (trainers, ingress) has them.
 ACCESS = "testing:testing"

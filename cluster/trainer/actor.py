@@ -36,7 +36,8 @@ from cluster.trainer.backend import build_backend
 from cluster.trainer.config import TrainerConfig, trainer_name
 from cluster.worker_setup import freeze_startup, lower_thread_priority
 from lilo.backend.checkpoints.index import (
-    CheckpointEntry, checkpoint_files, copy_checkpoint, delete_checkpoint, latest_weights, list_checkpoints,
+    CheckpointEntry, checkpoint_files, checkpoint_path, copy_checkpoint, delete_checkpoint, latest_weights,
+    list_checkpoints,
     read_checkpoint_file, weights_spec,
 )
 from lilo.backend.paging.files import PageFile, delete_page_files, find_page_files
@@ -364,13 +365,14 @@ class TrainerActor:
             unloaded.set_result(model_id)
         self._report(Kind.UNLOAD_MODEL, request_id, unloaded)
 
-    # Checkpoints are read and deleted by the trainer of their run, where the files were written (see
-    # lilo.backend.checkpoints.index for what a multi-node cluster needs).
+    # Checkpoints are read and deleted in their storage by the trainer of their run (or, when it is gone, by any:
+    # with --storage every trainer reaches every checkpoint; without, those of its own node).
     async def list_checkpoints(self, runs: list[str]) -> dict[str, list[CheckpointEntry]]:
         return await self._in_checkpoint_dir(lambda directory: {run: list_checkpoints(directory, run) for run in runs})
 
     async def delete_checkpoint(self, run: str, checkpoint_id: str) -> None:
         await self._in_checkpoint_dir(delete_checkpoint, run, checkpoint_id)
+        (await self._loaded()).backend.checkpoints.forget(checkpoint_path(run, checkpoint_id))
 
     async def checkpoint_files(self, path: str) -> dict[str, int]:
         """``file -> size`` of the checkpoint ``path``'s files (what its download links serve)."""

@@ -1,6 +1,7 @@
 """lilo deployed onto a two-node Ray cluster simulated on this machine (ray.cluster_utils.Cluster): the trainers
 spread over both nodes, every request still reaches its model's owner, and when a node leaves, its trainer's
-models fail what they had in flight and come back on the node that is left."""
+models fail what they had in flight and come back on the node that is left; with checkpoints in an object store,
+nothing the node saved leaves with it."""
 
 import json
 import shutil
@@ -9,13 +10,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import tinker
 
 from cluster.ports import free_ports
-from helpers import lilo, ray_test_cluster, sdk_datum, short_home
+from helpers import cli_json, lilo, ray_test_cluster, sdk_datum, short_home
+from s3_server import S3Server
 
 TINY = "lilo/tiny-llama"
 
@@ -108,3 +111,74 @@ def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_afte
     assert all(len(names) == 1 for names in owners.values())
     assert all(count == 1 for trainer in report.values() for count in trainer["models"].values())
     assert all(trainer["models"] for trainer in report.values())
+
+
+def trainer_nodes(address: str, model_ids: list[str]) -> dict[str, str]:
+    """``model id -> node id`` of the trainer that ran each model (one forward_backward each)."""
+    inspected = subprocess.run([sys.executable, "-c", INSPECT, address, json.dumps(model_ids)], capture_output=True,
+                               text=True, timeout=120)
+    assert inspected.returncode == 0, inspected.stderr
+    report = json.loads(inspected.stdout.strip().splitlines()[-1])
+    return {model_id: trainer["node_id"] for trainer in report.values() for model_id in trainer["models"]}
+
+
+def forward_once_restored(client, datum, attempts: int = 5):
+    """``datum``'s logprobs from ``client``'s model, retrying requests that failed because its trainer was lost."""
+    for attempt in range(attempts):
+        try:
+            return client.forward([datum], "cross_entropy").result(timeout=180).loss_fn_outputs[0]["logprobs"]
+        except tinker.RequestFailedError as failed:
+            if failed.category != "server" or attempt == attempts - 1:
+                raise
+            time.sleep(2)
+
+
+def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_cluster, tmp_path):
+    """Checkpoints in an S3-compatible store (moto's server on loopback): after the node whose trainer saved them
+    leaves, and its own copies are deleted, the model comes back from the store on the other node with its saved
+    weights, and its checkpoints load, sample and download there."""
+    two_node_cluster, worker = two_node_cluster
+    s3 = S3Server()
+    home, (port, dashboard_port) = short_home(), free_ports(2)
+    started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
+                   str(port), "--dashboard-port", str(dashboard_port), "--trainers", "2", "--base-model", TINY,
+                   "--storage", s3.uri("lilo"))
+    assert started.returncode == 0, started.stdout + started.stderr
+    api = SimpleNamespace(api_url=f"http://127.0.0.1:{port}")
+    probe = sdk_datum(5, 33)
+    try:
+        with tinker.ServiceClient(base_url=api.api_url, api_key="tml-local-test") as service:
+            clients = [service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=120)
+                       for _ in range(3)]
+            for n, client in enumerate(clients):
+                client.forward_backward([sdk_datum(n)], "cross_entropy").result(timeout=120)
+                client.optim_step(tinker.AdamParams(learning_rate=0.05)).result(timeout=120)
+            nodes = trainer_nodes(two_node_cluster.address, [client.model_id for client in clients])
+            leaving = next(client for client in clients if nodes[client.model_id] == worker.node_id)
+            saved = leaving.save_state("kept").result(timeout=120).path
+            for_sampler = leaving.save_weights_for_sampler("kept").result(timeout=120).path
+            expected = leaving.forward([probe], "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"]
+            prompt = tinker.ModelInput.from_ints(probe.model_input.to_ints()[:8])
+            greedy = tinker.SamplingParams(max_tokens=6, temperature=0.0)
+            sampled = service.create_sampling_client(model_path=for_sampler).result(timeout=120).sample(
+                prompt, 1, greedy).result(timeout=120).sequences[0].tokens
+
+            two_node_cluster.remove_node(worker, allow_graceful=False)
+            shutil.rmtree(home / "nodes" / worker.node_id[:16])  # what the node kept of its own is gone too
+            # The model comes back on the other node from its checkpoint in the store (the SDK retries the 503s
+            # while it is being restored; a request sent before Ray saw the node go fails, as one in flight does).
+            restored = forward_once_restored(leaving, probe)
+            np.testing.assert_allclose(restored.tolist(), expected.tolist(), atol=1e-5)
+            loaded = service.create_training_client_from_state(saved).result(timeout=120)
+            again = loaded.forward([probe], "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"]
+            np.testing.assert_allclose(again.tolist(), expected.tolist(), atol=1e-5)
+            assert service.create_sampling_client(model_path=for_sampler).result(timeout=120).sample(
+                prompt, 1, greedy).result(timeout=120).sequences[0].tokens == sampled
+            downloaded = cli_json(api, "checkpoint", "download", saved, "--output", str(tmp_path), "--force")
+            assert sorted(path.name for path in Path(downloaded["destination"]).iterdir()) == [
+                "adapter_config.json", "adapter_model.safetensors"]
+    finally:
+        stopped = lilo("down", "--home", str(home))
+        s3.stop()
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        shutil.rmtree(home, ignore_errors=True)
