@@ -18,8 +18,6 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from cluster.ports import free_ports
-
 SUPERUSER = "postgres"
 MISSING = ("PostgreSQL's server programs (initdb, pg_ctl) are not installed; install Debian's postgresql package "
            "(apt-get install postgresql) to run the ledger's PostgreSQL tests and benchmark.")
@@ -39,10 +37,44 @@ def server_programs() -> Path:
 
 
 class PostgresServer:
-    def __init__(self, port: int, socket_dir: Path) -> None:
-        self.port = port
-        self.socket_dir = socket_dir
+    """A cluster in ``root`` (made by ``postgres_server``) served on 127.0.0.1:``port``."""
+
+    def __init__(self, programs: Path, root: Path, settings: dict[str, str] | None = None) -> None:
+        self._programs = programs
+        self._root = root
+        self._settings = {"listen_addresses": "127.0.0.1", **(settings or {})}
+        self._as_owner = ["runuser", "-u", SUPERUSER, "--"] if os.geteuid() == 0 else []
         self._names = itertools.count()
+        self.port = 0
+        self.running = False
+
+    def run(self, program: str, *args: object) -> None:
+        done = subprocess.run([*self._as_owner, str(self._programs / program), *map(str, args)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{program} failed ({done.returncode}): {done.stdout[-1000:]}{done.stderr[-1000:]}")
+
+    def start(self) -> None:
+        """Serve on a free port (the same one again after ``stop``)."""
+        from cluster.ports import free_ports  # here: the library's tests import this module, and never cluster
+
+        for _ in range(3):  # a free port may be taken before the server binds it
+            self.port = self.port or free_ports(1)[0]
+            flags = " ".join([f"-p {self.port}", f"-k {self._root / 'sockets'}",
+                              *(f"-c {key}={value}" for key, value in self._settings.items())])
+            try:
+                self.run("pg_ctl", "-D", self._root / "data", "-l", self._root / "server.log", "-w", "-o", flags,
+                         "start")
+                self.running = True
+                return
+            except RuntimeError:
+                self.port = 0
+        log = (self._root / "server.log").read_text() if (self._root / "server.log").exists() else ""
+        raise RuntimeError(f"PostgreSQL did not start on 127.0.0.1:\n{log[-2000:]}")
+
+    def stop(self) -> None:
+        self.run("pg_ctl", "-D", self._root / "data", "-m", "fast", "-w", "stop")
+        self.running = False
 
     def url(self, database: str = "postgres", password: str | None = None) -> str:
         """The server's ``database`` as ``--ledger`` takes it (a password is accepted and ignored: trust)."""
@@ -65,32 +97,17 @@ def postgres_server(settings: dict[str, str] | None = None) -> Iterator[Postgres
     """A running server (``settings``: its -c options, such as NO_FSYNC), stopped and removed on exit."""
     programs = server_programs()
     root = Path(tempfile.mkdtemp(prefix="lilo-pg-", dir="/tmp"))
-    data, sockets = root / "data", root / "sockets"
-    sockets.mkdir()
-    as_owner: list[str] = []
+    (root / "sockets").mkdir()
     if os.geteuid() == 0:
-        as_owner = ["runuser", "-u", SUPERUSER, "--"]
-        for path in (root, sockets):
+        for path in (root, root / "sockets"):
             shutil.chown(path, SUPERUSER, SUPERUSER)
-    run = lambda *args: subprocess.run([*as_owner, *map(str, args)], check=True, capture_output=True,  # noqa: E731
-                                       text=True)
-    started = False
+    server = PostgresServer(programs, root, settings)
     try:
-        run(programs / "initdb", "-D", data, "-A", "trust", "-U", SUPERUSER, "-E", "UTF8", "--locale=C", "--no-sync")
-        options = {"listen_addresses": "127.0.0.1", **(settings or {})}
-        for attempt in range(3):  # a free port may be taken before the server binds it
-            port = free_ports(1)[0]
-            flags = " ".join([f"-p {port}", f"-k {sockets}", *(f"-c {key}={value}" for key, value in options.items())])
-            try:
-                run(programs / "pg_ctl", "-D", data, "-l", root / "server.log", "-w", "-o", flags, "start")
-                started = True
-                break
-            except subprocess.CalledProcessError:
-                if attempt == 2:
-                    log = (root / "server.log").read_text() if (root / "server.log").exists() else ""
-                    raise RuntimeError(f"PostgreSQL did not start on 127.0.0.1:{port}:\n{log[-2000:]}") from None
-        yield PostgresServer(port, sockets)
+        server.run("initdb", "-D", root / "data", "-A", "trust", "-U", SUPERUSER, "-E", "UTF8", "--locale=C",
+                   "--no-sync")
+        server.start()
+        yield server
     finally:
-        if started:
-            run(programs / "pg_ctl", "-D", data, "-m", "fast", "-w", "stop")
+        if server.running:
+            server.stop()
         shutil.rmtree(root, ignore_errors=True)

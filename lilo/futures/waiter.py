@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
 RECENT = 1024
+# After a poll failed (the database away): the next one waits this long, so an outage is not asked every tick.
+RETRY_S = 1.0
 
 Fetch = Callable[[Sequence[int]], Awaitable[dict[int, FutureState]]]
 Missing = Callable[[int], Awaitable[Exception]]
@@ -33,10 +35,11 @@ Missing = Callable[[int], Awaitable[Exception]]
 
 class FutureWaiter:
     def __init__(self, fetch: Fetch, tick_s: float = TICK_S, missing: Missing | None = None,
-                 recent: int = RECENT) -> None:
+                 recent: int = RECENT, retry_s: float = RETRY_S) -> None:
         self._fetch = fetch
         self._missing = missing
         self._tick_s = tick_s
+        self._retry_s = retry_s
         self._recent: collections.OrderedDict[int, FutureState] = collections.OrderedDict()
         self._recent_max = recent
         # request id -> (waiter, its tenant) for every parked caller
@@ -87,6 +90,7 @@ class FutureWaiter:
     async def _poll(self) -> None:
         while self._parked:
             ids = list(self._parked)
+            pause = self._tick_s
             try:
                 self.queries += 1
                 states = await self._fetch(ids)
@@ -98,8 +102,9 @@ class FutureWaiter:
                     if state is not None and state.finished:
                         self.notify(state)
             except Exception:
-                logger.exception("polling %d parked futures failed; trying again next tick", len(ids))
-            await asyncio.sleep(self._tick_s)
+                logger.exception("polling %d parked futures failed; trying again in %g s", len(ids), self._retry_s)
+                pause = self._retry_s
+            await asyncio.sleep(pause)
 
     def _has_others(self, request_id: int, state: FutureState) -> bool:
         return any(not may_see(tenant, state.tenant) for _, tenant in self._parked.get(request_id, []))

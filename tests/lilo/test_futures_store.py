@@ -10,7 +10,9 @@ import orjson
 import psycopg
 import pytest
 from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
+from benchmarks.postgres_server import NO_FSYNC, postgres_server
 from helpers import SQLITE_ONLY
 
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, NotFoundError, UnavailableError
@@ -257,6 +259,22 @@ def test_a_full_outbox_says_which_completion_it_lost(ledger, caplog):
     assert small.outbox_size == 2
     assert f"request {ids[0]} dropped" in caplog.text
     small.close()
+
+
+def test_a_postgresql_ledger_away_for_a_while_keeps_completions_in_the_outbox_until_it_is_back():
+    # Its own server, which it stops and starts again (the session's serves other tests meanwhile).
+    with postgres_server(NO_FSYNC) as server:
+        store = FuturesStore(server.create_database(), retry_attempts=2, retry_base_s=0.01)
+        ids = [store.submit(Submission("m", "forward_backward", step(i), seq_id=i)) for i in range(3)]
+        server.stop()
+        assert not store.complete_many([Completion.success(i, b"done") for i in ids])  # retried, then kept
+        assert store.outbox_size == 3
+        with pytest.raises(OperationalError):  # the waiter's reader fails as the pool's connections do
+            store.states(ids)
+        server.start()
+        assert store.flush_outbox() and store.outbox_size == 0
+        assert [state.status for state in store.states(ids).values()] == ["completed"] * 3  # its reader reconnected
+        store.close()
 
 
 # --- retrieval and retention ----------------------------------------------------------------------------------

@@ -176,3 +176,23 @@ def test_a_waiter_on_an_id_with_no_row_gets_the_missing_error(store):
             assert waiter.parked == 0
 
     asyncio.run(scenario())
+
+
+def test_a_failing_poll_is_tried_again_after_a_pause_not_every_tick(store):
+    (request_id,) = submit_pending(store, 1)
+    store.complete_many([Completion.success(request_id, b"r")])
+    asked: list[float] = []
+
+    async def scenario():
+        async def fetch(ids):  # the database away for the first two polls
+            asked.append(asyncio.get_running_loop().time())
+            if len(asked) <= 2:
+                raise ConnectionError("the database is away")
+            return store.states(ids)
+        waiter = FutureWaiter(fetch, tick_s=0.01, retry_s=0.2)
+        state = await waiter.wait(request_id, timeout_s=5)
+        await waiter.close()
+        return state
+
+    assert asyncio.run(scenario()).result == b"r"
+    assert len(asked) == 3 and all(later - earlier >= 0.2 for earlier, later in zip(asked, asked[1:]))
