@@ -114,9 +114,16 @@ class Storage:
                 opened.write(data)
 
     def upload_file(self, local: Path, relative: str) -> None:
+        """The local file ``local`` to ``relative``: whole or not at all (an object store's put is; in a
+        directory, a hidden staging file is renamed into place)."""
         with _storage_errors(self, "upload", relative):
             if self.is_local:
-                self.local_path(relative).parent.mkdir(parents=True, exist_ok=True)
+                target = self.local_path(relative)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                staging = target.with_name(f".{target.name}.uploading-{os.getpid()}")
+                shutil.copyfile(local, staging)
+                os.replace(staging, target)
+                return
             pafs.copy_files(str(local), self._key(relative), source_filesystem=pafs.LocalFileSystem(),
                             destination_filesystem=self.fs)
 

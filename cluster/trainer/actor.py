@@ -286,6 +286,9 @@ class TrainerActor:
         if model_id in engine.model_ids():
             return None
         pages_root = loaded.backend.pages.directory.parent
+        mirror = loaded.backend.pages.mirror
+        if mirror is not None:  # the model's page files in the storage, whichever node wrote them
+            await asyncio.to_thread(mirror.pull, model_id)
         pages = await asyncio.to_thread(find_page_files, pages_root, model_id)
         latest = await self._in_checkpoint_dir(latest_weights, model_id)
         if next_seq is not None and pages and page_file_wins(pages[0].paged_at, latest and latest[1]):
@@ -294,7 +297,7 @@ class TrainerActor:
                 return restored
         # None of its page files is its latest state: gone before the model is created here, so that none can
         # come back on a later restore.
-        await asyncio.to_thread(delete_page_files, pages_root, model_id)
+        await asyncio.to_thread(self._delete_page_files, loaded, model_id)
         if latest is None or next_seq is None:
             await asyncio.wrap_future(engine.create_model(model_id, spec, first_seq=next_seq))
             return None
@@ -342,6 +345,14 @@ class TrainerActor:
             return None
         return str(pages[0].path)
 
+    @staticmethod
+    def _delete_page_files(loaded: Loaded, model_id: str, trainer: str = "*") -> None:
+        """Delete ``model_id``'s page files of every trainer (or ``trainer``'s) on this node and in the storage."""
+        pages = loaded.backend.pages
+        delete_page_files(pages.directory.parent, model_id, trainer)
+        if pages.mirror is not None:
+            pages.mirror.delete_stored(model_id, trainer)
+
     async def watch(self, known: str | None = None) -> str:
         """This process's incarnation id, at once, when ``known`` is not it; else never returns: the recovery actor
         keeps one such call open per trainer, which fails the moment this process dies (no polling)."""
@@ -359,8 +370,7 @@ class TrainerActor:
         if model_id in engine.model_ids():
             unloaded = engine.unload_model(model_id)
         else:  # a page file this trainer's dead incarnation left of it must not bring it back
-            pages = loaded.backend.pages.directory
-            await asyncio.to_thread(delete_page_files, pages.parent, model_id, pages.name)
+            await asyncio.to_thread(self._delete_page_files, loaded, model_id, loaded.backend.pages.directory.name)
             unloaded = Future()
             unloaded.set_result(model_id)
         self._report(Kind.UNLOAD_MODEL, request_id, unloaded)

@@ -28,7 +28,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     from lilo.backend.sharding.group import join, load_sharded_base
     from lilo.backend.torch_backend import TorchBackend
     from lilo.backend.vision import image_layout
-    from lilo.storage import CHECKPOINTS, Storage
+    from lilo.storage import CHECKPOINTS, PAGES, Storage
 
     directory = model_directory(base_model, config.model_cache_dir)
     device = resolve_device(config.device)
@@ -57,6 +57,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     backend = TorchBackend(model, max_adapters=config.max_adapters, max_rank=config.max_rank,
                            sampler_slots=config.sampler_slots, checkpoint_dir=checkpoint_dir,
                            storage=Storage(config.storage).child(CHECKPOINTS) if config.storage else None,
+                           page_storage=Storage(config.storage).child(PAGES) if config.storage else None,
                            base_model_name=base_model, decode=load_decoder(directory),
                            host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
                            disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),

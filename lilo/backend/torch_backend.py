@@ -31,6 +31,7 @@ from lilo.backend.adapters.bank import LoraBank
 from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, GROUPED, RUNS
 from lilo.backend.adapters.dimuon import SlotDimuon
 from lilo.backend.adapters.optimizer import SlotAdamW
+from lilo.backend.paging.mirror import PageMirror
 from lilo.backend.paging.store import PagedState, PageRestore, PageStore
 from lilo.backend.paging.policy import PageMove, Room, Tier, choose_victims
 from lilo.backend.training.recompute import recomputed_layers
@@ -66,6 +67,7 @@ class TorchBackend:
     def __init__(self, model: nn.Module, *, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  max_rank: int = DEFAULT_MAX_RANK, sampler_slots: int = DEFAULT_SAMPLER_SLOTS,
                  checkpoint_dir: Path | None = None, storage: Storage | None = None,
+                 page_storage: Storage | None = None,
                  base_model_name: str = "", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  decode: sampling.Decode | None = None, host_adapter_bytes: int = 0, disk_adapter_bytes: int = 0,
                  page_dir: Path | None = None, sharded: ShardedBase | None = None, optimizer: bool = True,
@@ -120,8 +122,9 @@ class TorchBackend:
         self._free_slots = list(range(max_adapters + sampler_slots))
         self.vocab_size = self.model.get_output_embeddings().base.out_features
         # Models beyond the slots wait paged out (lilo.backend.paging); 0 and 0: no paging, a full trainer says so.
-        self.pages = PageStore(host_adapter_bytes, disk_adapter_bytes,
-                               page_dir or self.checkpoint_dir.parent / "pages", pin=self.device.type == "cuda")
+        page_dir = page_dir or self.checkpoint_dir.parent / "pages"
+        self.pages = PageStore(host_adapter_bytes, disk_adapter_bytes, page_dir, pin=self.device.type == "cuda",
+                               mirror=PageMirror(page_storage, page_dir.parent) if page_storage else None)
         self._uses = 0
         self._last_used: dict[str, int] = {}  # training model -> when make_room or add_adapter last saw it
         self._grad_slots: set[int] = set()  # slots holding gradients an optim_step has not consumed yet
@@ -815,7 +818,7 @@ class TorchBackend:
                                       f"trainer's --max-rank {self.max_rank}.")
         self._fill_slot(model_id, self._adapter(model_id).slot, restore.state)
         for path in restore.files:
-            path.unlink(missing_ok=True)
+            self.pages.unlink(path)
         return {"path": str(restore.files[0])}
 
     def _install(self, model_id: str, state: AdapterState, optimizer: bool) -> None:

@@ -10,6 +10,9 @@ import torch
 
 from lilo.backend.checkpoints import stored
 from lilo.backend.checkpoints.index import checkpoint_files, delete_checkpoint, list_checkpoints, read_checkpoint_file
+from lilo.backend.paging.files import find_page_files
+from lilo.backend.paging.mirror import PageMirror
+from lilo.backend.paging.store import read_page_file
 from lilo.backend.torch_backend import TorchBackend
 from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
@@ -135,3 +138,27 @@ def test_the_default_storage_is_the_directory_itself(base, tmp_path):
     path = save(backend, RUN, 1, "here")
     assert (tmp_path / RUN / "weights" / "here" / "meta.json").is_file()
     assert torch.is_tensor(backend.bank.weights) and path.endswith("/weights/here")
+
+
+def test_page_files_are_mirrored_to_the_storage_and_another_node_restores_from_them(base, storage, tmp_path):
+    pages = storage.child("pages")
+    trainer = TorchBackend(copy.deepcopy(base), max_adapters=1, max_rank=8, checkpoint_dir=tmp_path / "a" / "ckpt",
+                           page_dir=tmp_path / "a" / "pages" / "trainer-0", page_storage=pages,
+                           disk_adapter_bytes=1 << 24)
+    trainer.add_adapter("paged", LoraSpec(rank=4, seed=1))
+    train(trainer, "paged", seed=0)
+    trainer.make_room(["other"], (), ())  # "paged" leaves its slot for the disk tier: its page file is written
+    trainer.pages.mirror.flush()
+    assert list(pages.tree("")) == ["trainer-0/paged.page.safetensors"]
+    written = trainer.pages.peek("paged")
+
+    # Another node pulls the stored file and finds it where it finds page files.
+    other = PageMirror(pages, tmp_path / "b" / "pages")
+    (pulled,) = other.pull("paged")
+    (found,) = find_page_files(tmp_path / "b" / "pages", "paged")
+    assert found.path == pulled and torch.equal(read_page_file(found).data, written.data)
+    other.close()
+
+    trainer.make_room(["paged"], (), ())  # paged back in: its page file goes, on this node and in the storage
+    trainer.pages.mirror.flush()
+    assert pages.tree("") == {}

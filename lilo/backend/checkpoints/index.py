@@ -31,7 +31,7 @@ EXTERNAL_WEIGHTS = KIND_DIRECTORIES[Kind.SAVE_WEIGHTS_EXTERNAL]
 # The file each kind writes last: a directory without it is still being written (or its write was cut short).
 COMPLETE_MARKERS = {WEIGHTS: META_FILE, SAMPLER_WEIGHTS: PEFT_CONFIG, EXTERNAL_WEIGHTS: PEFT_CONFIG}
 # Which upload of a checkpoint a copy is (lilo.backend.checkpoints.stored): kept beside its files, never listed or
-# served as one of them.
+# served as one of them (no hidden file is: a storage's staging files are hidden too).
 VERSION_FILE = ".version"
 
 
@@ -71,7 +71,7 @@ def list_checkpoints(root: Root, run: str) -> list[CheckpointEntry]:
     for relative, info in store.tree(run).items():
         parts = relative.split("/")
         if (len(parts) == 3 and parts[0] in COMPLETE_MARKERS and _checked_name_or_none(parts[1])
-                and parts[2] != VERSION_FILE):
+                and not parts[2].startswith(".")):
             trees.setdefault((parts[0], parts[1]), {})[parts[2]] = (info.mtime_ns / 1e9, info.size)
     found = [CheckpointEntry(run, kind, name, max(time_s for time_s, _ in files.values()),
                              sum(size for _, size in files.values()))
@@ -171,7 +171,7 @@ def _complete_files(store: Storage, path: str) -> dict:
     """The files of the complete checkpoint ``path`` (its kind's marker stored), else NotFoundError."""
     _, kind, _ = parse_tinker_path(path)
     directory = _inside(store, relative_directory(path))
-    files = {name: info for name, info in store.files(directory).items() if name != VERSION_FILE}
+    files = {name: info for name, info in store.files(directory).items() if not name.startswith(".")}
     if COMPLETE_MARKERS[kind] not in files:
         raise NotFoundError(f"No checkpoint {path!r} here (deleted, or never saved); pass a path a save returned.")
     if store.is_local:

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lilo.backend.paging.files import PAGE_FORMAT, PageFile, page_file_name
+from lilo.backend.paging.mirror import PageMirror
 from lilo.backend.paging.policy import DISK, HOST, PageMove, Tier, host_demotions
 from lilo.backend.types import LoraSpec
 
@@ -56,8 +57,10 @@ class PagedState:
 class PageStore:
     """Paged states in host memory (up to ``host_bytes``) and in files under ``directory`` (up to ``disk_bytes``)."""
 
-    def __init__(self, host_bytes: int, disk_bytes: int, directory: Path, pin: bool = False) -> None:
+    def __init__(self, host_bytes: int, disk_bytes: int, directory: Path, pin: bool = False,
+                 mirror: PageMirror | None = None) -> None:
         self.host_bytes, self.disk_bytes, self.directory, self.pin = host_bytes, disk_bytes, directory, pin
+        self.mirror = mirror  # the storage's copies of the page files (--storage), else None
         self.host: dict[str, tuple[PagedState, int]] = {}  # model -> (state, last used)
         self.disk: dict[str, tuple[LoraSpec, int, int]] = {}  # model -> (spec, bytes, last used)
         # Page files read ahead (``stage``): model -> (which write of its file, the state read).
@@ -122,8 +125,14 @@ class PageStore:
         staged = self.staged.pop(model_id, None)
         path = self._path(model_id)
         state = staged[1] if staged is not None and staged[0] == generation else _read(path, spec)
-        path.unlink(missing_ok=True)
+        self.unlink(path)
         return state, DISK
+
+    def unlink(self, path: Path) -> None:
+        """Delete the page file ``path`` (of any trainer's under this node's page directory), and its stored copy."""
+        path.unlink(missing_ok=True)
+        if self.mirror is not None:
+            self.mirror.deleted(path)
 
     def peek(self, model_id: str) -> PagedState:
         """``model_id``'s paged state, left where it is (a trainer saving its paged models as it stops)."""
@@ -172,6 +181,8 @@ class PageStore:
         save_file({"state": state.data.contiguous()}, str(temporary), metadata=meta)
         # A page file is whole or absent: a crash mid-write leaves only the temporary file.
         os.replace(temporary, path)
+        if self.mirror is not None:
+            self.mirror.written(path)
         self._writes += 1
         self._generations[model_id] = self._writes
         self.disk[model_id] = (state.spec, state.nbytes, last_used)
