@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_INSTALLED := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-fast bench clean browser
+.PHONY: demo test test-fast bench clean browser postgres
 
 $(INSTALLED): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
@@ -21,14 +21,25 @@ $(INSTALLED): pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps tinker-cookbook==0.6.1
 	@touch $@
 
-# Only the tests need it: the console's test drives a real headless browser, Debian's chromium and its driver
-# (selenium is a dev extra). Installed with apt-get, as root or through sudo; the demo never asks for it.
-browser:
-	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
-		echo "Installing Debian's chromium and chromium-driver for tests/e2e/test_console.py..."; \
+# $(call debian,CHECK,PACKAGES,WHAT FOR): unless the shell command CHECK succeeds, install Debian's PACKAGES with
+# apt-get, as root or through sudo (the tests' system packages; the demo never asks for them).
+define debian
+	@$(1) || { \
+		echo "Installing Debian's $(2) for $(3)..."; \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO=sudo; else \
-			echo "The tests need chromium and chromium-driver: install them (apt-get install chromium chromium-driver) as root, then run make test again."; exit 1; fi; \
-		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+			echo "The tests need $(2): install them (apt-get install $(2)) as root, then run make test again."; exit 1; fi; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2); }
+endef
+
+# Only the tests need it: the console's test drives a real headless browser, Debian's chromium and its driver
+# (selenium is a dev extra).
+browser:
+	$(call debian,command -v chromium >/dev/null && command -v chromedriver >/dev/null,chromium chromium-driver,tests/e2e/test_console.py)
+
+# The ledger's tests (and bench_futures.py --ledger postgresql) start a throwaway PostgreSQL server
+# (benchmarks/postgres_server.py): Debian's postgresql, whose programs lie in /usr/lib/postgresql/<version>/bin.
+postgres:
+	$(call debian,ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null,postgresql,the ledger's PostgreSQL tests)
 
 $(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "lilo needs Python 3.11; run make PYTHON=python3.11"'
@@ -51,12 +62,12 @@ $(VLLM_INSTALLED): requirements-vllm.txt requirements-vllm-constraints.txt pypro
 demo: $(INSTALLED)
 	$(VENV)/bin/lilo demo
 
-test: $(INSTALLED) $(VLLM_INSTALLED) browser
+test: $(INSTALLED) $(VLLM_INSTALLED) browser postgres
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest
 
 # The library's tests alone: no Ray, no cluster, under a minute.
-test-fast: $(INSTALLED)
+test-fast: $(INSTALLED) postgres
 	$(VENV)/bin/python -m pytest tests/lilo
 
 # bench_sampling_vllm.py is the vLLM half of bench_sampling.py, which runs it on .venv-vllm's python itself.
