@@ -170,6 +170,21 @@ def check_ledger(settings: Settings, progress: Progress) -> None:
     progress(f"The futures ledger is PostgreSQL: {shown(settings.ledger)}")
 
 
+def check_storage(settings: Settings, progress: Progress) -> None:
+    """A --storage must take a write, a read and a deletion from here before trainers save into it: else a
+    ClusterError names it (without credentials) and what to check. Trainers on other nodes reach it the same way
+    (the same URI, their own node's credentials)."""
+    if settings.storage is None:
+        return
+    from lilo.storage import Storage, StorageError, redacted
+
+    try:
+        Storage(settings.storage).probe()
+    except (StorageError, FileNotFoundError) as error:
+        raise ClusterError(str(error)) from None
+    progress(f"Checkpoints and page files are kept in {redacted(settings.storage)}")
+
+
 def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progress: Progress) -> None:
     """On the connected Ray cluster: the timing and futures DB actors (failing what a previous run left
     unfinished), the trainers, the reconciler (their registry), the recovery actor and the Serve application;
@@ -194,6 +209,7 @@ def start_service(settings: Settings, serve_app: Callable[[], ServeApp], progres
     # Detached: they outlive this driver and every redeploy of the Serve app.
     get_timing_actor()
     check_ledger(settings, progress)
+    check_storage(settings, progress)
     futures_db = get_futures_actor(ledger_of(settings))
     ray.get(futures_db.use_tenants_file.remote(str(settings.tenants_file) if settings.tenants_file else None))
     orphans = futures_db.fail_orphans.remote()

@@ -68,6 +68,16 @@ class Storage:
     def _key(self, relative: str) -> str:
         return f"{self.base}/{relative}" if relative else self.base
 
+    def probe(self) -> None:
+        """Write, read back and delete a small file: StorageError, with a sentence, unless all three work."""
+        relative = f".lilo-probe-{os.getpid()}"
+        self.write(relative, b"lilo")
+        try:
+            if self.read(relative) != b"lilo":
+                raise StorageError(f"The storage {redacted(self.uri)} did not give back what lilo wrote to it.")
+        finally:
+            self.delete(relative)
+
     # --- reading -------------------------------------------------------------------------------------------
     def files(self, relative: str) -> dict[str, pafs.FileInfo]:
         """The plain files directly in the directory ``relative`` by name (empty when there is none)."""
