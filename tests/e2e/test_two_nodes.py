@@ -18,7 +18,7 @@ import tinker
 
 from cluster.ports import free_ports
 from helpers import cli_json, lilo, ray_test_cluster, sdk_datum, short_home
-from s3_server import S3Server
+from benchmarks.s3_server import S3Server
 
 TINY = "lilo/tiny-llama"
 

@@ -1,5 +1,5 @@
 """Checkpoints kept in a storage (lilo.storage): a directory or an S3-compatible server on loopback (moto, see
-tests/s3_server.py), reached through pyarrow's real clients. Two backends with separate node directories stand for
+benchmarks/s3_server.py), reached through pyarrow's real clients. Two backends with separate node directories stand for
 trainers on two nodes: what one saves, the other lists, loads and samples from the storage alone."""
 
 import copy
@@ -18,7 +18,7 @@ from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
 from lilo.errors import NotFoundError
 from lilo.storage import Storage, StorageError, redacted
-from s3_server import S3Server
+from benchmarks.s3_server import S3Server
 from test_sampler_checkpoints import greedy, save_for_sampler, train
 from test_torch_backend import save
 
@@ -163,18 +163,3 @@ def test_page_files_are_mirrored_to_the_storage_and_another_node_restores_from_t
     trainer.pages.mirror.flush()
     assert pages.tree("") == {}
 
-
-def test_lilo_up_refuses_a_storage_it_cannot_write_naming_it_without_credentials(s3, tmp_path):
-    from cluster.local import ClusterError
-    from cluster.ports import free_ports
-    from cluster.service import check_storage
-    from lilo.settings import Settings
-
-    (nobody,) = free_ports(1)  # nothing listens there
-    uri = s3.uri("x").replace(f"127.0.0.1:{s3.port}", f"127.0.0.1:{nobody}")
-    with pytest.raises(ClusterError, match=rf"in the storage s3://{s3.bucket}/x \(.*\); check that it is reachable"
-                       ) as refused:
-        check_storage(Settings(home=tmp_path, storage=uri), print)
-    assert "testing" not in str(refused.value)
-    check_storage(Settings(home=tmp_path, storage=s3.uri("x")), print)  # a storage that works passes
-    assert Storage(s3.uri("x")).tree("") == {}  # and keeps nothing of the check
