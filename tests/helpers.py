@@ -347,12 +347,12 @@ def tokens_datum(tokens: list[int]):
 
 
 @contextlib.contextmanager
-def own_service(*up_args: str, timeout_s: float = 480) -> Iterator[tuple[str, str]]:
-    """A lilo service of a test module's own (``lilo up --detach`` with ``up_args``, on a private head in a fresh
-    home, on free ports), its API URL; ``lilo down`` after."""
+def own_service(*up_args: str, timeout_s: float = 480, home: Path | None = None) -> Iterator[tuple[str, str]]:
+    """A lilo service of a test module's own (``lilo up --detach`` with ``up_args``, on a private head in ``home``,
+    by default a fresh one, on free ports), its API URL; ``lilo down`` after."""
     from cluster.ports import free_ports  # here, not at the top: the library's tests import this module too
 
-    home = short_home()
+    home = home or short_home()
     port, dashboard = free_ports(2)
     started = lilo("up", "--detach", "--home", str(home), "--port", str(port), "--dashboard-port", str(dashboard),
                    *up_args, timeout_s=timeout_s)
