@@ -134,9 +134,10 @@ def forward_once_restored(client, datum, attempts: int = 5):
 
 
 def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_cluster, tmp_path):
-    """Checkpoints in an S3-compatible store (moto's server on loopback): after the node whose trainer saved them
-    leaves, and its own copies are deleted, the model comes back from the store on the other node with its saved
-    weights, and its checkpoints load, sample and download there."""
+    """Checkpoints in an S3-compatible store (moto's server on loopback): a save while the store is away fails with
+    a message and stays unlisted; after the node whose trainer saved the others leaves, and its own copies are
+    deleted, the model comes back from the store on the other node with its saved weights, and its checkpoints
+    load, sample and download there."""
     two_node_cluster, worker = two_node_cluster
     s3 = S3Server()
     home, (port, dashboard_port) = short_home(), free_ports(2)
@@ -162,6 +163,16 @@ def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_clu
             greedy = tinker.SamplingParams(max_tokens=6, temperature=0.0)
             sampled = service.create_sampling_client(model_path=for_sampler).result(timeout=120).sample(
                 prompt, 1, greedy).result(timeout=120).sequences[0].tokens
+
+            s3.stop()  # the store away while a save uploads: the save fails, saying so, and stays unlisted
+            try:
+                with pytest.raises(tinker.RequestFailedError, match="could not be stored, so it is not saved"):
+                    leaving.save_state("lost").result(timeout=120)
+            finally:
+                s3.restart()
+            listed = service.create_rest_client().list_checkpoints(leaving.model_id).result(timeout=120)
+            assert sorted(checkpoint.checkpoint_id for checkpoint in listed.checkpoints) == [
+                "sampler_weights/kept", "weights/kept"]
 
             two_node_cluster.remove_node(worker, allow_graceful=False)
             shutil.rmtree(home / "nodes" / worker.node_id[:16])  # what the node kept of its own is gone too
