@@ -126,6 +126,9 @@ class Settings:
     # Where checkpoints, their exports and page files are kept (lilo.storage): a URI (s3://bucket/prefix,
     # gs://bucket/prefix) or a directory every node mounts. None: under the home, on each trainer's own node.
     storage: str | None = None
+    # Directories whose images requests may point at (image_asset_pointer chunks, OpenAI image_url file:// URLs;
+    # lilo.image_assets); none: requests send images' bytes.
+    image_dirs: tuple[Path, ...] = ()
     # The futures ledger: a postgresql:// URL (lilo.futures.store). None: SQLite under the home.
     ledger: str | None = dataclasses.field(default=None, repr=False)
 
@@ -269,6 +272,10 @@ class Settings:
         if self.compress_bodies not in COMPRESS_BODIES:
             raise SettingsError(f"--compress-bodies must be one of {', '.join(COMPRESS_BODIES)}, "
                                 f"not {self.compress_bodies!r}.")
+        for directory in self.image_dirs:
+            if not directory.is_dir():
+                raise SettingsError(f"--image-dir {directory} is not a directory; name one whose images requests may "
+                                    "point at.")
         if self.max_body_mb < 1:
             raise SettingsError(f"--max-body-mb must be at least 1, got {self.max_body_mb}.")
         if not self.base_models:
@@ -355,6 +362,7 @@ _ENV_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "LILO_TRAINER_IDLE_TIMEOUT_S": ("trainer_idle_timeout_s", float),
     "LILO_TRAINER_WAIT_S": ("trainer_wait_s", float),
     "LILO_STORAGE": ("storage", str),
+    "LILO_IMAGE_DIRS": ("image_dirs", lambda raw: tuple(Path(part) for part in raw.split(os.pathsep) if part)),
     "LILO_LEDGER": ("ledger", str),
 }
 
@@ -377,6 +385,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: object) -> 
     for field in ("home", "api_keys_file", "tenants_file"):
         if field in values:
             values[field] = Path(values[field]).expanduser().absolute()
+    if "image_dirs" in values:
+        values["image_dirs"] = tuple(Path(directory).expanduser().absolute() for directory in values["image_dirs"])
     if "base_models" in values:
         values["base_models"], values["model_paths"] = _split_model_paths(values["base_models"])
     return Settings(**values).validate()

@@ -8,7 +8,7 @@ Serve's ingress wrapper string annotations of body models do not resolve.)
 import datetime
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -20,6 +20,7 @@ from cluster.local import NAMESPACE
 from cluster.worker_setup import freeze_startup
 
 from lilo import __version__
+from lilo.image_assets import ImageAssets
 from lilo.api_keys import HEADER, ApiKeys
 from lilo.settings import Settings
 from lilo.engine.commands import Kind
@@ -86,7 +87,8 @@ class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""
 
     def __init__(self, base_models: list[str], trainer_wait_s: float, max_body_bytes: int,
-                 api_key_digests: dict[str, str], url_secret_file: str, compress_bodies: str = "auto") -> None:
+                 api_key_digests: dict[str, str], url_secret_file: str, compress_bodies: str = "auto",
+                 image_dirs: Sequence[str] = ()) -> None:
         reuse_listening_address()  # before Serve binds lilo's port in this replica
         # Serve's HTTP loop, the loop running these routes and Ray's threads hand each request to one another; a
         # waiting thread gets the GIL within 1 ms instead of CPython's 5 (bench_load's heartbeat p99: 47-49 ms
@@ -99,7 +101,7 @@ class LiloIngress:
         # The trainers come from the reconciler's registry (cluster.reconciler), not from these arguments: they
         # follow the cluster's GPU nodes as they come and go.
         self._control = ControlPlane(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE), base_models,
-                                     read_secret(Path(url_secret_file)), trainer_wait_s)
+                                     read_secret(Path(url_secret_file)), trainer_wait_s, ImageAssets(image_dirs))
         freeze_startup()
 
     @api.get("/api/v1/healthz")
@@ -400,4 +402,5 @@ def build_application(settings: Settings) -> serve.Application:
     (their digests) read now, and the path of the download links' signing secret (made now if missing; the secret
     itself never travels as a deployment argument)."""
     return LiloIngress.bind(list(settings.base_models), settings.trainer_wait_s, settings.max_body_mb << 20,
-                            settings.api_key_digests(), str(secret_file(settings.home)), settings.compress_bodies)
+                            settings.api_key_digests(), str(secret_file(settings.home)), settings.compress_bodies,
+                            [str(directory) for directory in settings.image_dirs])

@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 
 from cluster.futures_actor import RETRIEVE_TIMEOUT_S
 from cluster.reconciler import TrainerDirectory
+from lilo.image_assets import NO_ASSETS, ImageAssets
 from lilo.backend.registry import base_model_spec
 from lilo.engine.commands import Kind
 from lilo.futures.billing import check_window
@@ -65,21 +66,21 @@ def future_response(request_id: str, state: FutureState) -> Response | dict[str,
 
 class ControlPlane:
     def __init__(self, futures: ActorHandle, base_models: Sequence[str], url_secret: bytes,
-                 trainer_wait_s: float = 0.0) -> None:
+                 trainer_wait_s: float = 0.0, image_assets: ImageAssets = NO_ASSETS) -> None:
         actors = Actors(futures, TrainerDirectory(), trainer_wait_s)
         submissions = Submissions(futures)
         self._futures = futures
         self.capabilities = server_capabilities(base_models)
         self.runs = Runs(actors)
         self.training = Training(actors, submissions, base_models, self.runs.storage_bytes)
-        self.sampling = Sampling(actors, submissions)
+        self.sampling = Sampling(actors, submissions, image_assets)
         self.checkpoints = Checkpoints(actors, url_secret)
         self.sessions = Sessions(actors, self.runs)
         self.heartbeats = SessionBeats(futures)
         self.timing = Timing(actors)
         self.session_traces = SessionTraces(actors, self.timing, url_secret)
         self.console = ConsoleOverview(actors, self.runs)
-        self.openai = OpenAICompatible(actors, base_models)
+        self.openai = OpenAICompatible(actors, base_models, image_assets)
 
     async def save_weights_for_sampler(self, request: SaveWeightsRequest, tenant: str) -> dict[str, str]:
         """A named sampler checkpoint, or without a name one that opens a sampling session (the SDK's

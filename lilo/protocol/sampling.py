@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 from lilo.backend.types import DatumImage, PromptTargets, SamplingRequest, is_int
 from lilo.backend.vision import PENDING, ImageLayout
 from lilo.errors import InvalidRequestError
+from lilo.image_assets import NO_ASSETS, ImageAssets
 
 MAX_NUM_SAMPLES = 128
 # Most tokens per position that topk_prompt_logprobs, topk_sample_logprobs and prompt_alt_tokens_k may ask for
@@ -22,13 +23,13 @@ MAX_TOPK = 20
 
 def decode_sample_request(body: Mapping[str, Any], *, vocab_size: int, max_context_length: int,
                           eos_token_ids: Sequence[int], base_only: bool,
-                          images: ImageLayout | None = None) -> SamplingRequest:
+                          images: ImageLayout | None = None, assets: ImageAssets = NO_ASSETS) -> SamplingRequest:
     """``body`` is the SDK's SampleRequest as JSON; the ids, lengths and image layout (None: it takes no images) are
-    those of the base model it runs on."""
+    those of the base model it runs on; ``assets`` resolves its image_asset_pointer chunks."""
     record = body.get("record_stability_info")
     if record is not None and not isinstance(record, bool):
         raise InvalidRequestError(f"record_stability_info must be true or false, not {record!r}.")
-    prompt, prompt_images = prompt_tokens(body.get("prompt") or {}, images)
+    prompt, prompt_images = prompt_tokens(body.get("prompt") or {}, images, assets)
     if not prompt:
         raise InvalidRequestError("The prompt is empty; send at least one token.")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
@@ -136,10 +137,10 @@ def has_images(model_input: Mapping[str, Any]) -> bool:
                                             for chunk in chunks)
 
 
-def prompt_tokens(model_input: Mapping[str, Any],
-                  images: ImageLayout | None = None) -> tuple[list[int], tuple[DatumImage, ...]]:
+def prompt_tokens(model_input: Mapping[str, Any], images: ImageLayout | None = None,
+                  assets: ImageAssets = NO_ASSETS) -> tuple[list[int], tuple[DatumImage, ...]]:
     """The tokens of a ModelInput (``{"chunks": [...]}``) and its images, each laid out by ``images`` (the base
-    model's; None: it takes none)."""
+    model's; None: it takes none); image_asset_pointer chunks read through ``assets``."""
     chunks = model_input.get("chunks") or []
     if not isinstance(chunks, list) or not all(isinstance(chunk, dict) for chunk in chunks):
         raise InvalidRequestError("prompt.chunks must be a list of chunk objects such as "
@@ -149,7 +150,7 @@ def prompt_tokens(model_input: Mapping[str, Any],
     for number, chunk in enumerate(chunks):
         kind = chunk.get("type", "encoded_text")
         if kind in IMAGE_CHUNKS:
-            pending.append(_image(number, chunk, len(tokens)))
+            pending.append(_image(number, chunk, len(tokens), assets))
             tokens.extend([PENDING] * (pending[-1].tokens or 0))
             continue
         if kind != "encoded_text":
@@ -167,16 +168,16 @@ def prompt_tokens(model_input: Mapping[str, Any],
     return laid, placed
 
 
-def _image(number: int, chunk: Mapping[str, Any], offset: int) -> DatumImage:
-    """A prompt's image chunk (its bytes base64 in JSON); a pointer to an image is refused, saying so."""
+def _image(number: int, chunk: Mapping[str, Any], offset: int, assets: ImageAssets) -> DatumImage:
+    """A prompt's image chunk (its bytes base64 in JSON), or a pointer to one that ``assets`` reads."""
     if chunk.get("type") == "image_asset_pointer":
-        raise InvalidRequestError(f"Prompt chunk {number}: image_asset_pointer chunks are not resolved by this "
-                                  "server (it reads no image store); send the image's bytes in an image chunk.")
-    try:
-        data = base64.b64decode(chunk.get("data") or "", validate=True)
-    except (binascii.Error, TypeError):
-        raise InvalidRequestError(f"Prompt chunk {number}: the image's data is not base64; send the file's bytes "
-                                  "base64-encoded.") from None
+        data = assets.read(chunk.get("location"), f"Prompt chunk {number}")
+    else:
+        try:
+            data = base64.b64decode(chunk.get("data") or "", validate=True)
+        except (binascii.Error, TypeError):
+            raise InvalidRequestError(f"Prompt chunk {number}: the image's data is not base64; send the file's "
+                                      "bytes base64-encoded.") from None
     expected = chunk.get("expected_tokens")
     if expected is not None and (not is_int(expected) or expected < 0):
         raise InvalidRequestError(f"Prompt chunk {number}: expected_tokens must be a whole number of tokens.")

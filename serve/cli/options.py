@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--storage", metavar="URI",
                     help="where checkpoints and page files are kept: s3://bucket/prefix, gs://bucket/prefix or a "
                          "directory every node mounts (default: $LILO_STORAGE, else the home on each trainer's node)")
+    up.add_argument("--image-dir", dest="image_dirs", action="append", type=Path, metavar="DIR",
+                    help="a directory whose images requests may point at (image_asset_pointer chunks, OpenAI "
+                         "image_url file:// URLs); repeat for several (default: $LILO_IMAGE_DIRS, else none)")
     up.add_argument("--ledger", metavar="URL",
                     help="the futures ledger: postgresql://user@host/db (default: $LILO_LEDGER, else SQLite "
                          "under the home)")
@@ -143,5 +146,5 @@ def settings_of(args: argparse.Namespace) -> Settings:
               "ray_address", "startup_timeout_s", "device", "max_body_mb", "compress_bodies", "api_keys_file",
               "tenants_file",
               "compute_nice", "session_timeout_s", "stop_save_timeout_s", "follow_gpus", "min_trainers",
-              "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s", "storage", "ledger")
+              "max_trainers", "trainer_idle_timeout_s", "trainer_wait_s", "storage", "ledger", "image_dirs")
     return load_settings(**{name: getattr(args, name, None) for name in fields})

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lilo.image_assets import NO_ASSETS, ImageAssets
 from lilo.backend.registry import base_model_spec
 from lilo.backend.text import CONTEXT_TOKENS
 from lilo.backend.types import DatumImage
@@ -64,8 +65,9 @@ def kept_tokens(sequence: SampledSequence, eos_token_ids: Sequence[int]) -> list
 
 
 class OpenAICompatible:
-    def __init__(self, actors: Actors, base_models: Sequence[str]) -> None:
+    def __init__(self, actors: Actors, base_models: Sequence[str], assets: ImageAssets = NO_ASSETS) -> None:
         self._actors = actors
+        self._assets = assets  # what file:// image URLs may point at
         self._context_lengths = {name: base_model_spec(name).max_context_length for name in base_models}
         self._router = SamplingRouter(actors)
 
@@ -75,7 +77,7 @@ class OpenAICompatible:
                                            for name in self._context_lengths]}
 
     async def chat(self, body: ChatCompletionBody, tenant: str) -> Response:
-        ask, (messages, image_data) = chat_asked(body), chat_messages(body)
+        ask, (messages, image_data) = chat_asked(body), chat_messages(body, self._assets)
         target = await resolve_model(self._actors, self._router, body.model, self._context_lengths, tenant)
         layout = await layout_of(target.base_model) if image_data else None
         prompt = await self._actors.trainer(target.trainer).render_chat.remote(messages)

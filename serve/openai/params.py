@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lilo.backend.types import SamplingRequest
 from lilo.errors import InvalidRequestError
+from lilo.image_assets import NO_ASSETS, ImageAssets
 from lilo.protocol.sampling import MAX_NUM_SAMPLES, MAX_TOPK
 from serve.http.json_body import INT64_MAX, INT64_MIN
 from serve.openai.images import image_part
@@ -138,9 +139,11 @@ def chat_asked(body: ChatCompletionBody) -> Asked:
                  (body.top_logprobs or 0) if body.logprobs else None)
 
 
-def chat_messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[bytes]]:
+def chat_messages(body: ChatCompletionBody, assets: ImageAssets = NO_ASSETS,
+                  ) -> tuple[list[dict[str, Any]], list[bytes]]:
     """The messages as the chat template takes them (each role with its text, text parts joined; a message with
-    images as parts, ``{"type": "image"}`` where each goes), and the images' bytes in order."""
+    images as parts, ``{"type": "image"}`` where each goes), and the images' bytes in order (``file://`` URLs read
+    through ``assets``)."""
     messages: list[dict[str, Any]] = []
     images: list[bytes] = []
     for number, message in enumerate(body.messages):
@@ -148,7 +151,7 @@ def chat_messages(body: ChatCompletionBody) -> tuple[list[dict[str, Any]], list[
         if isinstance(content, list):
             parts = []
             for part in content:
-                image = image_part(number, part)
+                image = image_part(number, part, assets)
                 if image is not None:
                     images.append(image)
                     parts.append({"type": "image"})

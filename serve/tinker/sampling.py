@@ -31,6 +31,7 @@ from lilo.backend.registry import base_model_spec
 from lilo.backend.types import SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import InvalidRequestError
+from lilo.image_assets import NO_ASSETS, ImageAssets
 from lilo.futures.store import Submission, parse_request_id, unknown_sampling_session_error
 from lilo.protocol.sampling import decode_sample_request, has_images as has_image_chunks
 from lilo.tenants import may_see
@@ -111,11 +112,12 @@ class SamplingRouter:
 class Sampling:
     """Sampling sessions of the caller's tenant, their samples, and the sampler saves that open one."""
 
-    def __init__(self, actors: Actors, submissions: Submissions) -> None:
+    def __init__(self, actors: Actors, submissions: Submissions, assets: ImageAssets = NO_ASSETS) -> None:
         self._actors = actors
         self._futures = actors.futures
         self._submissions = submissions
         self._router = SamplingRouter(actors)
+        self._assets = assets  # what image_asset_pointer chunks may point at
 
     async def create_session(self, request: CreateSamplingSessionRequest, tenant: str) -> dict[str, str]:
         """A session sampling ``model_path`` (a sampler checkpoint of the caller's, or a published one) or, without
@@ -213,7 +215,7 @@ class Sampling:
         images = await layout_of(route.base_model) if has_image_chunks(body.get("prompt") or {}) else None
         sample = decode_sample_request(body, vocab_size=route.vocab_size, max_context_length=route.max_context_length,
                                        eos_token_ids=route.eos_token_ids, base_only=route.model_path is None,
-                                       images=images)
+                                       images=images, assets=self._assets)
         # The backend samples through the checkpoint named by the command's model id (a base-model sample through
         # none; its id then only labels its timing).
         command = Command(route.model_path or sampling_session_id, request.seq_id, Kind.SAMPLE, "", payload=sample,

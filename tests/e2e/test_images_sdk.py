@@ -1,7 +1,9 @@
 """Images through the real SDK on a vision-language base model (lilo/tiny-qwen3-vl): image chunks train and score
 as the cookbook's renderers lay them out (vision start, the image, vision end; targets and weights zero at the
 image's positions), two adapters' image rows coalesce, and what lilo cannot take is refused with a sentence:
-images on a text-only base model, an expected_tokens that is not the image's count, a file that is not an image."""
+images on a text-only base model, an expected_tokens that is not the image's count, a file that is not an image.
+Images a request points at (image_asset_pointer chunks, OpenAI file:// URLs) are read from the directory the
+service allows (--image-dir), and from nowhere else."""
 
 from __future__ import annotations
 
@@ -57,9 +59,17 @@ def chat_vl_directory(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def running(chat_vl_directory):
+def image_dir(tmp_path_factory):
+    """The directory the service lets requests point at, holding one JPEG (``picture.jpg``, 70 x 100)."""
+    directory = tmp_path_factory.mktemp("images")
+    (directory / "picture.jpg").write_bytes(jpeg(70, 100, 5))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def running(chat_vl_directory, image_dir):
     with own_service("--num-cpus", "5", "--trainers", "1", "--base-model", VL, "--base-model", TEXT,
-                     "--base-model", f"{CHAT_VL}={chat_vl_directory}") as (url, _):
+                     "--base-model", f"{CHAT_VL}={chat_vl_directory}", "--image-dir", str(image_dir)) as (url, _):
         yield url
 
 
@@ -179,3 +189,50 @@ def test_the_openai_chat_takes_an_image_as_a_data_url(running, chat_vl_directory
     assert again.choices[0].message.content == reply.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="takes no images"):
         client.chat.completions.create(model=TEXT, messages=messages, max_tokens=4)
+
+
+def test_an_image_asset_pointer_samples_as_its_image_and_points_nowhere_else(service, image_dir, tmp_path):
+    sampler = service.create_sampling_client(base_model=VL)
+    count = image_layout(model_directory(VL)).token_count(70, 100)
+    text_before, text_after = types.EncodedTextChunk(tokens=[5, 6, VISION_START]), types.EncodedTextChunk(
+        tokens=[VISION_END, 7])
+
+    def greedy(image) -> list[int]:
+        prompt = types.ModelInput(chunks=[text_before, image, text_after])
+        return sampler.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(
+            max_tokens=4, temperature=0.0, stop=[])).result(timeout=TIMEOUT_S).sequences[0].tokens
+
+    def pointer(location: str):
+        return types.ImageAssetPointerChunk(format="jpeg", location=location, expected_tokens=count)
+
+    sent = greedy(types.ImageChunk(data=(image_dir / "picture.jpg").read_bytes(), format="jpeg"))
+    assert greedy(pointer(f"file://{image_dir / 'picture.jpg'}")) == sent
+    outside = tmp_path / "elsewhere.jpg"
+    outside.write_bytes(jpeg(70, 100, 5))
+    (image_dir / "link.jpg").symlink_to(outside)  # a link out of the directory is outside it too
+    for location, words in [(f"file://{outside}", "is not under the allowed directories"),
+                            (f"file://{image_dir / 'link.jpg'}", "is not under the allowed directories"),
+                            ("https://example.com/picture.jpg", "has https scheme; lilo resolves file:// URLs"),
+                            (f"file://{image_dir / 'missing.jpg'}", "there is no image file")]:
+        assert words in refusal(lambda: sampler.sample(prompt=types.ModelInput(chunks=[
+            text_before, pointer(location), text_after]), num_samples=1, sampling_params=types.SamplingParams(
+                max_tokens=4)))
+
+
+def test_the_openai_chat_reads_a_file_url_under_the_allowed_directory(running, image_dir):
+    import base64
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{running}/oai/api/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
+
+    def chat(url: str):
+        return client.chat.completions.create(model=CHAT_VL, max_tokens=4, temperature=0.0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}])
+
+    data_url = "data:image/jpeg;base64," + base64.b64encode((image_dir / "picture.jpg").read_bytes()).decode()
+    assert chat(f"file://{image_dir / 'picture.jpg'}").choices[0].message.content == chat(
+        data_url).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="is not under the allowed directories"):
+        chat("file:///etc/hostname")

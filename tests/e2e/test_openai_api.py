@@ -212,7 +212,7 @@ def test_an_unknown_model_is_a_not_found_error_that_names_the_served_ones(client
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
     ({"max_tokens": 100_000}, "does not fit"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a/b.png"}}]}]},
-     "https URL; lilo reads images from data: URLs only"),
+     "https URL; lilo reads images from data: URLs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URL}}]}]},
      "takes no images"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},

@@ -103,7 +103,7 @@ def test_prompt_logprobs_last_n_scores_a_suffix_of_the_prompt():
     ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "takes no images"),
     ({**sdk_body(), "prompt": {"chunks": [{"type": "image", "data": "%%", "format": "png"}]}}, "is not base64"),
     ({**sdk_body(), "prompt": {"chunks": [{"type": "image_asset_pointer", "location": "s3://b/i.png",
-                                           "format": "png"}]}}, "image_asset_pointer chunks are not resolved"),
+                                           "format": "png"}]}}, "has s3 scheme; lilo resolves file:// URLs"),
     ({**sdk_body(), "prompt": {"chunks": [{"type": "dmel", "data": ""}]}}, "dmel chunks are not supported"),
     # Each of these was a 500 (found by probing asample with a real sampling session).
     ({**sdk_body(), "prompt": {"chunks": "abc"}}, "list of chunk objects"),
