@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -46,6 +47,7 @@ class Storage:
             self.fs = pafs.LocalFileSystem()
             self.base = str(Path(text.removeprefix("file://")).expanduser().absolute())
         self.uri = text
+        self._signer: Any = None
 
     @property
     def is_local(self) -> bool:
@@ -63,11 +65,28 @@ class Storage:
     def child(self, relative: str) -> "Storage":
         """The storage under ``relative`` of this one."""
         clone = object.__new__(Storage)
-        clone.fs, clone.base, clone.uri = self.fs, self._key(relative), f"{self.uri.rstrip('/')}/{relative}"
+        clone.fs, clone.base, clone._signer = self.fs, self._key(relative), self._signer
+        parts = urlsplit(self.uri)
+        clone.uri = urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{relative}"))
         return clone
 
     def _key(self, relative: str) -> str:
         return f"{self.base}/{relative}" if relative else self.base
+
+    def signed_url(self, relative: str, lifetime_s: int) -> str | None:
+        """A URL that reads the file ``relative`` for ``lifetime_s`` seconds without credentials, where the storage
+        signs such URLs: S3 (and S3-compatible stores), through botocore when it is installed. None elsewhere (a
+        directory, GCS): the caller serves the file itself."""
+        if urlsplit(self.uri).scheme != "s3":
+            return None
+        if self._signer is None:
+            try:
+                self._signer = _s3_signer(self.uri)
+            except ImportError:
+                return None
+        bucket, _, key = self._key(relative).partition("/")
+        return self._signer.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
+                                                   ExpiresIn=lifetime_s)
 
     def probe(self) -> None:
         """Write, read back and delete a small file: StorageError, with a sentence, unless all three work."""
@@ -228,6 +247,29 @@ class _storage_errors:
             return False
         raise StorageError(f"Could not {self.doing} {self.relative!r} in the storage {redacted(self.storage.uri)} "
                            f"({error}); check that it is reachable and that lilo's credentials may use it.") from error
+
+
+def _s3_signer(uri: str) -> Any:
+    """A botocore S3 client that signs URLs for the store ``uri`` names: its credentials (in the URI, else botocore's
+    usual chain: the environment, ~/.aws, an instance profile), region and endpoint (``endpoint_override`` and
+    ``scheme`` in the query, as pyarrow takes them; path-style addressing there, as MinIO and most S3-compatible
+    stores want)."""
+    import botocore.session
+    from botocore.config import Config
+
+    parts = urlsplit(uri)
+    query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+    options: dict[str, Any] = {"region_name": query.get("region") or os.environ.get("AWS_REGION") or "us-east-1",
+                               "config": Config(signature_version="s3v4",
+                                                s3={"addressing_style": "path" if "endpoint_override" in query
+                                                    else "auto"})}
+    access, secret = parts.username or query.get("access_key"), parts.password or query.get("secret_key")
+    if access and secret:
+        options.update(aws_access_key_id=unquote(access), aws_secret_access_key=unquote(secret))
+    endpoint = query.get("endpoint_override")
+    if endpoint:
+        options["endpoint_url"] = endpoint if "://" in endpoint else f"{query.get('scheme', 'https')}://{endpoint}"
+    return botocore.session.get_session().create_client("s3", **options)
 
 
 def redacted(uri: str) -> str:

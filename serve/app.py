@@ -21,6 +21,7 @@ from cluster.worker_setup import freeze_startup
 
 from lilo import __version__
 from lilo.image_assets import ImageAssets
+from lilo.storage import CHECKPOINTS, Storage
 from lilo.api_keys import HEADER, ApiKeys
 from lilo.settings import Settings
 from lilo.engine.commands import Kind
@@ -88,7 +89,7 @@ class LiloIngress:
 
     def __init__(self, base_models: list[str], trainer_wait_s: float, max_body_bytes: int,
                  api_key_digests: dict[str, str], url_secret_file: str, compress_bodies: str = "auto",
-                 image_dirs: Sequence[str] = ()) -> None:
+                 image_dirs: Sequence[str] = (), storage: str | None = None) -> None:
         reuse_listening_address()  # before Serve binds lilo's port in this replica
         # Serve's HTTP loop, the loop running these routes and Ray's threads hand each request to one another; a
         # waiting thread gets the GIL within 1 ms instead of CPython's 5 (bench_load's heartbeat p99: 47-49 ms
@@ -101,7 +102,8 @@ class LiloIngress:
         # The trainers come from the reconciler's registry (cluster.reconciler), not from these arguments: they
         # follow the cluster's GPU nodes as they come and go.
         self._control = ControlPlane(ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE), base_models,
-                                     read_secret(Path(url_secret_file)), trainer_wait_s, ImageAssets(image_dirs))
+                                     read_secret(Path(url_secret_file)), trainer_wait_s, ImageAssets(image_dirs),
+                                     Storage(storage).child(CHECKPOINTS) if storage else None)
         freeze_startup()
 
     @api.get("/api/v1/healthz")
@@ -403,4 +405,4 @@ def build_application(settings: Settings) -> serve.Application:
     itself never travels as a deployment argument)."""
     return LiloIngress.bind(list(settings.base_models), settings.trainer_wait_s, settings.max_body_mb << 20,
                             settings.api_key_digests(), str(secret_file(settings.home)), settings.compress_bodies,
-                            [str(directory) for directory in settings.image_dirs])
+                            [str(directory) for directory in settings.image_dirs], settings.storage)

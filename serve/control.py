@@ -24,6 +24,7 @@ from ray.exceptions import RayActorError
 from cluster.futures_actor import RETRIEVE_TIMEOUT_S
 from cluster.reconciler import TrainerDirectory
 from lilo.image_assets import NO_ASSETS, ImageAssets
+from lilo.storage import Storage
 from lilo.backend.registry import base_model_spec
 from lilo.engine.commands import Kind
 from lilo.futures.billing import check_window
@@ -66,7 +67,8 @@ def future_response(request_id: str, state: FutureState) -> Response | dict[str,
 
 class ControlPlane:
     def __init__(self, futures: ActorHandle, base_models: Sequence[str], url_secret: bytes,
-                 trainer_wait_s: float = 0.0, image_assets: ImageAssets = NO_ASSETS) -> None:
+                 trainer_wait_s: float = 0.0, image_assets: ImageAssets = NO_ASSETS,
+                 storage: Storage | None = None) -> None:
         actors = Actors(futures, TrainerDirectory(), trainer_wait_s)
         submissions = Submissions(futures)
         self._futures = futures
@@ -74,7 +76,7 @@ class ControlPlane:
         self.runs = Runs(actors)
         self.training = Training(actors, submissions, base_models, self.runs.storage_bytes)
         self.sampling = Sampling(actors, submissions, image_assets)
-        self.checkpoints = Checkpoints(actors, url_secret)
+        self.checkpoints = Checkpoints(actors, url_secret, storage)
         self.sessions = Sessions(actors, self.runs)
         self.heartbeats = SessionBeats(futures)
         self.timing = Timing(actors)

@@ -4,8 +4,9 @@ publishing, weights info, signed download links and the downloads themselves, an
 Who may do what (``lilo.futures.checkpoint_records.access_refusal``): a tenant reads its own checkpoints and
 published ones of other tenants by their path; only its own tenant changes or deletes one. Another tenant's private
 checkpoint answers exactly as one of no run (404). A checkpoint past its TTL answers 410, saying so. The files are
-the trainer's that keeps the run's files (``cluster.placement.ask_file_keeper``); downloads stream from there a
-chunk at a time through this replica.
+read through the trainer that keeps the run's files (``cluster.placement.ask_file_keeper``), in their storage;
+downloads stream from there a chunk at a time through this replica, or, where the storage signs URLs itself (S3
+with botocore installed), straight from the storage.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import uuid
 from typing import Any, AsyncIterator
 from urllib.parse import quote, urlencode
 
-from lilo.backend.checkpoints.index import EXTERNAL_WEIGHTS, checkpoint_path
+from lilo.backend.checkpoints.index import EXTERNAL_WEIGHTS, checkpoint_path, relative_directory
 from lilo.backend.checkpoints.paths import TINKER_SCHEME, parse_tinker_path
 from lilo.backend.types import LoraSpec
 from lilo.errors import ForbiddenError, InvalidRequestError, NotFoundError
 from lilo.futures.checkpoint_records import CheckpointRecord, expiry_for
 from lilo.signed_urls import LINK_LIFETIME_S, DownloadGrant, refusal, signature
+from lilo.storage import Storage
 from serve.tinker.actors import Actors
 from serve.tinker.requests import CopyWeightsRequest, TinkerPathRequest, TtlRequest
 
@@ -50,10 +52,11 @@ def copy_run_id(tenant: str, request: CopyWeightsRequest, idempotency_key: str |
 class Checkpoints:
     """Checkpoints by their tinker path; ``url_secret`` signs and checks the download links."""
 
-    def __init__(self, actors: Actors, url_secret: bytes) -> None:
+    def __init__(self, actors: Actors, url_secret: bytes, storage: Storage | None = None) -> None:
         self._actors = actors
         self._futures = actors.futures
         self._url_secret = url_secret
+        self._storage = storage  # the checkpoints' storage (--storage), whose own signed URLs links may be
 
     async def _files(self, path: str, tenant: str,
                      write: bool = False) -> tuple[dict[str, Any], CheckpointRecord | None, dict[str, int]]:
@@ -83,8 +86,9 @@ class Checkpoints:
                 "train_unembed": spec.train_unembed, "train_mlp": spec.train_mlp, "train_attn": spec.train_attn}
 
     async def external_urls(self, run_id: str, checkpoint_id: str, tenant: str, base_url: str) -> dict[str, Any]:
-        """The SDK's ``ExternalWeightsUrlsResponse``: one signed link per file of an external weights checkpoint,
-        served by this service (``base_url``: the one the request came to), all valid for ``LINK_LIFETIME_S``."""
+        """The SDK's ``ExternalWeightsUrlsResponse``: one signed link per file of an external weights checkpoint, all
+        valid for ``LINK_LIFETIME_S``: the storage's own where it signs them (the bytes then never pass through
+        lilo), else served by this service (``base_url``: the one the request came to)."""
         path = checkpoint_path(run_id, checkpoint_id)
         if parse_tinker_path(path)[1] != EXTERNAL_WEIGHTS:
             raise InvalidRequestError(f"{path!r} is not an external weights checkpoint; links are given for paths "
@@ -93,6 +97,11 @@ class Checkpoints:
         expires_at = int(time.time()) + LINK_LIFETIME_S
         urls = {}
         for file in files:
+            stored = self._storage.signed_url(f"{relative_directory(path)}/{file}", LINK_LIFETIME_S) \
+                if self._storage is not None else None
+            if stored is not None:
+                urls[file] = stored
+                continue
             grant = DownloadGrant(tenant, path, file, expires_at)
             query = urlencode({"tenant": tenant, "expires": expires_at,
                                "signature": signature(self._url_secret, grant)})

@@ -188,6 +188,10 @@ def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_clu
             downloaded = cli_json(api, "checkpoint", "download", saved, "--output", str(tmp_path), "--force")
             assert sorted(path.name for path in Path(downloaded["destination"]).iterdir()) == [
                 "adapter_config.json", "adapter_model.safetensors"]
+            # The download links are the store's own signed URLs: the bytes never pass through lilo.
+            external = loaded.save_weights_external("ext").result(timeout=120).path
+            urls = service.create_rest_client().get_external_weights_urls(external).result(timeout=120).urls
+            assert urls and all(url.startswith(f"http://127.0.0.1:{s3.port}/{s3.bucket}/") for url in urls.values())
     finally:
         stopped = lilo("down", "--home", str(home))
         s3.stop()

@@ -163,3 +163,16 @@ def test_page_files_are_mirrored_to_the_storage_and_another_node_restores_from_t
     trainer.pages.mirror.flush()
     assert pages.tree("") == {}
 
+
+
+def test_an_object_store_signs_urls_that_read_a_file_without_credentials_and_a_directory_does_not(s3, tmp_path):
+    import httpx
+
+    storage = Storage(s3.uri(tmp_path.name)).child("checkpoints")
+    storage.write("run/external_weights/w/adapter_config.json", b'{"r": 4}')
+    url = storage.signed_url("run/external_weights/w/adapter_config.json", 60)
+    assert url.startswith(f"http://127.0.0.1:{s3.port}/{s3.bucket}/") and "testing" not in url.split("?")[0]
+    # (moto checks no signatures, so a tampered URL cannot be shown refused here; S3 itself refuses it.)
+    assert "X-Amz-Signature=" in url and "X-Amz-Expires=60" in url
+    assert httpx.get(url).content == b'{"r": 4}'
+    assert Storage(tmp_path / "shared").signed_url("run/x", 60) is None
