@@ -75,15 +75,12 @@ class Storage:
 
     def signed_url(self, relative: str, lifetime_s: int) -> str | None:
         """A URL that reads the file ``relative`` for ``lifetime_s`` seconds without credentials, where the storage
-        signs such URLs: S3 (and S3-compatible stores), through botocore when it is installed. None elsewhere (a
-        directory, GCS): the caller serves the file itself."""
+        signs such URLs: S3 (and S3-compatible stores), through botocore. None elsewhere (a directory, GCS): the
+        caller serves the file itself."""
         if urlsplit(self.uri).scheme != "s3":
             return None
         if self._signer is None:
-            try:
-                self._signer = _s3_signer(self.uri)
-            except ImportError:
-                return None
+            self._signer = _s3_signer(self.uri)
         bucket, _, key = self._key(relative).partition("/")
         return self._signer.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
                                                    ExpiresIn=lifetime_s)

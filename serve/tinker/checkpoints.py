@@ -5,8 +5,8 @@ Who may do what (``lilo.futures.checkpoint_records.access_refusal``): a tenant r
 published ones of other tenants by their path; only its own tenant changes or deletes one. Another tenant's private
 checkpoint answers exactly as one of no run (404). A checkpoint past its TTL answers 410, saying so. The files are
 read through the trainer that keeps the run's files (``cluster.placement.ask_file_keeper``), in their storage;
-downloads stream from there a chunk at a time through this replica, or, where the storage signs URLs itself (S3
-with botocore installed), straight from the storage.
+downloads stream from there a chunk at a time through this replica, or, where the storage signs URLs itself (S3),
+straight from the storage.
 """
 
 from __future__ import annotations
