@@ -122,6 +122,16 @@ def trainer_nodes(address: str, model_ids: list[str]) -> dict[str, str]:
     return {model_id: trainer["node_id"] for trainer in report.values() for model_id in trainer["models"]}
 
 
+def s3_away_while_saving(s3: S3Server, client) -> None:
+    """A save while the store is away fails, saying so (and stays unlisted: the caller lists)."""
+    s3.stop()
+    try:
+        with pytest.raises(tinker.RequestFailedError, match="could not be stored, so it is not saved"):
+            client.save_state("lost").result(timeout=120)
+    finally:
+        s3.restart()
+
+
 def forward_once_restored(client, datum, attempts: int = 5):
     """``datum``'s logprobs from ``client``'s model, retrying requests that failed because its trainer was lost."""
     for attempt in range(attempts):
@@ -133,17 +143,19 @@ def forward_once_restored(client, datum, attempts: int = 5):
             time.sleep(2)
 
 
-def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_cluster, tmp_path):
-    """Checkpoints in an S3-compatible store (moto's server on loopback): a save while the store is away fails with
-    a message and stays unlisted; after the node whose trainer saved the others leaves, and its own copies are
-    deleted, the model comes back from the store on the other node with its saved weights, and its checkpoints
-    load, sample and download there."""
+@pytest.mark.parametrize("kind", ["s3", "directory"])
+def test_what_a_trainer_saved_to_the_storage_outlives_its_node(two_node_cluster, tmp_path, kind):
+    """Checkpoints in an S3-compatible store (moto's server on loopback) or a directory both nodes share: after the
+    node whose trainer saved them leaves, and its own copies are deleted, the model comes back from the storage on
+    the other node with its saved weights, and its checkpoints load, sample and download there. In S3, a save while
+    the store is away fails with a message and stays unlisted, and download links are the store's own."""
     two_node_cluster, worker = two_node_cluster
-    s3 = S3Server()
+    s3 = S3Server() if kind == "s3" else None
+    storage = s3.uri("lilo") if s3 else str(tmp_path / "shared")
     home, (port, dashboard_port) = short_home(), free_ports(2)
     started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
                    str(port), "--dashboard-port", str(dashboard_port), "--trainers", "2", "--base-model", TINY,
-                   "--storage", s3.uri("lilo"))
+                   "--storage", storage)
     assert started.returncode == 0, started.stdout + started.stderr
     api = SimpleNamespace(api_url=f"http://127.0.0.1:{port}")
     probe = sdk_datum(5, 33)
@@ -164,12 +176,8 @@ def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_clu
             sampled = service.create_sampling_client(model_path=for_sampler).result(timeout=120).sample(
                 prompt, 1, greedy).result(timeout=120).sequences[0].tokens
 
-            s3.stop()  # the store away while a save uploads: the save fails, saying so, and stays unlisted
-            try:
-                with pytest.raises(tinker.RequestFailedError, match="could not be stored, so it is not saved"):
-                    leaving.save_state("lost").result(timeout=120)
-            finally:
-                s3.restart()
+            if s3:
+                s3_away_while_saving(s3, leaving)
             listed = service.create_rest_client().list_checkpoints(leaving.model_id).result(timeout=120)
             assert sorted(checkpoint.checkpoint_id for checkpoint in listed.checkpoints) == [
                 "sampler_weights/kept", "weights/kept"]
@@ -191,9 +199,11 @@ def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_clu
             # The download links are the store's own signed URLs: the bytes never pass through lilo.
             external = loaded.save_weights_external("ext").result(timeout=120).path
             urls = service.create_rest_client().get_external_weights_urls(external).result(timeout=120).urls
-            assert urls and all(url.startswith(f"http://127.0.0.1:{s3.port}/{s3.bucket}/") for url in urls.values())
+            store = f"http://127.0.0.1:{s3.port}/{s3.bucket}/" if s3 else f"http://127.0.0.1:{port}/api/v1/downloads/"
+            assert urls and all(url.startswith(store) for url in urls.values())
     finally:
         stopped = lilo("down", "--home", str(home))
-        s3.stop()
+        if s3:
+            s3.stop()
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         shutil.rmtree(home, ignore_errors=True)
