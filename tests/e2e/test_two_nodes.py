@@ -132,13 +132,15 @@ def s3_away_while_saving(s3: S3Server, client) -> None:
         s3.restart()
 
 
-def forward_once_restored(client, datum, attempts: int = 5):
-    """``datum``'s logprobs from ``client``'s model, retrying requests that failed because its trainer was lost."""
-    for attempt in range(attempts):
+def forward_once_restored(client, datum, within_s: float = 120.0):
+    """``datum``'s logprobs from ``client``'s model, retrying requests that failed because its trainer was lost (as
+    the failure's message asks: "send your next request in a few seconds") for up to ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
         try:
             return client.forward([datum], "cross_entropy").result(timeout=180).loss_fn_outputs[0]["logprobs"]
         except tinker.RequestFailedError as failed:
-            if failed.category != "server" or attempt == attempts - 1:
+            if failed.category != "server" or time.monotonic() > deadline:
                 raise
             time.sleep(2)
 

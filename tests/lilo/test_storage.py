@@ -176,3 +176,15 @@ def test_an_object_store_signs_urls_that_read_a_file_without_credentials_and_a_d
     assert "X-Amz-Signature=" in url and "X-Amz-Expires=60" in url
     assert httpx.get(url).content == b'{"r": 4}'
     assert Storage(tmp_path / "shared").signed_url("run/x", 60) is None
+
+
+def test_a_deleted_checkpoint_is_forgotten_by_the_node_that_held_a_copy(base, s3, tmp_path):
+    storage = Storage(s3.uri(tmp_path.name))
+    writer = node(base, storage, tmp_path / "a")
+    writer.add_adapter(RUN, LoraSpec(rank=4, seed=1))
+    path = save_for_sampler(writer, RUN, "gone")
+    writer.sampler_version(path)  # fetched, and checked just now
+    delete_checkpoint(writer.checkpoints.storage, RUN, "sampler_weights/gone")
+    writer.checkpoints.forget(path)
+    with pytest.raises(NotFoundError):  # asked again at once, not after the recheck interval
+        writer.sampler_version(path)

@@ -103,6 +103,12 @@ class CheckpointShelf:
             return None
 
 
+    def forget(self, path: str) -> None:
+        """Drop what this node knows of ``path`` (deleted from the storage): its next use asks the storage."""
+        with self._lock:
+            self._checked.pop(path, None)
+
+
 def _marker(path: str) -> str:
     return COMPLETE_MARKERS[parse_tinker_path(path)[1]]
 
