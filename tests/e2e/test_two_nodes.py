@@ -79,11 +79,15 @@ def two_node_cluster():
         yield cluster, worker
 
 
-def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_after_a_node_leaves(two_node_cluster):
+def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_after_a_node_leaves(two_node_cluster,
+                                                                                                   tmp_path):
+    """Checkpoints here in a directory both nodes share (--storage): a model of the node that leaves comes back on
+    the other from its checkpoint there, the leaving node's own copies deleted."""
     two_node_cluster, worker = two_node_cluster
     home, (port, dashboard_port) = short_home(), free_ports(2)
     started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
-                   str(port), "--dashboard-port", str(dashboard_port), "--trainers", "2", "--base-model", TINY)
+                   str(port), "--dashboard-port", str(dashboard_port), "--trainers", "2", "--base-model", TINY,
+                   "--storage", str(tmp_path / "shared"))
     assert started.returncode == 0, started.stdout + started.stderr
     try:
         with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-local-test") as service:
@@ -100,7 +104,17 @@ def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_afte
                          for model_id in trainer["models"]}
             leaving = [client for client in clients if client.model_id in on_worker]
             staying = [client for client in clients if client.model_id not in on_worker]
+            kept = leaving[0]
+            kept.optim_step(tinker.AdamParams(learning_rate=0.05)).result(timeout=120)
+            saved = kept.save_state("kept").result(timeout=120).path
+            probe = sdk_datum(5, 33)
+            expected = logprobs(kept, probe)
             remove_a_node_mid_step(two_node_cluster, worker, leaving, staying, home / "futures.db")
+            shutil.rmtree(home / "nodes" / worker.node_id[:16])
+            np.testing.assert_allclose(logprobs(kept, probe).tolist(), expected.tolist(), atol=1e-5)
+            loaded = after_node_loss(lambda: service.create_training_client_from_state(saved).result(timeout=120))
+            np.testing.assert_allclose(after_node_loss(lambda: logprobs(loaded, probe)).tolist(), expected.tolist(),
+                                       atol=1e-5)
     finally:
         stopped = lilo("down", "--home", str(home))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -132,28 +146,31 @@ def s3_away_while_saving(s3: S3Server, client) -> None:
         s3.restart()
 
 
-def forward_once_restored(client, datum, within_s: float = 120.0):
-    """``datum``'s logprobs from ``client``'s model, retrying requests that failed because its trainer was lost (as
-    the failure's message asks: "send your next request in a few seconds") for up to ``within_s``."""
+def after_node_loss(call, within_s: float = 120.0):
+    """``call()``, retried while it fails because a trainer was lost or is being replaced after its node left (a
+    server failure whose message asks to send the request again in a few seconds), for up to ``within_s``."""
     deadline = time.monotonic() + within_s
     while True:
         try:
-            return client.forward([datum], "cross_entropy").result(timeout=180).loss_fn_outputs[0]["logprobs"]
+            return call()
         except tinker.RequestFailedError as failed:
             if failed.category != "server" or time.monotonic() > deadline:
                 raise
             time.sleep(2)
 
 
-@pytest.mark.parametrize("kind", ["s3", "directory"])
-def test_what_a_trainer_saved_to_the_storage_outlives_its_node(two_node_cluster, tmp_path, kind):
-    """Checkpoints in an S3-compatible store (moto's server on loopback) or a directory both nodes share: after the
-    node whose trainer saved them leaves, and its own copies are deleted, the model comes back from the storage on
-    the other node with its saved weights, and its checkpoints load, sample and download there. In S3, a save while
-    the store is away fails with a message and stays unlisted, and download links are the store's own."""
+def logprobs(client, datum):
+    return client.forward([datum], "cross_entropy").result(timeout=180).loss_fn_outputs[0]["logprobs"]
+
+
+def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_cluster, tmp_path):
+    """Checkpoints in an S3-compatible store (moto's server on loopback): a save while the store is away fails with
+    a message and stays unlisted; after the node whose trainer saved the others leaves, and its own copies are
+    deleted, the model comes back from the store on the other node with its saved weights, and its checkpoints
+    load, sample and download there, by the store's own links. (A directory both nodes share: the test above.)"""
     two_node_cluster, worker = two_node_cluster
-    s3 = S3Server() if kind == "s3" else None
-    storage = s3.uri("lilo") if s3 else str(tmp_path / "shared")
+    s3 = S3Server()
+    storage = s3.uri("lilo")
     home, (port, dashboard_port) = short_home(), free_ports(2)
     started = lilo("up", "--detach", "--address", two_node_cluster.address, "--home", str(home), "--port",
                    str(port), "--dashboard-port", str(dashboard_port), "--trainers", "2", "--base-model", TINY,
@@ -172,14 +189,13 @@ def test_what_a_trainer_saved_to_the_storage_outlives_its_node(two_node_cluster,
             leaving = next(client for client in clients if nodes[client.model_id] == worker.node_id)
             saved = leaving.save_state("kept").result(timeout=120).path
             for_sampler = leaving.save_weights_for_sampler("kept").result(timeout=120).path
-            expected = leaving.forward([probe], "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"]
+            expected = logprobs(leaving, probe)
             prompt = tinker.ModelInput.from_ints(probe.model_input.to_ints()[:8])
             greedy = tinker.SamplingParams(max_tokens=6, temperature=0.0)
             sampled = service.create_sampling_client(model_path=for_sampler).result(timeout=120).sample(
                 prompt, 1, greedy).result(timeout=120).sequences[0].tokens
 
-            if s3:
-                s3_away_while_saving(s3, leaving)
+            s3_away_while_saving(s3, leaving)
             listed = service.create_rest_client().list_checkpoints(leaving.model_id).result(timeout=120)
             assert sorted(checkpoint.checkpoint_id for checkpoint in listed.checkpoints) == [
                 "sampler_weights/kept", "weights/kept"]
@@ -188,24 +204,22 @@ def test_what_a_trainer_saved_to_the_storage_outlives_its_node(two_node_cluster,
             shutil.rmtree(home / "nodes" / worker.node_id[:16])  # what the node kept of its own is gone too
             # The model comes back on the other node from its checkpoint in the store (the SDK retries the 503s
             # while it is being restored; a request sent before Ray saw the node go fails, as one in flight does).
-            restored = forward_once_restored(leaving, probe)
+            restored = after_node_loss(lambda: logprobs(leaving, probe))
             np.testing.assert_allclose(restored.tolist(), expected.tolist(), atol=1e-5)
-            loaded = service.create_training_client_from_state(saved).result(timeout=120)
-            again = loaded.forward([probe], "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"]
-            np.testing.assert_allclose(again.tolist(), expected.tolist(), atol=1e-5)
-            assert service.create_sampling_client(model_path=for_sampler).result(timeout=120).sample(
-                prompt, 1, greedy).result(timeout=120).sequences[0].tokens == sampled
-            downloaded = cli_json(api, "checkpoint", "download", saved, "--output", str(tmp_path), "--force")
+            loaded = after_node_loss(lambda: service.create_training_client_from_state(saved).result(timeout=120))
+            np.testing.assert_allclose(after_node_loss(lambda: logprobs(loaded, probe)).tolist(), expected.tolist(),
+                                       atol=1e-5)
+            assert after_node_loss(lambda: service.create_sampling_client(model_path=for_sampler).result(
+                timeout=120).sample(prompt, 1, greedy).result(timeout=120).sequences[0].tokens) == sampled
+            # Downloaded by the real CLI through the store's own signed URLs: the bytes never pass through lilo.
+            external = after_node_loss(lambda: loaded.save_weights_external("ext").result(timeout=120).path)
+            urls = service.create_rest_client().get_external_weights_urls(external).result(timeout=120).urls
+            assert urls and all(url.startswith(f"http://127.0.0.1:{s3.port}/{s3.bucket}/") for url in urls.values())
+            downloaded = cli_json(api, "checkpoint", "download", external, "--output", str(tmp_path), "--force")
             assert sorted(path.name for path in Path(downloaded["destination"]).iterdir()) == [
                 "adapter_config.json", "adapter_model.safetensors"]
-            # The download links are the store's own signed URLs: the bytes never pass through lilo.
-            external = loaded.save_weights_external("ext").result(timeout=120).path
-            urls = service.create_rest_client().get_external_weights_urls(external).result(timeout=120).urls
-            store = f"http://127.0.0.1:{s3.port}/{s3.bucket}/" if s3 else f"http://127.0.0.1:{port}/api/v1/downloads/"
-            assert urls and all(url.startswith(store) for url in urls.values())
     finally:
         stopped = lilo("down", "--home", str(home))
-        if s3:
-            s3.stop()
+        s3.stop()
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         shutil.rmtree(home, ignore_errors=True)
