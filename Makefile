@@ -66,7 +66,7 @@ test: $(INSTALLED) $(VLLM_INSTALLED) browser postgres
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest
 
-# The library's tests alone: no Ray, no cluster, under a minute.
+# The library's tests alone: no Ray, no cluster, about three minutes.
 test-fast: $(INSTALLED) postgres
 	$(VENV)/bin/python -m pytest tests/lilo
 

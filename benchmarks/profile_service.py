@@ -2,9 +2,12 @@
 ingress replica, the futures DB actor, the trainer, Serve's proxy) and the client itself while the client steps
 its adapter (forward_backward + optim_step of ``--rows`` x ``--seq`` tokens) for ``--seconds``.
 
-Prints, per part, its CPU cores (``cpu_split``) and the functions holding most of its samples (self time, and the
-deepest frames of lilo's own code, libraries below them included), then one JSON line:
-{"bench": "profile_service", "step_p50_ms": .., "ops_per_s": .., "cpu_cores": {...},
+Prints, per part, its CPU cores (``cpu_split``; ``cpu_ms_per_op``: CPU ms a part spends per operation;
+``cpu_cores_idle``: 5 s before the client starts, what the cluster burns by itself) and the functions holding most
+of its samples (self time, and the deepest frames of lilo's own code, libraries below them included), then one
+JSON line:
+{"bench": "profile_service", "step_p50_ms": .., "ops_per_s": .., "cpu_cores": {...}, "cpu_ms_per_op": {...},
+ "cpu_cores_idle": {...},
  "top": {part: {"self": [[function, share], ...], "ours": [...]}}}.
 Needs py-spy (``pip install py-spy``) and permission to read other processes (root, or ptrace).
 """
@@ -15,7 +18,10 @@ import argparse
 import collections
 import json
 import os
+import re
+import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -47,7 +53,8 @@ def cluster_pids(home: Path) -> dict[str, int]:
     return {part: pid for part, (_, pid) in found.items()}
 
 
-OURS = ("/lilo/", "/serve/", "/cluster/")
+# A frame of lilo's own code: py-spy writes "function (path:line)", the path relative to its sys.path entry.
+OURS = re.compile(r"\((lilo|serve|cluster)/")
 
 
 def summarize(raw: Path, top: int) -> dict[str, list[tuple[str, float]]]:
@@ -63,11 +70,20 @@ def summarize(raw: Path, top: int) -> dict[str, list[tuple[str, float]]]:
             continue
         frames = stack.split(";")
         own[frames[-1]] += int(count)
-        mine = [frame for frame in frames if any(part in frame for part in OURS)]
+        mine = [frame for frame in frames if OURS.search(frame)]
         ours[mine[-1] if mine else "(outside lilo's code)"] += int(count)
         total += int(count)
     return {name: [(function, round(count / max(total, 1), 3)) for function, count in counter.most_common(top)]
             for name, counter in (("self", own), ("ours", ours))}
+
+
+def py_spy() -> str:
+    """py-spy's command: beside this Python (a virtual environment's), else on the PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("py-spy is not installed: pip install py-spy")
+    return found
 
 
 def step_loop(base_url: str, seconds: float, rows: int, seq: int, steps: list[float]) -> None:
@@ -112,12 +128,17 @@ def main() -> None:
         base_url = f"http://127.0.0.1:{args.port}"
         pids = cluster_pids(home)
         steps: list[float] = []
-        client = threading.Thread(target=step_loop, args=(base_url, args.seconds + 4, args.rows, args.seq, steps))
+        client = threading.Thread(target=step_loop, args=(base_url, args.seconds + 4, args.rows, args.seq, steps),
+                                  daemon=True)
+        idle = CpuSplit(home)
+        idle.start()
+        time.sleep(5)  # the cluster with no client: what it burns by itself
+        idle_cores = idle.cores()
         client.start()
-        time.sleep(3)  # past the warm-up
+        time.sleep(3)  # past the client's warm-up
         cpu = CpuSplit(home)
         cpu.start()
-        spies = {part: subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
+        spies = {part: subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
                                          "--rate", str(args.rate), "--format", "raw", "--nonblocking",
                                          "--output", str(out / f"{part}.txt")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -134,9 +155,11 @@ def main() -> None:
             for function, share in functions:
                 print(f"    {share:6.1%}  {function}")
     measured = steps[len(steps) // 10:]
+    ops_per_s = 2 * len(measured) / sum(measured)
+    cpu_ms_per_op = {part: round(used * 1e3 / ops_per_s, 1) for part, used in cores.items()}
     print(json.dumps({"bench": "profile_service", "step_p50_ms": round(float(np.median(measured)) * 1e3, 1),
-                      "ops_per_s": round(2 * len(measured) / sum(measured), 1), "cpu_cores": cores, "top": top,
-                      "profiles": str(out)}))
+                      "ops_per_s": round(ops_per_s, 1), "cpu_cores": cores, "cpu_ms_per_op": cpu_ms_per_op,
+                      "cpu_cores_idle": idle_cores, "top": top, "profiles": str(out)}))
 
 
 if __name__ == "__main__":
