@@ -29,10 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_service import client_loop
 from cpu_split import CpuSplit, part_of
 from private_cluster import private_cluster
 
 API_KEY = "tml-bench-profile"
+VOCAB = 1000  # the tiny Llama's
 PARTS = ("ingress", "futures", "trainer", "proxy", "clients")
 
 
@@ -86,31 +88,6 @@ def py_spy() -> str:
     return found
 
 
-def step_loop(base_url: str, seconds: float, rows: int, seq: int, steps: list[float]) -> None:
-    import tinker
-    from tinker import types
-
-    service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
-    training = service.create_lora_training_client(base_model="lilo/tiny-llama", rank=8).result()
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 1000, (rows, seq + 1))
-    data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
-                        loss_fn_inputs={"target_tokens": row[1:].tolist(), "weights": [1.0] * seq}) for row in tokens]
-    adam = types.AdamParams(learning_rate=1e-4)
-    for _ in range(3):  # warm-up
-        training.forward_backward(data, "cross_entropy").result()
-        training.optim_step(adam).result()
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        started = time.perf_counter()
-        backward = training.forward_backward(data, "cross_entropy")
-        optim = training.optim_step(adam)
-        backward.result()
-        optim.result()
-        steps.append(time.perf_counter() - started)
-    service.close("success").result()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -122,20 +99,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="keep the raw profiles here")
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
+    import tinker
+
     out = args.out or Path(tempfile.mkdtemp(prefix="lilo-profile-"))
     out.mkdir(parents=True, exist_ok=True)
     with private_cluster("lilo/tiny-llama", args.port) as home:
         base_url = f"http://127.0.0.1:{args.port}"
         pids = cluster_pids(home)
-        steps: list[float] = []
-        client = threading.Thread(target=step_loop, args=(base_url, args.seconds + 4, args.rows, args.seq, steps),
-                                  daemon=True)
+        service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
+        ready, go, stop, stepped = threading.Barrier(2), threading.Event(), threading.Event(), {}
+        client = threading.Thread(target=client_loop, daemon=True, args=(
+            service, "lilo/tiny-llama", args.rows, args.seq, VOCAB, ready, go, stop, stepped))
         idle = CpuSplit(home)
         idle.start()
         time.sleep(5)  # the cluster with no client: what it burns by itself
         idle_cores = idle.cores()
         client.start()
-        time.sleep(3)  # past the client's warm-up
+        ready.wait(timeout=600)  # its model made and warmed up
+        go.set()
         cpu = CpuSplit(home)
         cpu.start()
         spies = {part: subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
@@ -146,7 +127,10 @@ def main() -> None:
         for spy in spies.values():
             spy.wait()
         cores = cpu.cores()
-        client.join()
+        stop.set()
+        client.join(timeout=120)
+        service.close("success").result()
+    steps = stepped["steps"]
     top = {part: summarize(out / f"{part}.txt", args.top) for part in pids if (out / f"{part}.txt").exists()}
     for part, summaries in top.items():
         print(f"{part} ({cores.get(part, 0.0)} cores):")
