@@ -38,15 +38,17 @@ def families_service():
 
 
 def trained(client: tinker.ServiceClient, family: str) -> tinker.TrainingClient:
-    training = client.create_lora_training_client(base_model=family, rank=4, train_unembed=True).result(
+    # Seeded, and at a learning rate every tiny family descends at: unseeded at 2e-2, tiny-olmo3's third step
+    # overshot now and then (103.5, 98.1, 104.2), failing a CI run.
+    training = client.create_lora_training_client(base_model=family, rank=4, train_unembed=True, seed=0).result(
         timeout=TIMEOUT_S)
     tokens = np.random.default_rng(7).integers(3, 1000, 16).tolist()
     losses = []
     for _ in range(3):
         losses.append(training.forward_backward([tokens_datum(tokens)], "cross_entropy").result(timeout=TIMEOUT_S)
                       .metrics["loss:sum"])
-        training.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=TIMEOUT_S)
-    assert losses[-1] < losses[0], (family, losses)
+        training.optim_step(types.AdamParams(learning_rate=5e-3)).result(timeout=TIMEOUT_S)
+    assert losses[-1] < losses[1] < losses[0], (family, losses)
     return training
 
 
