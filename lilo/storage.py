@@ -10,10 +10,11 @@ deletions remove it first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
@@ -101,11 +102,6 @@ class Storage:
         return {Path(info.path).name: info for info in self._listing(relative, recursive=False)
                 if info.type == pafs.FileType.File}
 
-    def directories(self, relative: str) -> list[str]:
-        """The names of the directories directly in ``relative`` (empty when there is none)."""
-        return sorted(Path(info.path).name for info in self._listing(relative, recursive=False)
-                      if info.type == pafs.FileType.Directory)
-
     def tree(self, relative: str) -> dict[str, pafs.FileInfo]:
         """Every plain file under the directory ``relative``, by its path below it (empty when there is none)."""
         prefix = len(self._key(relative)) + 1
@@ -116,12 +112,6 @@ class Storage:
         with _storage_errors(self, "list", relative):
             return self.fs.get_file_info(pafs.FileSelector(self._key(relative), recursive=recursive,
                                                            allow_not_found=True))
-
-    def info(self, relative: str) -> pafs.FileInfo | None:
-        """The file ``relative``'s size and time, or None when there is no such file."""
-        with _storage_errors(self, "read", relative):
-            found = self.fs.get_file_info(self._key(relative))
-        return found if found.type == pafs.FileType.File else None
 
     def read(self, relative: str, offset: int = 0, length: int | None = None) -> bytes:
         """Up to ``length`` bytes of the file ``relative`` from ``offset`` (all of it by default);
@@ -202,11 +192,10 @@ class Storage:
 
     def copy_tree(self, source: str, destination: str, marker: str) -> None:
         """The files of ``source`` to ``destination`` within this storage, ``marker`` last."""
-        names = sorted(self.files(source))
         with _storage_errors(self, "copy", destination):
             if self.is_local:
                 self.local_path(destination).mkdir(parents=True, exist_ok=True)
-            for name in sorted(names, key=lambda name: name == marker):
+            for name in sorted(self.files(source), key=lambda name: (name == marker, name)):
                 self.fs.copy_file(self._key(f"{source}/{name}"), self._key(f"{destination}/{name}"))
 
     def delete(self, relative: str) -> None:
@@ -229,21 +218,17 @@ class Storage:
                 pass
 
 
-class _storage_errors:
-    """Turns the filesystem's errors (other than a missing file) into a StorageError naming the storage and what
-    was being done."""
-
-    def __init__(self, storage: Storage, doing: str, relative: str) -> None:
-        self.storage, self.doing, self.relative = storage, doing, relative
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, error: BaseException | None, _trace: object) -> bool:
-        if error is None or isinstance(error, (FileNotFoundError, StorageError)) or not isinstance(error, OSError):
-            return False
-        raise StorageError(f"Could not {self.doing} {self.relative!r} in the storage {redacted(self.storage.uri)} "
-                           f"({error}); check that it is reachable and that lilo's credentials may use it.") from error
+@contextlib.contextmanager
+def _storage_errors(storage: Storage, doing: str, relative: str) -> Iterator[None]:
+    """The filesystem's errors (other than a missing file) as a StorageError naming the storage and what was being
+    done."""
+    try:
+        yield
+    except (FileNotFoundError, StorageError):
+        raise
+    except OSError as error:
+        raise StorageError(f"Could not {doing} {relative!r} in the storage {redacted(storage.uri)} ({error}); check "
+                           "that it is reachable and that lilo's credentials may use it.") from error
 
 
 def _s3_signer(uri: str) -> Any:

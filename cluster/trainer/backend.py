@@ -54,10 +54,11 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
     node_id = ray.get_runtime_context().get_node_id()
     page_dir = config.node_directory(config.page_dir, node_id) / name if config.page_dir and not follower else None
     checkpoint_dir = config.node_directory(config.checkpoint_dir, node_id) if config.checkpoint_dir else None
+    storage = Storage(config.storage) if config.storage else None
     backend = TorchBackend(model, max_adapters=config.max_adapters, max_rank=config.max_rank,
                            sampler_slots=config.sampler_slots, checkpoint_dir=checkpoint_dir,
-                           storage=Storage(config.storage).child(CHECKPOINTS) if config.storage else None,
-                           page_storage=Storage(config.storage).child(PAGES) if config.storage else None,
+                           storage=storage and storage.child(CHECKPOINTS),
+                           page_storage=storage and storage.child(PAGES),
                            base_model_name=base_model, decode=load_decoder(directory),
                            host_adapter_bytes=0 if follower else host_adapter_bytes(config.host_adapter_mb),
                            disk_adapter_bytes=0 if follower else int(config.disk_adapter_gb * 2**30),

@@ -1,6 +1,7 @@
 """A trainer's checkpoints: kept in their storage, read and written through this node's copies.
 
-A save writes its directory on this node's disk (``<home>/checkpoints``) on the persist lane, and, where the storage
+A save writes its directory on this node's disk (``<home>/checkpoints``; with ``--storage``,
+``<home>/nodes/<node>/checkpoints``) on the persist lane, and, where the storage
 is elsewhere (``--storage``: an object store or a mount every node has), stores it there in the same lane, its
 marker last: a checkpoint is listed once it is whole in the storage, and an upload that fails fails the save with a
 message, leaving it unlisted. A load or a sample reads this node's copy, fetched from the storage first when this
@@ -101,7 +102,6 @@ class CheckpointShelf:
             return self.storage.read(f"{relative}/{VERSION_FILE}").decode() if VERSION_FILE in stored else None
         except FileNotFoundError:
             return None
-
 
     def forget(self, path: str) -> None:
         """Drop what this node knows of ``path`` (deleted from the storage): its next use asks the storage."""

@@ -21,6 +21,7 @@ from lilo.storage import Storage, StorageError
 
 logger = logging.getLogger(__name__)
 
+
 class PageMirror:
     """The page files under the local directory ``local`` (``<trainer>/<model>.page.safetensors``), mirrored to
     ``storage`` under the same relative paths."""
@@ -41,7 +42,7 @@ class PageMirror:
         self._queue.put(("delete", path.relative_to(self.local).as_posix()))
 
     def flush(self) -> None:
-        """Wait until every write and deletion so far is done in the storage (tests; a trainer stopping)."""
+        """Wait until every write and deletion so far is done in the storage."""
         done = threading.Event()
         self._queue.put(("flush", done))
         done.wait()
