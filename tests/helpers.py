@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import io
 import itertools
 import json
 import os
@@ -416,6 +417,42 @@ def weighted_datum(seed: int, length: int):
     tokens = rng.integers(0, 1000, length)
     return Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
                                                       "weights": rng.random(length).round(2).tolist()})
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    """A JPEG of ``width`` x ``height`` random pixels."""
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def image_datum(layout, seed: int, size: tuple[int, int] = (70, 100), before: int = 5, after: int = 6):
+    """A lilo Datum laid out as the cookbook's renderers lay an image out (text, vision start, the image's tokens,
+    vision end, text) for a base model of image ``layout``, its image positions' targets and weights zero."""
+    from lilo.backend.types import Datum, DatumImage
+
+    rng = np.random.default_rng(seed)
+    data = jpeg(*size, seed)
+    count = layout.token_count(*size)
+    tokens = [*rng.integers(0, 990, before), 996, *[layout.image_token_id] * count, 997, *rng.integers(0, 990, after)]
+    targets = np.roll(np.asarray(tokens), -1)
+    weights = rng.random(len(tokens)).round(2)
+    image = slice(before + 1, before + 1 + count)
+    targets[image], weights[image] = 0, 0.0
+    return Datum(tokens=tokens, loss_inputs={"target_tokens": targets.tolist(), "weights": weights.tolist()},
+                 images=(DatumImage(data, "jpeg", before + 1, count),))
+
+
+def text_datum(seed: int, length: int = 17):
+    """A lilo Datum of ``length`` random tokens below a tiny model's special ones, each weighted 1."""
+    from lilo.backend.types import Datum
+
+    tokens = np.random.default_rng(seed).integers(0, 990, length)
+    return Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
+                                                      "weights": [1.0] * length})
 
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

@@ -38,10 +38,7 @@ def build_backend(name: str, base_model: str, config: TrainerConfig, group: Rank
         from cluster.gpu_groups import assigned_gpu_ids, own_gpu_index
 
         device = torch.device("cuda", own_gpu_index(assigned_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
-    images = image_layout(directory)
-    if group is not None and images is not None:
-        raise ValueError(f"{base_model} takes images, and a trainer sharded over several ranks does not run a vision "
-                         "tower yet; serve it with one rank a trainer (--trainer-ranks 1).")
+    images = image_layout(directory)  # a sharded trainer's ranks each hold the whole (frozen) vision tower
     sharded = None
     if group is None:
         model = load_base_model(directory, device)

@@ -80,23 +80,36 @@ def load_base_model(source: str | Path, device: torch.device | str = "cpu",
     """``from_pretrained`` on a directory or hub id, onto ``device`` in ``dtype`` (default: the device's compute
     dtype; ``"auto"``: as stored); the weights are frozen. A vision-language checkpoint loads whole where its family
     takes images (``Family.images``), else as its language model (``language_model_of``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     device = torch.device(device)
     dtype = dtype or compute_dtype(device)
     config = AutoConfig.from_pretrained(str(source))
-    if family_of(config.model_type).images and hasattr(config, "vision_config"):
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_pretrained(str(source), dtype=dtype)
-    elif causal_lm_config(config) is config:
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    model_class, held_config = held_model(config)
+    if held_config is config:
+        model = model_class.from_pretrained(str(source), dtype=dtype)
     else:
         model = language_model_of(source, dtype)
     model = model.to(device)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model.eval()
+
+
+def takes_images(config: Any) -> bool:
+    """Whether lilo loads a checkpoint of ``config`` whole, vision tower and all: its family takes images."""
+    return family_of(config.model_type).images and hasattr(config, "vision_config")
+
+
+def held_model(config: Any) -> tuple[Any, Any]:
+    """The transformers auto class of the model lilo holds for a checkpoint of ``config``, and the config it is built
+    from: the whole image-text model where it takes images, else the causal language model (of ``text_config`` for a
+    vision-language checkpoint it loads only whole, whose language model lilo keeps: ``language_model_of``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if takes_images(config):
+        return AutoModelForImageTextToText, config
+    return AutoModelForCausalLM, causal_lm_config(config)
 
 
 def causal_lm_config(config: Any) -> Any:

@@ -2,7 +2,8 @@
 the real local cluster trains, saves and samples exactly as a trainer of one running padded passes: the same
 commands, coalesced, give both the same losses, weights and greedy tokens, within fp32 tolerance (the followers'
 gradients are summed into rank 0's, so the sum's order differs from one rank's accumulation: about 1e-6 relative
-here). The three models page through two slots on both."""
+here). The three models page through two slots on both. On a vision-language base (each rank holding the whole
+frozen vision tower) rows with images train beside text-only ones and a prompt with an image samples."""
 
 import json
 
@@ -14,11 +15,13 @@ from ray.exceptions import ActorAlreadyExistsError
 
 from cluster.trainer.actor import existing_rank_placement_group, remove_rank_placement_group, start_trainer
 from cluster.trainer.config import TrainerConfig, trainer_name
-from helpers import fresh_actor_index, stop_trainer
+from helpers import fresh_actor_index, image_datum, stop_trainer
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.checkpoints.state import read_state
+from lilo.backend.models import model_directory
 from lilo.backend.registry import DEFAULT_BASE_MODEL
 from lilo.backend.types import AdamParams, Datum, LoraSpec, SamplingRequest, SaveRequest, TrainInput
+from lilo.backend.vision import image_layout
 from lilo.engine.commands import Command, Kind
 
 SPECS = {"wide": LoraSpec(rank=8, seed=1), "attn": LoraSpec(rank=4, seed=2, train_mlp=False),
@@ -50,9 +53,10 @@ def _trainers(tmp_path_factory, base_model, ranks):
 
 # The tiny model, the tiny MoE one (its fused experts sharded with their layers), DeepSeek-V4 (its hash routing
 # reads the token ids beside the embeddings), and the demo's real one
-# (SmolLM2-135M: 30 layers, tied embeddings, 49k vocabulary).
+# (SmolLM2-135M: 30 layers, tied embeddings, 49k vocabulary),
+# and a vision-language one (tiny Qwen3-VL: its deepstack features join the sharded decoder's first layers).
 @pytest.fixture(scope="module", params=["lilo/tiny-llama", "lilo/tiny-qwen3-moe", "lilo/tiny-deepseek-v4",
-                                        DEFAULT_BASE_MODEL])
+                                        DEFAULT_BASE_MODEL, "lilo/tiny-qwen3-vl"])
 def pair(request, ray_driver, tmp_path_factory):
     started = []
     try:
@@ -78,9 +82,17 @@ def _save(actor, config, model, seq, name):
     return read_state(local_directory(config.checkpoint_dir, saved["path"])).tensors
 
 
-def _train(actor, config):
+def _rows(rng, k: int, step: int, layout) -> list[Datum]:
+    """The k-th model's rows of a step: 1 to 3 of text; on a base that takes images, the first model's hold an
+    image too (one rank may then run the vision tower while the other runs text alone)."""
+    rows = [_datum(rng, n) for n in (7, 19, 3)[:k + 1]]
+    return rows + [image_datum(layout, step, size=(40 + 8 * step, 56))] if layout and k == 0 else rows
+
+
+def _train(actor, config, layout):
     """Every model's steps, each step's forward_backwards sent together (so they coalesce): the losses by step,
-    each model's final weights and moments with their moves (less its first), and a greedy sample."""
+    each model's final weights and moments with their moves (less its first), and a greedy sample (of a prompt
+    with an image where the base takes images)."""
     for model, spec in SPECS.items():
         ray.get(actor.create_model.remote(model, spec))
     first = {model: _save(actor, config, model, 1, "first") for model in SPECS}
@@ -88,8 +100,7 @@ def _train(actor, config):
     losses = []
     for step in range(STEPS):
         passes = [actor.run.remote(Command(model, 2 * step + 2, Kind.FORWARD_BACKWARD, f"{model}:{step}:fb",
-                                           payload=TrainInput(data=[_datum(rng, n) for n in (7, 19, 3)[:k + 1]]),
-                                           tokens=64))
+                                           payload=TrainInput(data=_rows(rng, k, step, layout)), tokens=64))
                   for k, model in enumerate(SPECS)]
         losses.append([result["metrics"]["loss:sum"] for result in ray.get(passes)])
         ray.get([actor.run.remote(Command(model, 2 * step + 3, Kind.OPTIM_STEP, f"{model}:{step}:opt",
@@ -97,8 +108,10 @@ def _train(actor, config):
     final = {model: _save(actor, config, model, 2 * STEPS + 2, "final") for model in SPECS}
     moves = {model: {key: (tensor, tensor - first[model].get(key, torch.zeros_like(tensor)))
                      for key, tensor in final[model].items()} for model in SPECS}
+    prompt = image_datum(layout, 9, after=1) if layout else Datum(tokens=[1, 2, 3], loss_inputs={})
     greedy = ray.get(actor.run.remote(Command("wide", 2 * STEPS + 3, Kind.SAMPLE, "wide:sample",
-                                              payload=SamplingRequest(prompt=[1, 2, 3], max_tokens=8,
+                                              payload=SamplingRequest(prompt=list(prompt.tokens),
+                                                                      images=prompt.images, max_tokens=8,
                                                                       temperature=0.0))))
     return losses, moves, [s["tokens"] for s in greedy["sequences"]]
 
@@ -106,8 +119,9 @@ def _train(actor, config):
 def test_two_ranks_train_save_and_sample_as_one(pair):
     (one, one_config, one_info), (two, two_config, two_info) = pair
     assert (one_info["ranks"], two_info["ranks"]) == (1, 2)
-    losses_1, moves_1, greedy_1 = _train(one, one_config)
-    losses_2, moves_2, greedy_2 = _train(two, two_config)
+    layout = image_layout(model_directory(one_info["base_model"]))
+    losses_1, moves_1, greedy_1 = _train(one, one_config, layout)
+    losses_2, moves_2, greedy_2 = _train(two, two_config, layout)
     assert np.allclose(losses_2, losses_1, rtol=1e-5), (losses_1, losses_2)
     for model in SPECS:
         assert moves_2[model].keys() == moves_1[model].keys()

@@ -15,20 +15,13 @@ import tinker
 from PIL import Image
 from tinker import types
 
-from helpers import API_KEY, own_service, tiny_vl_with_tokenizer
+from helpers import API_KEY, jpeg, own_service, tiny_vl_with_tokenizer
 from lilo.backend.models import model_directory
 from lilo.backend.vision import image_layout
 
 VL, TEXT = "lilo/tiny-qwen3-vl", "lilo/tiny-llama"
 VISION_START, VISION_END = 996, 997
 TIMEOUT_S = 180
-
-
-def jpeg(width: int, height: int, seed: int) -> bytes:
-    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "JPEG")
-    return buffer.getvalue()
 
 
 def image_datum(seed: int, expected_tokens: int | None = None, size: tuple[int, int] = (70, 100),

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import backend_with, weighted_datum
+from helpers import backend_with, image_datum, text_datum, weighted_datum
 from lilo.backend.models import build_tiny, load_base_model
 from lilo.backend.provenance import PROMPT, SAMPLED, Provenance, RecordedSequence, Span
 from lilo.backend.training.loss_inputs import CONFIG_KEYS, NEEDS_PROVENANCE, with_recorded_inputs
@@ -141,8 +141,6 @@ def test_bins_hold_at_most_the_budget_longest_first_and_a_longer_sequence_alone(
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl"])
 def test_a_packed_pass_with_images_equals_the_padded_one(tmp_path, name):
-    from test_vision_training import image_datum, text_datum
-
     directory = build_tiny(tmp_path, name)
     layout = image_layout(directory)
     specs = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=8, seed=2, train_unembed=True)}

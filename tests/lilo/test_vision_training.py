@@ -3,14 +3,12 @@ vision tower has gated MLPs that must not be adapted): the image reaches the lan
 text-only rows of different adapters coalesced give each its own pass's loss and gradients, and the PEFT export
 loads in peft with the service's logprobs on an image datum."""
 
-import io
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from helpers import backend_with
+from helpers import backend_with, image_datum, jpeg, text_datum
 from lilo.backend.checkpoints.paths import local_directory
 from lilo.backend.models import build_tiny, load_base_model
 from lilo.backend.types import AdamParams, Datum, DatumImage, LoraSpec, SaveRequest, TrainInput
@@ -29,34 +27,6 @@ def directory(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def base(directory):
     return load_base_model(directory)
-
-
-def jpeg(width: int, height: int, seed: int) -> bytes:
-    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "JPEG")
-    return buffer.getvalue()
-
-
-def image_datum(layout, seed: int, size: tuple[int, int] = (70, 100), before: int = 5, after: int = 6) -> Datum:
-    """Text, vision start, the image's tokens, vision end, text: as the cookbook's renderers lay an image out, its
-    positions' targets and weights zero."""
-    rng = np.random.default_rng(seed)
-    data = jpeg(*size, seed)
-    count = layout.token_count(*size)
-    tokens = [*rng.integers(0, 990, before), 996, *[layout.image_token_id] * count, 997, *rng.integers(0, 990, after)]
-    targets = np.roll(np.asarray(tokens), -1)
-    weights = rng.random(len(tokens)).round(2)
-    image = slice(before + 1, before + 1 + count)
-    targets[image], weights[image] = 0, 0.0
-    return Datum(tokens=tokens, loss_inputs={"target_tokens": targets.tolist(), "weights": weights.tolist()},
-                 images=(DatumImage(data, "jpeg", before + 1, count),))
-
-
-def text_datum(seed: int, length: int = 17) -> Datum:
-    tokens = np.random.default_rng(seed).integers(0, 990, length)
-    return Datum(tokens=tokens.tolist(), loss_inputs={"target_tokens": np.roll(tokens, -1).tolist(),
-                                                      "weights": [1.0] * length})
 
 
 def fb(model_id: str, seq: int, data, forward_only: bool = False) -> Command:

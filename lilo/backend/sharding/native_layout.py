@@ -43,12 +43,13 @@ def stored_tensor_names(directory: Path) -> set[str]:
 
 def model_tensor_names(directory: Path) -> set[str]:
     """The names of the tensors the model of ``directory``'s config holds (built on the meta device: no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from lilo.backend.models import causal_lm_config
+    from lilo.backend.models import held_model
 
+    model_class, config = held_model(AutoConfig.from_pretrained(directory))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(causal_lm_config(AutoConfig.from_pretrained(directory)))
+        model = model_class.from_config(config)
     return set(model.state_dict())
 
 
