@@ -97,6 +97,10 @@ def _qwen_vl_images(patch: int) -> dict[str, Any]:
 _VL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=2048, bos_token_id=1,
                 eos_token_id=2)
+_DEEPSEEK_V3 = dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64, num_key_value_heads=4, n_routed_experts=8,
+                    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # The four vision tokens at the top of the tiny vocabulary (a test's tokenizer adds them there).
 _VL_TOKENS = dict(vision_start_token_id=996, vision_end_token_id=997, image_token_id=998, video_token_id=999)
 
@@ -121,16 +125,10 @@ FAMILIES: tuple[Family, ...] = (
         Tiny("tiny-gpt-oss", "GptOss", dict(_SHAPE, intermediate_size=64, num_key_value_heads=2, head_dim=32,
                                             num_local_experts=8, num_experts_per_tok=2, sliding_window=64),
              "gpt_oss", "GPT-OSS (8 experts, 2 a token; biases, transposed experts)"),)),
-    # Kimi K2, K2.5 and K2.6's language model is this architecture (model_type deepseek_v3); a K2.5 / K2.6 checkpoint
-    # (kimi_k25, vision-language) loads as it (lilo.backend.models.language_model_of).
+    # Kimi K2's language model is this architecture (model_type deepseek_v3), as is K2.5 and K2.6's (below).
     Family("DeepSeek-V3", ("deepseek_v3", "glm4_moe"), MLA + GQA, GATED_MLP + EXPERTS, ROUTER, packs=True, tiny=(
-        Tiny("tiny-deepseek-v3", "DeepseekV3", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
-                                                    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                                                    n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
-                                                    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-                                                    v_head_dim=16, n_group=2, topk_group=1,
-                                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-             "deepseek_v3", "DeepSeek-V3 (multi-head latent attention; 8 routed experts and a shared one)"),
+        Tiny("tiny-deepseek-v3", "DeepseekV3", _DEEPSEEK_V3, "deepseek_v3",
+             "DeepSeek-V3 (multi-head latent attention; 8 routed experts and a shared one)"),
         Tiny("tiny-glm4-moe", "Glm4Moe", dict(_SHAPE, intermediate_size=256, moe_intermediate_size=64,
                                               num_key_value_heads=2, head_dim=32, n_routed_experts=8,
                                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
@@ -232,6 +230,18 @@ FAMILIES: tuple[Family, ...] = (
                   **_VL_TOKENS),
              "qwen3_vl", "Qwen3-VL (a vision tower with deepstack features; 3-D rotary positions)",
              head="ForConditionalGeneration", image_processor=_qwen_vl_images(16)),)),
+    # Kimi K2.5 and K2.6 (kimi_k25): DeepSeek-V3's language model beside a MoonViT vision tower, 1-D positions.
+    Family("Kimi K2.5", ("kimi_k25",), MLA + GQA, GATED_MLP + EXPERTS, ROUTER, images=True, packs=True, tiny=(
+        Tiny("tiny-kimi-k2.5", "Kimi_K25",
+             dict(text_config=dict(_DEEPSEEK_V3, model_type="deepseek_v3"),
+                  vision_config=dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, patch_size=14, pos_emb_height=16, pos_emb_width=16),
+                  projection_hidden_size=32, tie_word_embeddings=False, **_VL_TOKENS),
+             "kimi_k25", "Kimi K2.5 / K2.6 (a MoonViT vision tower beside DeepSeek-V3's language model)",
+             head="ForConditionalGeneration",
+             image_processor=dict(image_processor_type="Kimi_K25ImageProcessor", patch_size=14, merge_size=2,
+                                  max_patches=256, size={"max_height": 32, "max_width": 32},
+                                  image_mean=[0.5] * 3, image_std=[0.5] * 3)),)),
     Family("Qwen2.5-VL", ("qwen2_5_vl", "qwen2_5_vl_text"), GQA, GATED_MLP, images=True, packs=True, tiny=(
         Tiny("tiny-qwen2.5-vl", "Qwen2_5_VL",
              dict(text_config=dict(_VL_TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -51,7 +51,10 @@ def build_tiny(directory: Path, name: str = "tiny-llama", seed: int = 0, **confi
             vocab, top_k = module.tid2eid.shape
             module.tid2eid.copy_(torch.rand(vocab, module.num_experts).argsort(-1)[:, :top_k])
     model.save_pretrained(directory)
-    if tiny.image_processor is not None:
+    if tiny.image_processor is not None and "image_processor_type" in tiny.image_processor:
+        # Written as is: Kimi's processor class needs torchvision, which lilo's environment does not hold.
+        (directory / "preprocessor_config.json").write_text(json.dumps(tiny.image_processor, indent=1))
+    elif tiny.image_processor is not None:
         transformers.Qwen2VLImageProcessorPil(**tiny.image_processor).save_pretrained(directory)
     return directory
 
@@ -124,10 +127,11 @@ def causal_lm_config(config: Any) -> Any:
 
 
 def language_model_of(source: str | Path, dtype: torch.dtype | str) -> nn.Module:
-    """The causal language model inside a vision-language checkpoint that transformers loads only whole (Kimi K2.5
-    and K2.6: ``kimi_k25``, its language model DeepSeek-V3's): loaded whole, as transformers converts its weights,
-    then its language model and output head moved into the text model's own causal-LM class; the vision tower is
-    dropped. Its logits on text are the whole model's."""
+    """The causal language model inside a vision-language checkpoint that transformers loads only whole, of a family
+    lilo takes no images for (a LLaVA-like one it does not list; Kimi K2.5's shape, its language model
+    DeepSeek-V3's): loaded whole, as transformers converts its weights, then its language model and output head
+    moved into the text model's own causal-LM class; the vision tower is dropped. Its logits on text are the whole
+    model's."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     whole = AutoModelForImageTextToText.from_pretrained(str(source), dtype=dtype)

@@ -168,10 +168,13 @@ def generate(model: torch.nn.Module, route: Callable[[Sequence[int] | None], Non
             keep = logits_to_keep(requests)
             prompt_images = [image for row in rows for image in row.settings.images]
             if prompt_images and images is not None:
-                inputs = multimodal_inputs(model.model, images, ids, mask, prompt_images)
+                inputs = multimodal_inputs(model.model, images, ids, mask, prompt_images, positions=positions)
                 out = model(**inputs, attention_mask=mask, use_cache=True, logits_to_keep=keep)
-                # Multimodal rotary positions (3 axes): each row's next token one past its furthest position.
-                positions = inputs["position_ids"].amax(dim=(0, 2)).view(1, -1, 1).expand(3, -1, 1)
+                if inputs["position_ids"].dim() == 3:
+                    # Multimodal rotary positions (3 axes): each row's next token one past its furthest position.
+                    positions = inputs["position_ids"].amax(dim=(0, 2)).view(1, -1, 1).expand(3, -1, 1)
+                else:
+                    positions = positions[:, -1:]
             else:
                 out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                             logits_to_keep=keep)

@@ -502,7 +502,7 @@ class TorchBackend:
         with packing.packed_attention(self.decoder, family.recurrent, family.packed_mask):
             if images:
                 hidden = self._multimodal_hidden(input_ids, None, images, segments,
-                                                 [len(row.datum.images) for row in batch])
+                                                 [len(row.datum.images) for row in batch], positions.to(self.device))
             else:
                 hidden = self.decoder(input_ids=input_ids, position_ids=positions.to(self.device), use_cache=False,
                                       **{packing.SEGMENTS: segments}).last_hidden_state
@@ -510,15 +510,16 @@ class TorchBackend:
 
     def _multimodal_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                            images: Sequence[DatumImage], segments: Sequence[tuple[int, int]] | None = None,
-                           images_per_row: Sequence[int] = ()) -> torch.Tensor:
+                           images_per_row: Sequence[int] = (), positions: torch.Tensor | None = None,
+                           ) -> torch.Tensor:
         """The last hidden states of a pass whose rows hold ``images`` (in row order): through the multimodal model,
         the image features (the frozen vision tower's, no gradient) in place of their tokens' embeddings, positions
-        from the model's own multimodal rotary index. With ``segments``, one packed row of them (each holding
-        ``images_per_row`` of the images)."""
+        from the model's own multimodal rotary index where it has one, else ``positions`` (the text pass's). With
+        ``segments``, one packed row of them (each holding ``images_per_row`` of the images)."""
         if self.multimodal is None:  # it has no image layout
             raise InvalidRequestError(f"Base model {self.base_model_name!r} takes no images; send text only.")
         inputs = multimodal_inputs(self.multimodal, self.images, input_ids, attention_mask, images, segments,
-                                   images_per_row)
+                                   images_per_row, positions)
         packed = {packing.SEGMENTS: segments} if segments is not None else {}
         return self.multimodal(**inputs, attention_mask=attention_mask, use_cache=False, **packed).last_hidden_state
 

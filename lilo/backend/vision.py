@@ -59,35 +59,19 @@ def checked_image(data: bytes, format: str, where: str) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class ImageLayout:
-    """How a vision-language base model takes images: its image token, and its image processor's patches (Qwen-VL's:
-    ``patch_size`` pixels a side, ``merge_size`` x ``merge_size`` of them a token, the image first resized to a
-    multiple of both within ``min_pixels`` and ``max_pixels``). Plain numbers, so the ingress counts tokens without
-    transformers; ``pixel_inputs`` (the trainer's) runs the model's own processor from ``directory``."""
+    """How a vision-language base model takes images: its image token, and its image processor's patches
+    (``patch_size`` pixels a side, ``merge_size`` x ``merge_size`` of them a token) of the image as its processor
+    resizes it (``resized``: a subclass's). Plain numbers, so the ingress counts tokens without transformers;
+    ``pixel_inputs`` (the trainer's) makes the vision tower's input."""
 
     image_token_id: int
     patch_size: int
     merge_size: int
-    min_pixels: int
-    max_pixels: int
     directory: str
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
-        """(width, height) after the processor's resize: each side a multiple of patch x merge, the area within the
-        pixel bounds, the aspect ratio kept as near as that allows."""
-        factor = self.patch_size * self.merge_size
-        if max(width, height) > 200 * min(width, height):
-            raise InvalidRequestError(f"An image of {width} x {height} is too narrow; its sides may differ by 200 "
-                                      "times at most.")
-        side_w, side_h = round(width / factor) * factor, round(height / factor) * factor
-        if side_w * side_h > self.max_pixels:
-            scale = math.sqrt(width * height / self.max_pixels)
-            side_w = max(factor, math.floor(width / scale / factor) * factor)
-            side_h = max(factor, math.floor(height / scale / factor) * factor)
-        elif side_w * side_h < self.min_pixels:
-            scale = math.sqrt(self.min_pixels / (width * height))
-            side_w = math.ceil(width * scale / factor) * factor
-            side_h = math.ceil(height * scale / factor) * factor
-        return side_w, side_h
+        """(width, height) of the image as the vision tower sees it: each side a multiple of patch x merge."""
+        raise NotImplementedError
 
     def token_count(self, width: int, height: int) -> int:
         """The positions an image of ``width`` x ``height`` fills: one per merge x merge patches after the resize."""
@@ -119,10 +103,91 @@ class ImageLayout:
 
     def pixel_inputs(self, images: Sequence[DatumImage]) -> dict[str, Any]:
         """The vision tower's input for ``images``, in order: ``pixel_values`` and ``image_grid_thw``."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenImages(ImageLayout):
+    """Qwen-VL's images (Qwen2.5-VL, Qwen3-VL, Qwen3.5): resized to a multiple of patch x merge within
+    ``min_pixels`` and ``max_pixels``; the pixels from the model's own processor in ``directory``."""
+
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """Each side a multiple of patch x merge, the area within the pixel bounds, the aspect ratio kept as near as
+        that allows."""
+        factor = self.patch_size * self.merge_size
+        if max(width, height) > 200 * min(width, height):
+            raise InvalidRequestError(f"An image of {width} x {height} is too narrow; its sides may differ by 200 "
+                                      "times at most.")
+        side_w, side_h = round(width / factor) * factor, round(height / factor) * factor
+        if side_w * side_h > self.max_pixels:
+            scale = math.sqrt(width * height / self.max_pixels)
+            side_w = max(factor, math.floor(width / scale / factor) * factor)
+            side_h = max(factor, math.floor(height / scale / factor) * factor)
+        elif side_w * side_h < self.min_pixels:
+            scale = math.sqrt(self.min_pixels / (width * height))
+            side_w = math.ceil(width * scale / factor) * factor
+            side_h = math.ceil(height * scale / factor) * factor
+        return side_w, side_h
+
+    def pixel_inputs(self, images: Sequence[DatumImage]) -> dict[str, Any]:
+        return dict(_processor(self.directory)(images=_decoded(images), return_tensors="pt"))
+
+
+@dataclasses.dataclass(frozen=True)
+class NavitImages(ImageLayout):
+    """Kimi K2.5 / K2.6's images (MoonViT's NaViT layout): scaled down, never up, to at most ``max_patches`` patches
+    and ``max_side`` patches a side, then padded right and below to a multiple of patch x merge; normalized by
+    ``mean`` and ``std``. transformers' processor for it needs torchvision, whose wheels here are CUDA builds, so
+    lilo makes the pixels itself with PIL (bicubic, as it does)."""
+
+    max_patches: int = 16384
+    max_side: int = 512
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    def scaled(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) after the scale, before the padding."""
+        patch = self.patch_size
+        patches = max(1, height // patch) * max(1, width // patch)
+        scale = min(1.0, math.sqrt(self.max_patches / patches), self.max_side * patch / height,
+                    self.max_side * patch / width)
+        limit = self.max_side * patch
+        return min(max(1, int(width * scale)), limit), min(max(1, int(height * scale)), limit)
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        factor = self.patch_size * self.merge_size
+        return tuple(-(-side // factor) * factor for side in self.scaled(width, height))  # type: ignore[return-value]
+
+    def pixel_inputs(self, images: Sequence[DatumImage]) -> dict[str, Any]:
+        import numpy as np
+        import torch
         from PIL import Image
 
-        decoded = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
-        return dict(_processor(self.directory)(images=decoded, return_tensors="pt"))
+        patch, patches, grids = self.patch_size, [], []
+        for image in _decoded(images):
+            scaled = self.scaled(*image.size)
+            if scaled != image.size:
+                image = image.resize(scaled, Image.Resampling.BICUBIC)
+            side_w, side_h = self.resized(*image.size)
+            pixels = np.zeros((side_h, side_w, 3), np.float32)  # the padding: black, as transformers pads
+            pixels[:image.height, :image.width] = np.asarray(image, np.float32) / 255.0
+            pixels = (pixels - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+            rows, columns = side_h // patch, side_w // patch
+            # Row-major patches, each channels x patch x patch.
+            patches.append(pixels.reshape(rows, patch, columns, patch, 3).transpose(0, 2, 4, 1, 3)
+                           .reshape(rows * columns, 3, patch, patch))
+            grids.append([1, rows, columns])
+        return {"pixel_values": torch.from_numpy(np.concatenate(patches)),
+                "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
+
+
+def _decoded(images: Sequence[DatumImage]) -> list[Any]:
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
 
 
 def image_layout(directory: Path) -> ImageLayout | None:
@@ -145,7 +210,7 @@ def image_layout_of(base_model: str) -> ImageLayout | None:
         return image_layout(directory)
     tiny = TINY.get(base_model.removeprefix(TINY_PREFIX))
     if base_model.startswith(TINY_PREFIX) and tiny is not None:
-        return _layout(dict(tiny.config), tiny.image_processor, "")
+        return _layout(dict(tiny.config, model_type=tiny.model_type), tiny.image_processor, "")
     from huggingface_hub import try_to_load_from_cache
 
     files = [try_to_load_from_cache(base_model, name) for name in ("config.json", "preprocessor_config.json")]
@@ -157,10 +222,22 @@ def image_layout_of(base_model: str) -> ImageLayout | None:
 def _layout(config: dict[str, Any], processor: dict[str, Any] | None, directory: str) -> ImageLayout | None:
     if "vision_config" not in config or "image_token_id" not in config or processor is None:
         return None
+    token = int(config["image_token_id"])
+    if config.get("model_type") == "kimi_k25":
+        # transformers' own keys, or those of the processor the hub's checkpoints ship as remote code.
+        media = processor.get("media_proc_cfg") or {}
+        size = processor.get("size") or {}
+        merge = processor.get("merge_size", media.get("merge_kernel_size", 2))
+        return NavitImages(token, int(processor.get("patch_size", media.get("patch_size", 14))),
+                           int(merge[0] if isinstance(merge, (list, tuple)) else merge), directory,
+                           max_patches=int(processor.get("max_patches", media.get("in_patch_limit", 16384))),
+                           max_side=int(size.get("max_height", media.get("patch_limit_on_one_side", 512))),
+                           mean=tuple(processor.get("image_mean", media.get("image_mean", (0.5,) * 3))),
+                           std=tuple(processor.get("image_std", media.get("image_std", (0.5,) * 3))))
     size = processor.get("size") or {}
-    return ImageLayout(int(config["image_token_id"]), int(processor["patch_size"]), int(processor["merge_size"]),
-                       int(size.get("shortest_edge", processor.get("min_pixels", 0))),
-                       int(size.get("longest_edge", processor.get("max_pixels", 0))), directory)
+    return QwenImages(token, int(processor["patch_size"]), int(processor["merge_size"]), directory,
+                      min_pixels=int(size.get("shortest_edge", processor.get("min_pixels", 0))),
+                      max_pixels=int(size.get("longest_edge", processor.get("max_pixels", 0))))
 
 
 @functools.lru_cache(maxsize=8)
@@ -173,29 +250,33 @@ def _processor(directory: str) -> Any:
 
 def multimodal_inputs(model: Any, layout: ImageLayout, input_ids: Any, attention_mask: Any,
                       images: Sequence[DatumImage], segments: Sequence[tuple[int, int]] | None = None,
-                      images_per_row: Sequence[int] = ()) -> dict[str, Any]:
-    """The keyword arguments of a multimodal model's forward (Qwen-VL's ``model.model``) for rows ``input_ids``
-    holding ``images`` in row order: the image features, computed once by the frozen vision tower without
-    gradients, and the positions of the model's own multimodal rotary index (without them Qwen2.5-VL falls back to
-    1-D positions, silently). With ``segments``, ``input_ids`` is one packed row of sequences (each holding
-    ``images_per_row`` of the images): each sequence's positions are its own, as if it were a row alone."""
+                      images_per_row: Sequence[int] = (), positions: Any = None) -> dict[str, Any]:
+    """The keyword arguments of a multimodal model's forward (``model.model``) for rows ``input_ids`` holding
+    ``images`` in row order: the image features, computed once by the frozen vision tower without gradients, and
+    the positions: ``positions`` (what a text pass of these rows takes) where the model's language model counts
+    positions as text does (Kimi K2.5), else those of the model's own multimodal rotary index (Qwen-VL's 3-D ones;
+    without them Qwen2.5-VL falls back to 1-D positions, silently). With ``segments``, ``input_ids`` is one packed
+    row of sequences (each holding ``images_per_row`` of the images): each sequence's positions are its own, as if
+    it were a row alone."""
     import torch
 
     device = input_ids.device
     pixels = layout.pixel_inputs(images)
     grid = pixels["image_grid_thw"].to(device)
-    kinds = (input_ids == layout.image_token_id).int()
-    if segments is None:
-        positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=grid,
-                                            attention_mask=attention_mask)
-    else:
-        firsts = [0, *itertools.accumulate(images_per_row)]
-        positions = torch.cat([
-            model.get_rope_index(input_ids[:, start:end], mm_token_type_ids=kinds[:, start:end],
-                                 image_grid_thw=grid[first:last] if last > first else None)[0]
-            for (start, end), first, last in zip(segments, firsts, firsts[1:])], dim=-1)
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
         features = model.get_image_features(pixels["pixel_values"].to(device, dtype), grid, return_dict=True)
-    return dict(input_ids=input_ids, position_ids=positions, mm_token_type_ids=kinds, image_grid_thw=grid,
-                mm_encoder_outputs={"image": features})
+    inputs = dict(input_ids=input_ids, image_grid_thw=grid, mm_encoder_outputs={"image": features})
+    if not hasattr(model, "get_rope_index"):
+        return dict(inputs, position_ids=positions)
+    kinds = (input_ids == layout.image_token_id).int()
+    if segments is None:
+        rotary, _ = model.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=grid,
+                                         attention_mask=attention_mask)
+    else:
+        firsts = [0, *itertools.accumulate(images_per_row)]
+        rotary = torch.cat([
+            model.get_rope_index(input_ids[:, start:end], mm_token_type_ids=kinds[:, start:end],
+                                 image_grid_thw=grid[first:last] if last > first else None)[0]
+            for (start, end), first, last in zip(segments, firsts, firsts[1:])], dim=-1)
+    return dict(inputs, position_ids=rotary, mm_token_type_ids=kinds)

@@ -1,4 +1,5 @@
-"""Images through the real SDK on a vision-language base model (lilo/tiny-qwen3-vl): image chunks train and score
+"""Images through the real SDK on vision-language base models (lilo/tiny-qwen3-vl; lilo/tiny-kimi-k2.5, Kimi K2.5 /
+K2.6's shape, where the image chunks train and sample too): image chunks train and score
 as the cookbook's renderers lay them out (vision start, the image, vision end; targets and weights zero at the
 image's positions), two adapters' image rows coalesce, and what lilo cannot take is refused with a sentence:
 images on a text-only base model, an expected_tokens that is not the image's count, a file that is not an image.
@@ -19,17 +20,17 @@ from helpers import API_KEY, jpeg, own_service, tiny_vl_with_tokenizer
 from lilo.backend.models import model_directory
 from lilo.backend.vision import image_layout
 
-VL, TEXT = "lilo/tiny-qwen3-vl", "lilo/tiny-llama"
+VL, KIMI, TEXT = "lilo/tiny-qwen3-vl", "lilo/tiny-kimi-k2.5", "lilo/tiny-llama"
 VISION_START, VISION_END = 996, 997
 TIMEOUT_S = 180
 
 
 def image_datum(seed: int, expected_tokens: int | None = None, size: tuple[int, int] = (70, 100),
-                data: bytes | None = None) -> types.Datum:
+                data: bytes | None = None, base_model: str = VL) -> types.Datum:
     """Text, vision start, an image, vision end, text; the image's positions neither targeted nor weighted."""
     rng = np.random.default_rng(seed)
     before, after = rng.integers(0, 990, 4).tolist(), rng.integers(0, 990, 5).tolist()
-    count = image_layout(model_directory(VL)).token_count(*size)
+    count = image_layout(model_directory(base_model)).token_count(*size)
     image = types.ImageChunk(data=data or jpeg(*size, seed), format="jpeg",
                              expected_tokens=count if expected_tokens is None else expected_tokens)
     model_input = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[*before, VISION_START]), image,
@@ -61,8 +62,9 @@ def image_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def running(chat_vl_directory, image_dir):
-    with own_service("--num-cpus", "5", "--trainers", "1", "--base-model", VL, "--base-model", TEXT,
-                     "--base-model", f"{CHAT_VL}={chat_vl_directory}", "--image-dir", str(image_dir)) as (url, _):
+    with own_service("--num-cpus", "6", "--trainers", "1", "--base-model", VL, "--base-model", KIMI,
+                     "--base-model", TEXT, "--base-model", f"{CHAT_VL}={chat_vl_directory}",
+                     "--image-dir", str(image_dir)) as (url, _):
         yield url
 
 
@@ -72,23 +74,26 @@ def service(running):
         yield client
 
 
-def test_image_rows_of_two_adapters_train_and_score(service):
+@pytest.mark.parametrize("base_model", [VL, KIMI])
+def test_image_rows_of_two_adapters_train_and_score(service, base_model):
     client = service
-    trainers = [client.create_lora_training_client(base_model=VL, rank=4, seed=seed).result(timeout=TIMEOUT_S)
-                for seed in (1, 2)]
+    trainers = [client.create_lora_training_client(base_model=base_model, rank=4, seed=seed).result(
+        timeout=TIMEOUT_S) for seed in (1, 2)]
     losses = {0: [], 1: []}
     for _ in range(4):
         # Both adapters' steps sent before either is waited on: they coalesce into one pass.
-        futures = [training.forward_backward([image_datum(n), image_datum(n + 10, size=(40, 64))], "cross_entropy")
+        futures = [training.forward_backward([image_datum(n, base_model=base_model),
+                                              image_datum(n + 10, size=(40, 64), base_model=base_model)],
+                                             "cross_entropy")
                    for n, training in enumerate(trainers)]
         for n, future in enumerate(futures):
             losses[n].append(future.result(timeout=TIMEOUT_S).metrics["loss:sum"])
         for training in trainers:
             training.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT_S)
     assert all(steps[-1] < steps[0] for steps in losses.values()), losses
-    scored = trainers[0].forward([image_datum(0)], "cross_entropy").result(timeout=TIMEOUT_S)
-    logprobs = scored.loss_fn_outputs[0]["logprobs"].tolist()
-    assert len(logprobs) == image_datum(0).model_input.length and np.isfinite(logprobs).all()
+    datum = image_datum(0, base_model=base_model)
+    logprobs = trainers[0].forward([datum], "cross_entropy").result(timeout=TIMEOUT_S).loss_fn_outputs[0]["logprobs"]
+    assert len(logprobs.tolist()) == datum.model_input.length and np.isfinite(logprobs.tolist()).all()
 
 
 def refusal(call) -> str:
@@ -116,17 +121,17 @@ def test_what_lilo_cannot_take_is_refused_saying_what_to_change(service):
     assert np.isfinite(result.metrics["loss:sum"])
 
 
-def laid_out(model_input: types.ModelInput) -> list[int]:
+def laid_out(model_input: types.ModelInput, base_model: str) -> list[int]:
     """The prompt's tokens as the server lays them out: each image as its count of the image token."""
-    image_token = image_layout(model_directory(VL)).image_token_id
+    image_token = image_layout(model_directory(base_model)).image_token_id
     return [token for chunk in model_input.chunks
             for token in (chunk.tokens if isinstance(chunk, types.EncodedTextChunk)
                           else [image_token] * chunk.expected_tokens)]
 
 
-def scored(training, model_input: types.ModelInput, continuation: list[int]) -> list[float]:
+def scored(training, model_input: types.ModelInput, continuation: list[int], base_model: str = VL) -> list[float]:
     """A training forward's logprob of each token after the first of the prompt and ``continuation``."""
-    tokens = laid_out(model_input) + continuation
+    tokens = laid_out(model_input, base_model) + continuation
     full = model_input.append(types.EncodedTextChunk(tokens=continuation[:-1])) if continuation else model_input
     targets = tokens[1:] + ([] if continuation else [0])
     datum = types.Datum(model_input=full, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)})
@@ -134,14 +139,15 @@ def scored(training, model_input: types.ModelInput, continuation: list[int]) -> 
         "logprobs"].tolist()
 
 
-def test_prompts_with_images_sample_and_score_as_training_does(service):
+@pytest.mark.parametrize("base_model", [VL, KIMI])
+def test_prompts_with_images_sample_and_score_as_training_does(service, base_model):
     client = service
-    training = client.create_lora_training_client(base_model=VL, rank=4, seed=3).result(timeout=TIMEOUT_S)
+    training = client.create_lora_training_client(base_model=base_model, rank=4, seed=3).result(timeout=TIMEOUT_S)
     for _ in range(2):
-        training.forward_backward([image_datum(7)], "cross_entropy").result(timeout=TIMEOUT_S)
+        training.forward_backward([image_datum(7, base_model=base_model)], "cross_entropy").result(timeout=TIMEOUT_S)
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=TIMEOUT_S)
     sampler = training.save_weights_and_get_sampling_client().result(timeout=TIMEOUT_S)
-    prompt = image_datum(8).model_input
+    prompt = image_datum(8, base_model=base_model).model_input
     chunks = list(prompt.chunks)
     # The docs' own example sends no expected_tokens: the server counts them.
     unsized = types.ModelInput(chunks=[chunks[0], types.ImageChunk(data=chunks[1].data, format="jpeg"), chunks[2]])
@@ -149,12 +155,13 @@ def test_prompts_with_images_sample_and_score_as_training_does(service):
         max_tokens=5, temperature=1.0, seed=2, stop=[])).result(timeout=TIMEOUT_S)
     (sequence,) = response.sequences
     length = prompt.length
-    np.testing.assert_allclose(sequence.logprobs, scored(training, prompt, sequence.tokens)[length - 1:], atol=1e-4)
+    np.testing.assert_allclose(sequence.logprobs, scored(training, prompt, sequence.tokens, base_model)[length - 1:],
+                               atol=1e-4)
     prompt_logprobs = sampler.compute_logprobs(prompt).result(timeout=TIMEOUT_S)
     assert len(prompt_logprobs) == length and prompt_logprobs[0] is None
     # Finite at the image's positions too (the cookbook's NLL evaluator sums them, weighted 0), and what training
     # gives them.
-    np.testing.assert_allclose(prompt_logprobs[1:], scored(training, prompt, [])[:length - 1], atol=1e-4)
+    np.testing.assert_allclose(prompt_logprobs[1:], scored(training, prompt, [], base_model)[:length - 1], atol=1e-4)
 
 
 def test_the_openai_chat_takes_an_image_as_a_data_url(running, chat_vl_directory):

@@ -119,18 +119,31 @@ def kimi_k25_checkpoint(directory):
     return directory, whole
 
 
-def test_a_kimi_k25_checkpoint_loads_its_language_model_and_trains_whole(tmp_path):
+def test_a_kimi_k25_checkpoint_loads_whole_and_trains_its_language_model(tmp_path):
     directory, whole = kimi_k25_checkpoint(tmp_path)
     model = load_base_model(directory)
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert type(model).__name__ == "Kimi_K25ForConditionalGeneration"
     tokens = torch.randint(0, 1000, (1, 12))
     with torch.no_grad():
         assert torch.allclose(model(input_ids=tokens).logits, whole(input_ids=tokens).logits, atol=1e-6)
     backend = TorchBackend(model, max_adapters=1, max_rank=4)
-    assert backend.uncovered == {"attn": [], "mlp": []} and backend.bank.family.name == "DeepSeek-V3"
+    assert backend.uncovered == {"attn": [], "mlp": []} and backend.bank.family.name == "Kimi K2.5"
+    assert backend.layers and not any("vision_tower" in path for path in backend.layers)
 
 
-def test_a_kimi_k25_checkpoint_is_written_for_sharded_ranks_as_its_language_model(tmp_path):
+def test_the_language_model_of_a_vision_language_checkpoint_answers_as_the_whole_on_text(tmp_path):
+    # How lilo loads a vision-language checkpoint of a family it takes no images for (one it does not list).
+    from lilo.backend.models import language_model_of
+
+    directory, whole = kimi_k25_checkpoint(tmp_path)
+    model = language_model_of(directory, torch.float32)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    tokens = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=tokens).logits, whole(input_ids=tokens).logits, atol=1e-6)
+
+
+def test_a_kimi_k25_checkpoint_is_written_for_sharded_ranks_in_the_models_own_layout(tmp_path):
     from lilo.backend.sharding.native_layout import converts_on_load, native_layout
 
     directory, whole = kimi_k25_checkpoint(tmp_path / "kimi")

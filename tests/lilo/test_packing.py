@@ -139,7 +139,7 @@ def test_bins_hold_at_most_the_budget_longest_first_and_a_longer_sequence_alone(
     assert len(bins) == 3
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl", "tiny-kimi-k2.5"])
 def test_a_packed_pass_with_images_equals_the_padded_one(tmp_path, name):
     directory = build_tiny(tmp_path, name)
     layout = image_layout(directory)

@@ -2,10 +2,13 @@
 image that is not a whole PNG or JPEG within the limits, or whose expected_tokens disagree, is refused saying what
 to change."""
 
+import ast
 import dataclasses
 import io
+import math
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +28,7 @@ def encoded(width: int, height: int, format: str = "jpeg", seed: int = 0) -> byt
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl", "tiny-kimi-k2.5"])
 def layout(request, tmp_path_factory):
     return image_layout(build_tiny(tmp_path_factory.mktemp(request.param), request.param))
 
@@ -49,6 +52,33 @@ def test_images_are_laid_out_as_the_models_image_token_and_a_wrong_count_is_refu
     with pytest.raises(InvalidRequestError, match=rf"expected_tokens is {count + 1}, but a 70 x 100 image is "
                                                   rf"{count} tokens"):
         layout.lay_out([5, 6, *[PENDING] * (count + 1), 7], [DatumImage(image, "jpeg", 2, count + 1)], "Datum 0")
+
+
+def navit_resize_of_transformers():
+    """transformers' own ``navit_resize`` (Kimi K2.5's image processor), taken from its source file: the module
+    imports torchvision, whose wheels here are CUDA builds that do not load beside the CPU torch."""
+    import transformers
+
+    source = Path(transformers.__file__).parent / "models" / "kimi_k25" / "image_processing_kimi_k25.py"
+    function = next(node for node in ast.parse(source.read_text()).body
+                    if isinstance(node, ast.FunctionDef) and node.name == "navit_resize")
+    namespace = {"math": math}
+    exec(compile(ast.Module([function], type_ignores=[]), str(source), "exec"), namespace)
+    return namespace["navit_resize"]
+
+
+@pytest.fixture(scope="module")
+def kimi_layout(tmp_path_factory):
+    return image_layout(build_tiny(tmp_path_factory.mktemp("kimi"), "tiny-kimi-k2.5"))
+
+
+@pytest.mark.parametrize("max_patches, max_side", [(256, 32), (16384, 512), (1024, 20)])
+@pytest.mark.parametrize("width, height", [(70, 100), (1, 1), (13, 900), (640, 480), (3000, 2000), (7168, 30)])
+def test_kimis_token_count_is_what_transformers_resize_gives(kimi_layout, width, height, max_patches, max_side):
+    layout = dataclasses.replace(kimi_layout, max_patches=max_patches, max_side=max_side)
+    _, (pad_height, pad_width) = navit_resize_of_transformers()(height, width, 14, 2, max_patches, max_side)
+    assert layout.resized(width, height) == (pad_width, pad_height)
+    assert layout.token_count(width, height) == (pad_height // 14) * (pad_width // 14) // 4
 
 
 def test_a_text_only_model_has_no_image_layout(tmp_path):

@@ -19,7 +19,7 @@ SPECS = {"r2": LoraSpec(rank=2, seed=1), "r8": LoraSpec(rank=8, seed=2, train_un
          "attn": LoraSpec(rank=4, seed=3, train_mlp=False)}
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen3-vl", "tiny-qwen2.5-vl", "tiny-qwen3.5-vl", "tiny-kimi-k2.5"])
 def directory(request, tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -55,10 +55,16 @@ def test_the_image_reaches_the_language_model(base, directory):
     losses = [backend.forward_backward([fb("r2", 1, [datum], True)], forward_only=True)[0]["metrics"]["loss:sum"]
               for datum in (one, other)]
     assert losses[0] != losses[1]
-    # And its positions are the model's multimodal rotary index, not a running count.
+    # And its positions are the model's multimodal rotary index, not a running count, where it has one (Qwen-VL);
+    # Kimi's language model counts an image's positions as text.
     ids = torch.as_tensor([one.tokens])
-    positions = multimodal_inputs(backend.multimodal, layout, ids, None, one.images)["position_ids"]
-    assert positions.shape == (3, 1, len(one.tokens)) and int(positions.max()) < len(one.tokens) - 1
+    text_positions = torch.arange(len(one.tokens))[None]
+    positions = multimodal_inputs(backend.multimodal, layout, ids, None, one.images,
+                                  positions=text_positions)["position_ids"]
+    if hasattr(backend.multimodal, "get_rope_index"):
+        assert positions.shape == (3, 1, len(one.tokens)) and int(positions.max()) < len(one.tokens) - 1
+    else:
+        assert positions is text_positions
 
 
 def test_coalesced_image_and_text_rows_get_their_own_passes_losses_and_gradients(base, directory):
@@ -94,11 +100,14 @@ def test_the_peft_export_loads_in_peft_with_the_services_logprobs_on_an_image(ba
     assert not any("visual" in name and "lora_" in name for name, _ in peft_model.named_parameters())
     ids = torch.as_tensor([sample.tokens])
     pixels = layout.pixel_inputs(sample.images)
-    kinds = (ids == layout.image_token_id).int()
-    positions, _ = peft_model.base_model.model.model.get_rope_index(ids, mm_token_type_ids=kinds,
-                                                                   image_grid_thw=pixels["image_grid_thw"])
+    multimodal = peft_model.base_model.model.model
+    rotary = {}
+    if hasattr(multimodal, "get_rope_index"):  # Qwen-VL's positions; Kimi's are plain
+        kinds = (ids == layout.image_token_id).int()
+        positions, _ = multimodal.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=pixels["image_grid_thw"])
+        rotary = dict(mm_token_type_ids=kinds, position_ids=positions)
     logits = peft_model(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
-                        mm_token_type_ids=kinds, position_ids=positions).logits[0]
+                        **rotary).logits[0]
     theirs = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(sample.loss_inputs["target_tokens"])[:, None])
     assert np.allclose(ours["logprobs"], theirs.squeeze(-1).detach().numpy(), atol=1e-5)
 
