@@ -18,11 +18,13 @@ optim_step, and stops the cluster. Per K:
 - ``cpu_cores``: CPU seconds per second in the window, per part: the trainers, the ingress replica (which serves
   the HTTP port itself), Serve's proxy (idle: no request goes through it), the futures DB actor, the rest of Ray,
   and the clients (this process). On a small machine the clients and the service share the cores the trainer
-  computes on; this says how.
+  computes on; this says how. ``cpu_ms_per_op``: the same, in CPU milliseconds per operation (a forward_backward
+  or an optim_step).
 Each ``--windows`` value (``--coalesce-window-ms`` of its own cluster; 0: no window) runs every K, the clusters up
 together and taking turns per K, so both see the same machine. ``ceiling``: the engine alone in this process (no
 service, one torch thread as a trainer has), one adapter and K adapters coalesced at the largest K; ``of_ceiling``:
-each window's largest-K ``tok_s`` over that ceiling. Prints one JSON line:
+each window's largest-K ``tok_s`` over that ceiling (``of_ceiling_by_clients``: each K's over K coalesced).
+Prints one JSON line:
 {"bench": "service", "model": .., "windows": {"100": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
  "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "coalesce_wait_ms": .., "cpu_cores": {"trainer": .., ...}},
  ...], "0": [...]}, "ceiling": {"clients": K, "one_tok_s": .., "coalesced_tok_s": ..}, "of_ceiling": {"100": ..},
@@ -106,7 +108,7 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
     started = time.perf_counter()
     cpu.start()
     time.sleep(seconds)
-    cores = cpu.cores()
+    cores = cpu.cores(digits=4)
     stop.set()
     for thread in threads:
         thread.join(timeout=600)
@@ -118,6 +120,7 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
     for service in services:
         service.close("success").result()
     step_p50 = float(np.percentile(all_steps, 50))
+    ops_per_s = 2 * len(all_steps) / elapsed  # a forward_backward and an optim_step a step
     return {
         "clients": clients,
         "tok_s": round(sum(len(s) for s in steps) * rows * seq / elapsed, 1),
@@ -127,13 +130,15 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
         "fairness": round(max(len(s) for s in steps) / max(min(len(s) for s in steps), 1), 2),
         "mean_batch": round(float(np.median([batch for _, batch, _ in trainer])), 2),
         "coalesce_wait_ms": round(float(np.median([wait for _, _, wait in trainer])) * 1e3, 1),
-        "cpu_cores": cores,
+        "cpu_cores": {part: round(used, 2) for part, used in cores.items()},
+        "cpu_ms_per_op": {part: round(used / ops_per_s * 1e3, 2) for part, used in cores.items()},
     }
 
 
-def engine_ceiling(clients: int, rows: int, seq: int) -> dict:
-    """Tokens/s of the engine alone on the tiny model, one torch thread as a trainer has: one adapter, and
-    ``clients`` adapters coalesced (``bench_coalesce``'s measure)."""
+def engine_ceiling(counts: list[int], rows: int, seq: int) -> dict:
+    """Tokens/s of the engine alone on the tiny model, one torch thread as a trainer has: one adapter, and K
+    adapters coalesced for each K of ``counts`` over 1 (``bench_coalesce``'s measure); ``coalesced_tok_s`` is the
+    largest K's."""
     import tempfile
     from pathlib import Path
 
@@ -146,8 +151,10 @@ def engine_ceiling(clients: int, rows: int, seq: int) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         base = load_base_model(build_tiny_llama(Path(directory) / "tiny"))
     one = max(engine_tok_s(base, 1, rows, seq, steps=7, coalesce=True) for _ in range(2))
-    coalesced = max(engine_tok_s(base, clients, rows, seq, steps=7, coalesce=True) for _ in range(2))
-    return {"clients": clients, "one_tok_s": round(one, 1), "coalesced_tok_s": round(coalesced, 1)}
+    coalesced = {k: round(max(engine_tok_s(base, k, rows, seq, steps=7, coalesce=True) for _ in range(2)), 1)
+                 for k in counts if k > 1}
+    return {"clients": max(counts), "one_tok_s": round(one, 1), "coalesced_tok_s": coalesced.get(max(counts), one),
+            "coalesced_by_clients": coalesced}
 
 
 def main() -> None:
@@ -165,7 +172,7 @@ def main() -> None:
     base_model = MODELS[args.model]
     counts = [int(k) for k in args.clients.split(",")]
     windows = args.windows.split(",")
-    ceiling = engine_ceiling(max(counts), args.rows, args.seq) if args.model == "tiny" else None
+    ceiling = engine_ceiling(counts, args.rows, args.seq) if args.model == "tiny" else None
     with contextlib.ExitStack() as clusters:
         homes = [clusters.enter_context(private_cluster(base_model, args.port + 2 * i, "--coalesce-window-ms", w))
                  for i, w in enumerate(windows)]
@@ -186,6 +193,8 @@ def main() -> None:
         line["ceiling"] = ceiling
         line["of_ceiling"] = {w: round(runs[-1]["tok_s"] / ceiling["coalesced_tok_s"], 3)
                               for w, runs in results.items()}
+        line["of_ceiling_by_clients"] = {w: {str(r["clients"]): round(r["tok_s"] / ceiling["coalesced_by_clients"][
+            r["clients"]], 3) for r in runs if r["clients"] > 1} for w, runs in results.items()}
     if len(windows) > 1 and counts[0] == 1:
         line["step_p50_ratio_1_client"] = round(results[windows[0]][0]["step_p50_ms"]
                                                 / results[windows[-1]][0]["step_p50_ms"], 3)

@@ -46,7 +46,7 @@ class CpuSplit:
     def start(self) -> None:
         self._started = (time.perf_counter(), self._cpu_seconds())
 
-    def cores(self) -> dict[str, float]:
+    def cores(self, digits: int = 2) -> dict[str, float]:
         started_at, before = self._started
         elapsed, after = time.perf_counter() - started_at, self._cpu_seconds()
-        return {part: round((after[part] - before[part]) / elapsed, 2) for part in after}
+        return {part: round((after[part] - before[part]) / elapsed, digits) for part in after}

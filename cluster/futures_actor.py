@@ -137,6 +137,8 @@ class FuturesActor:
                 self._traces.recorded(submission, outcome, started_ns)
         if outcome.error is not None:
             raise outcome.error
+        if not outcome.duplicate or outcome.pending:
+            self._waiter.expect(outcome.request_id)  # its result is written here: its retrieves need no polling
         if not outcome.duplicate:
             self._admission.admitted(tenant, submission.kind, submission.tokens)
         return dataclasses.replace(outcome, weight=limits.weight)

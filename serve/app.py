@@ -81,8 +81,10 @@ HEAD_NODE = {"node:__internal_head__": 0.001}
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
+# No access log: a line written per request (two per operation) on the path of every one; lilo's request traces
+# (docs/timing.md) say more, when an endpoint is set.
 @serve.deployment(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE},
-                  max_ongoing_requests=MAX_ONGOING_REQUESTS)
+                  max_ongoing_requests=MAX_ONGOING_REQUESTS, logging_config={"enable_access_log": False})
 @serve.ingress(api)
 class LiloIngress:
     """Stateless HTTP front: several replicas may run; everything stateful lives in actors behind it."""

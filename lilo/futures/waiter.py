@@ -8,6 +8,10 @@ written in this same process with no query at all, and keeps the latest ``recent
 for one right after it landed (the usual case: the result beat the client's poll) gets it at once instead of
 waiting for the next tick. With nobody parked, nothing is queried.
 
+A request this process recorded pending is ``expect``-ed: its result will be written here, and ``notify`` wakes its
+waiters, so polling it would find nothing new. Expected ids are asked only every ``expected_poll_s``, a safety net
+for a result written another way (the outbox's late write); a caller waiting for one costs no query at all.
+
 A caller waits as a tenant: another tenant's request is answered like one with no row (the ``missing`` error), by
 the same query, so the check costs nothing more; a remembered result is handed only to its own tenant.
 """
@@ -25,6 +29,8 @@ from lilo.tenants import may_see
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
+EXPECTED_POLL_S = 1.0
+MAX_EXPECTED = 100_000
 RECENT = 1024
 # After a poll failed (the database away): the next one waits this long, so an outage is not asked every tick.
 RETRY_S = 1.0
@@ -35,11 +41,14 @@ Missing = Callable[[int], Awaitable[Exception]]
 
 class FutureWaiter:
     def __init__(self, fetch: Fetch, tick_s: float = TICK_S, missing: Missing | None = None,
-                 recent: int = RECENT, retry_s: float = RETRY_S) -> None:
+                 recent: int = RECENT, retry_s: float = RETRY_S, expected_poll_s: float = EXPECTED_POLL_S) -> None:
         self._fetch = fetch
         self._missing = missing
         self._tick_s = tick_s
         self._retry_s = retry_s
+        self._expected_poll_s = expected_poll_s
+        self._expected: set[int] = set()  # recorded pending here: ``notify`` will come
+        self._safety_net_at = 0.0  # when a poll next asks the expected ids too
         self._recent: collections.OrderedDict[int, FutureState] = collections.OrderedDict()
         self._recent_max = recent
         # request id -> (waiter, its tenant) for every parked caller
@@ -71,9 +80,17 @@ class FutureWaiter:
                 if not waiters:
                     del self._parked[request_id]
 
+    def expect(self, request_id: int) -> None:
+        """``request_id`` was recorded pending by this process, which will ``notify`` its result: its waiters need
+        no polling (but for the safety net)."""
+        if len(self._expected) >= MAX_EXPECTED:  # results written elsewhere and never waited for: forget them all
+            self._expected.clear()
+        self._expected.add(request_id)
+
     def notify(self, state: FutureState) -> None:
         """Resolve the waiters of a result this process just wrote, without asking the store. (Waiters of another
         tenant stay parked: the next poll answers them as for a request that does not exist.)"""
+        self._expected.discard(state.request_id)
         self._recent[state.request_id] = state
         self._recent.move_to_end(state.request_id)
         while len(self._recent) > self._recent_max:
@@ -89,8 +106,16 @@ class FutureWaiter:
 
     async def _poll(self) -> None:
         while self._parked:
+            now = asyncio.get_running_loop().time()
             ids = list(self._parked)
+            if now >= self._safety_net_at:
+                self._safety_net_at = now + self._expected_poll_s
+            else:
+                ids = [request_id for request_id in ids if request_id not in self._expected]
             pause = self._tick_s
+            if not ids:
+                await asyncio.sleep(pause)
+                continue
             try:
                 self.queries += 1
                 states = await self._fetch(ids)

@@ -69,6 +69,36 @@ def test_notify_resolves_without_a_query(store):
     assert queries == 0
 
 
+def test_an_expected_future_is_waited_for_without_queries_and_the_safety_net_finds_one_written_elsewhere(store):
+    expected, elsewhere = submit_pending(store, 2)
+
+    async def scenario():
+        async def fetch(ids):
+            return store.states(ids)
+        waiter = FutureWaiter(fetch, tick_s=0.01, expected_poll_s=0.5)
+        waiter.expect(expected)
+        waiter.expect(elsewhere)
+        first = asyncio.create_task(waiter.wait(expected, timeout_s=5))
+        await asyncio.sleep(0.05)  # the first poll (the safety net's) has run
+        before = store.statements
+        await asyncio.sleep(0.2)  # 20 ticks
+        idle_queries = store.statements - before
+        waiter.notify(FutureState(expected, "completed", b"mine"))
+        state = await first
+        # A result written without a notify (as the outbox's late write is) still reaches its waiter, within the
+        # safety net's period.
+        second = asyncio.create_task(waiter.wait(elsewhere, timeout_s=5))
+        await asyncio.sleep(0.05)
+        store.complete_many([Completion.success(elsewhere, b"late")])
+        late = await asyncio.wait_for(second, 2.0)
+        await waiter.close()
+        return idle_queries, state, late
+
+    idle_queries, state, late = asyncio.run(scenario())
+    assert idle_queries == 0
+    assert state.result == b"mine" and late.result == b"late"
+
+
 def test_a_result_notified_before_anyone_asks_is_answered_at_once(store):
     ids = submit_pending(store, 3)
 
