@@ -70,6 +70,22 @@ def test_coalesced_gradients_equal_separate_passes_for_mixed_ranks(base):
     assert any(g.abs().max() > 0 for g in slot_grads(coalesced, "r4"))
 
 
+def test_a_pass_runs_its_deltas_at_its_widest_adapters_rank_not_the_banks(base):
+    # The bank holds rank 16; past an adapter's rank A and B are zero, so a pass of ranks 4 and 8 needs 8 (a whole
+    # RANK_STEP), one with the rank-16 adapter all 16. (That the deltas stay exact: the test above, whose separate
+    # passes run narrower than its coalesced one.)
+    from lilo.backend.adapters.lora import BASE_SLOT, BATCHED, Routing
+
+    backend = fresh_backend(base, SPECS)
+    layer = backend.layers[next(path for path in backend.layers if path.endswith("q_proj"))]
+    slots = {model_id: backend.adapters[model_id].slot for model_id in SPECS}
+
+    def used(*model_ids: str) -> int:
+        return layer.used_rank(Routing.of(torch.tensor([slots[m] for m in model_ids] or [BASE_SLOT]), BATCHED))
+
+    assert (used("r4"), used("r4", "r8"), used("r8", "r16"), used()) == (8, 8, 16, 8)
+
+
 def test_loss_falls_when_an_adapter_memorizes_a_sequence(base):
     backend = fresh_backend(base, {"m": LoraSpec(rank=8, seed=0)})
     sequence = [datum(5, length=32)]

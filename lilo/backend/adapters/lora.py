@@ -39,6 +39,9 @@ warnings.filterwarnings("ignore", message="grad and param do not obey the gradie
 
 
 BATCHED, GROUPED, RUNS = "batched", "grouped", "runs"
+# A pass's batched and grouped deltas run at its widest adapter's rank rounded up to this (the grouped GEMM wants
+# 16-byte strides: 8 bf16 values), not at max_rank: past an adapter's rank its A and B are zero padding.
+RANK_STEP = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +117,12 @@ class SlotAdapters(nn.Module):
         self.scales = [0.0] * (slots + 1)
         self.routing: Routing | None = None  # None: every row through the bare base
 
+    def used_rank(self, routing: Routing) -> int:
+        """How much of A's rows and B's columns a pass of ``routing`` needs: its widest adapter's rank here, rounded
+        up to ``RANK_STEP`` within max_rank (the rest is zero for every slot it routes to, so the delta is exact)."""
+        widest = max((self.ranks[slot] for slot, _, _ in routing.runs), default=0)
+        return min(self.lora_A.shape[-2], max(RANK_STEP, -(-widest // RANK_STEP) * RANK_STEP))
+
     def set_adapter(self, slot: int, rank: int, scale: float) -> None:
         """What routing knows of the adapter in ``slot``: its rank here (0: it does not train this projection) and
         the scale of its delta."""
@@ -169,9 +178,9 @@ class MultiLoRALinear(SlotAdapters):
             return out + self._grouped_delta(x, routing)
         if routing.mode == RUNS:
             return self._add_runs(out, x, routing)
-        slots = routing.row_slots
-        a = self.lora_A[slots].to(x.dtype)  # (rows, r, in)
-        b = self.lora_B[slots].to(x.dtype)  # (rows, out, r)
+        slots, rank = routing.row_slots, self.used_rank(routing)
+        a = self.lora_A[:, :rank][slots].to(x.dtype)  # (rows, r, in)
+        b = self.lora_B[:, :, :rank][slots].to(x.dtype)  # (rows, out, r)
         # Scaling the rank-r intermediate, not the output, and adding in the GEMM keep this at two passes over x.
         h = torch.bmm(x, a.transpose(1, 2)) * self.scale[slots].to(x.dtype).view(-1, 1, 1)
         return torch.baddbmm(out, h, b.transpose(1, 2))
@@ -194,8 +203,9 @@ class MultiLoRALinear(SlotAdapters):
         """One GEMM per run of rows sharing a slot (torch's grouped GEMM): no per-row copies of A and B."""
         rows, width = x.shape[0], x.shape[1]
         offsets = (routing.run_ends * width).to(torch.int32)
-        a = self.lora_A[routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, in, r)
-        b = self.lora_B[routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, r, out)
+        rank = self.used_rank(routing)
+        a = self.lora_A[:, :rank][routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, in, r)
+        b = self.lora_B[:, :, :rank][routing.run_slots].to(x.dtype).transpose(1, 2)  # (runs, r, out)
         h = torch._grouped_mm(x.reshape(rows * width, -1), a, offs=offsets).view(rows, width, -1)
         h = h * self.scale[routing.row_slots].to(x.dtype).view(-1, 1, 1)
         delta = torch._grouped_mm(h.reshape(rows * width, -1), b, offs=offsets).view(rows, width, -1)
