@@ -29,7 +29,7 @@ from lilo.backend.registry import base_model_spec
 from lilo.engine.commands import Kind
 from lilo.futures.billing import check_window
 from lilo.futures.schema import PENDING
-from lilo.futures.store import FutureState
+from lilo.futures.store import FutureState, parse_request_id
 from serve.console.overview import ConsoleOverview
 from serve.openai.endpoint import OpenAICompatible
 from serve.tinker.actors import Actors
@@ -40,6 +40,7 @@ from serve.tinker.runs import Runs
 from serve.tinker.sampling import Sampling
 from serve.tinker.session_traces import SessionTraces
 from serve.tinker.sessions import Sessions
+from serve.tinker.pushed_results import PushedResults
 from serve.tinker.submissions import Submissions
 from serve.tinker.timing import Timing
 from serve.tinker.training import Training
@@ -70,7 +71,8 @@ class ControlPlane:
                  trainer_wait_s: float = 0.0, image_assets: ImageAssets = NO_ASSETS,
                  storage: Storage | None = None) -> None:
         actors = Actors(futures, TrainerDirectory(), trainer_wait_s)
-        submissions = Submissions(futures)
+        self._pushed = PushedResults(futures)
+        submissions = Submissions(futures, self._pushed)
         self._futures = futures
         self.capabilities = server_capabilities(base_models)
         self.runs = Runs(actors)
@@ -98,9 +100,16 @@ class ControlPlane:
         return await self._futures.billing_usage.remote(tenant, start, end)
 
     async def retrieve_future(self, request: RetrieveFutureRequest, tenant: str) -> Response | dict[str, Any]:
-        """Long-poll one future: its result once finished, else ``try_again``."""
+        """Long-poll one future: its result once finished, else ``try_again``. One this replica submitted waits for
+        its result to be pushed here; any other asks the futures DB."""
+        request_id = parse_request_id(request.request_id)
         try:
-            state = await self._futures.retrieve.remote(request.request_id, RETRIEVE_TIMEOUT_S, tenant)
+            try:
+                state = await self._pushed.wait(request_id, RETRIEVE_TIMEOUT_S, tenant)
+            except TimeoutError:  # the long-poll ran here: the futures DB says where it stands now
+                state = await self._futures.retrieve.remote(request_id, 0, tenant)
+            if state is None:
+                state = await self._futures.retrieve.remote(request_id, RETRIEVE_TIMEOUT_S, tenant)
         except RayActorError:
             # The futures DB is restarting (its file keeps every result): the client polls again, as for pending.
             state = FutureState(0, PENDING)

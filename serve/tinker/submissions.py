@@ -17,6 +17,7 @@ from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError
 from lilo.futures.billing import billed_tokens
 from lilo.futures.store import Submission
 from lilo.tenants import tenant_of
+from serve.tinker.pushed_results import PushedResults
 from lilo.timing.traces import carrier, set_attributes
 
 
@@ -39,8 +40,9 @@ def metadata_strings(raw: Any) -> dict[str, str] | None:
 
 
 class Submissions:
-    def __init__(self, futures: ActorHandle) -> None:
+    def __init__(self, futures: ActorHandle, pushed: PushedResults) -> None:
         self._futures = futures
+        self._pushed = pushed  # where the results of what this replica submits come back (serve.tinker.pushed_results)
 
     async def submit(self, command: Command, stored: object, tenant: str | None) -> dict[str, str]:
         """Record ``command`` (``stored``: the payload fingerprinted for retries) and hand it to the trainer its model
@@ -59,11 +61,12 @@ class Submissions:
                                          billed_tokens=billed_tokens(command.kind, command.tokens,
                                                                      getattr(command.payload, "prompt", None))
                                          ).prepared()
-        outcome = await self._futures.submit_once.remote(submission)
+        outcome = await self._futures.submit_once.remote(submission, self._pushed.subscriber)
         set_attributes(model_id=command.model_id, seq_id=command.seq_id, kind=str(command.kind),
                        tenant=tenant_of(submission.tenant), request_id=outcome.request_id,
                        duplicate=outcome.duplicate)
         if not outcome.duplicate or outcome.pending:
+            self._pushed.submitted(outcome.request_id)
             command = dataclasses.replace(command, request_id=str(outcome.request_id),
                                           fingerprint=submission.payload_sha256, tenant=tenant_of(submission.tenant),
                                           weight=outcome.weight, trace=traced)

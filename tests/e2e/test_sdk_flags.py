@@ -154,3 +154,17 @@ def test_a_custom_loss_that_calls_outside_torch_is_refused_naming_the_node(local
         "session_id": service.holder.get_session_id(), "custom_loss_seq_id": 99, "name": "evil",
         "inputs": [{"name": "logprobs", "rank": 1}], "graph": {"format": 1, "nodes": nodes}})
     assert answer.status_code == 422 and "'escape' calls 'os.system'" in answer.json()["detail"]
+
+
+def test_a_training_clients_results_are_pushed_to_the_ingress_not_fetched_per_retrieve(service, ray_driver):
+    # Each result is pushed to the replica that submitted it (serve.tinker.pushed_results), which answers the
+    # client's retrieve_future itself: the futures DB sees no retrieve call for them.
+    training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+    before = futures_stats()
+    for step in range(5):
+        fb = training.forward_backward([sdk_datum(step)], "cross_entropy")
+        optim = training.optim_step(types.AdamParams(learning_rate=1e-3))
+        assert np.isfinite(fb.result(timeout=TIMEOUT_S).metrics["loss:sum"])
+        optim.result(timeout=TIMEOUT_S)
+    after = futures_stats()
+    assert after["retrieves"] - before["retrieves"] <= 1, (before["retrieves"], after["retrieves"])

@@ -1,0 +1,59 @@
+"""Finished futures pushed to the ingress replica that submitted them, so that its client's ``retrieve_future`` is
+answered there, with no actor call of its own.
+
+A replica names itself (a *subscriber*) when it submits; the futures DB remembers which replica submitted each
+pending request and, as each result is written, puts it in that replica's box. The replica takes its box with one
+long-poll (``take``) per batch of results, instead of one call per retrieve. Nothing here is durable: a restarted
+futures DB has no subscriptions, and its replicas then ask it as before (``serve.tinker.pushed_results``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from lilo.futures.store import FutureState
+
+# Requests remembered as pending per subscriber, and results kept in a box nobody takes (its replica is gone):
+# past these the oldest are forgotten, and their retrieves ask the futures DB as they would without pushes.
+MAX_SUBSCRIBED = 100_000
+MAX_BOX = 10_000
+
+
+class FinishedPushes:
+    def __init__(self, max_subscribed: int = MAX_SUBSCRIBED, max_box: int = MAX_BOX) -> None:
+        self._subscriber_of: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._boxes: dict[str, collections.deque[FutureState]] = {}
+        self._filled: dict[str, asyncio.Event] = {}
+        self._max_subscribed = max_subscribed
+        self._max_box = max_box
+
+    def subscribe(self, request_id: int, subscriber: str) -> None:
+        """``subscriber`` wants ``request_id``'s result pushed once it is written."""
+        self._subscriber_of[request_id] = subscriber
+        while len(self._subscriber_of) > self._max_subscribed:
+            self._subscriber_of.popitem(last=False)
+
+    def push(self, state: FutureState) -> None:
+        """A result was written: into its subscriber's box, if it has one."""
+        subscriber = self._subscriber_of.pop(state.request_id, None)
+        if subscriber is None:
+            return
+        box = self._boxes.setdefault(subscriber, collections.deque(maxlen=self._max_box))
+        box.append(state)
+        self._event(subscriber).set()
+
+    async def take(self, subscriber: str, timeout_s: float) -> list[FutureState]:
+        """Everything pushed to ``subscriber`` since it last took, once there is something or after ``timeout_s``
+        (then maybe nothing)."""
+        filled = self._event(subscriber)
+        try:
+            await asyncio.wait_for(filled.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        filled.clear()
+        box = self._boxes.pop(subscriber, None)
+        return list(box) if box else []
+
+    def _event(self, subscriber: str) -> asyncio.Event:
+        return self._filled.setdefault(subscriber, asyncio.Event())
