@@ -1,6 +1,7 @@
 """Image inputs, as Tinker takes them: an image chunk (PNG or JPEG bytes) stands for N positions of the base model's
-image token, N from the image's size and the model's image processor (``preprocessor_config.json``): Qwen-VL's
-resize to a multiple of patch x merge pixels within its pixel bounds, one token per merge x merge patches.
+image token, N from the image's size and the model's image processor (``preprocessor_config.json``), one token per
+merge x merge patches of the image as resized: Qwen-VL's to a multiple of patch x merge pixels within its pixel
+bounds (``QwenImages``), Kimi K2.5's scaled down within a patch budget and padded (``NavitImages``).
 
 The ingress checks each image (``checked_image``: format, size, a decompression bomb, whether it decodes) and lays
 it out (``ImageLayout.lay_out``); the bytes travel to the trainer as sent (a JPEG is far smaller than its pixels),
