@@ -159,8 +159,13 @@ class NavitImages(ImageLayout):
         return min(max(1, int(width * scale)), limit), min(max(1, int(height * scale)), limit)
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
+        return self.padded(*self.scaled(width, height))
+
+    def padded(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) of an image already ``scaled``, padded to a multiple of patch x merge. (Scaling the
+        scaled image again may shrink it further: the sizes come from the image as sent, once.)"""
         factor = self.patch_size * self.merge_size
-        return tuple(-(-side // factor) * factor for side in self.scaled(width, height))  # type: ignore[return-value]
+        return -(-width // factor) * factor, -(-height // factor) * factor
 
     def pixel_inputs(self, images: Sequence[DatumImage]) -> dict[str, Any]:
         import numpy as np
@@ -172,7 +177,7 @@ class NavitImages(ImageLayout):
             scaled = self.scaled(*image.size)
             if scaled != image.size:
                 image = image.resize(scaled, Image.Resampling.BICUBIC)
-            side_w, side_h = self.resized(*image.size)
+            side_w, side_h = self.padded(*scaled)
             pixels = np.zeros((side_h, side_w, 3), np.float32)  # the padding: black, as transformers pads
             pixels[:image.height, :image.width] = np.asarray(image, np.float32) / 255.0
             pixels = (pixels - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
