@@ -27,6 +27,8 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import psutil
@@ -43,7 +45,21 @@ READER = "bench-op-latency"
 BASE_MODEL = "lilo/tiny-llama"
 
 
-def sdk_operations(base_url: str, home, ops: int) -> dict:
+def timed(call: Callable[[], object], count: int, home: Path) -> tuple[list[float], float, dict[str, float]]:
+    """``call`` ``count`` times, one at a time: each one's seconds, all of them's, and the cores each part of the
+    cluster in ``home`` used meanwhile."""
+    cpu = CpuSplit(home)
+    cpu.start()
+    started = time.perf_counter()
+    latencies = []
+    for _ in range(count):
+        sent = time.perf_counter()
+        call()
+        latencies.append(time.perf_counter() - sent)
+    return latencies, time.perf_counter() - started, cpu.cores(digits=4)
+
+
+def sdk_operations(base_url: str, home: Path, ops: int) -> dict:
     import tinker
     from tinker import types
 
@@ -55,16 +71,7 @@ def sdk_operations(base_url: str, home, ops: int) -> dict:
     for _ in range(20):  # warm-up
         training.optim_step(adam).result()
     critical_path_metrics(training.model_id, base_url=base_url, api_key=API_KEY, reset=True, reader=READER)
-    cpu = CpuSplit(home)
-    cpu.start()
-    started = time.perf_counter()
-    latencies = []
-    for _ in range(ops):
-        sent = time.perf_counter()
-        training.optim_step(adam).result()
-        latencies.append(time.perf_counter() - sent)
-    elapsed = time.perf_counter() - started
-    cores = cpu.cores(digits=4)
+    latencies, elapsed, cores = timed(lambda: training.optim_step(adam).result(), ops, home)
     metrics = critical_path_metrics(training.model_id, base_url=base_url, api_key=API_KEY, reset=True,
                                     reader=READER)
     service.close("success").result()
@@ -75,22 +82,13 @@ def sdk_operations(base_url: str, home, ops: int) -> dict:
             "cpu_ms_per_op": {part: round(used * elapsed / ops * 1e3, 2) for part, used in cores.items()}}
 
 
-def http_floor(base_url: str, home, requests: int) -> dict:
+def http_floor(base_url: str, home: Path, requests: int) -> dict:
     import httpx
 
     with httpx.Client(base_url=base_url) as client:
         for _ in range(50):
             client.get("/api/v1/healthz")
-        cpu = CpuSplit(home)
-        cpu.start()
-        started = time.perf_counter()
-        latencies = []
-        for _ in range(requests):
-            sent = time.perf_counter()
-            client.get("/api/v1/healthz").raise_for_status()
-            latencies.append(time.perf_counter() - sent)
-        elapsed = time.perf_counter() - started
-        cores = cpu.cores(digits=4)
+        latencies, elapsed, cores = timed(lambda: client.get("/api/v1/healthz").raise_for_status(), requests, home)
     per_request = elapsed / requests * 1e3
     return {"p50_ms": round(float(np.percentile(latencies, 50)) * 1e3, 3),
             "ingress_cpu_ms": round(cores["ingress"] * per_request, 3),

@@ -17,8 +17,8 @@ from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError
 from lilo.futures.billing import billed_tokens
 from lilo.futures.store import Submission
 from lilo.tenants import tenant_of
-from serve.tinker.pushed_results import PushedResults
 from lilo.timing.traces import carrier, set_attributes
+from serve.tinker.pushed_results import PushedResults
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,7 +75,8 @@ def test_an_expected_future_is_waited_for_without_queries_and_the_safety_net_fin
     async def scenario():
         async def fetch(ids):
             return store.states(ids)
-        waiter = FutureWaiter(fetch, tick_s=0.01, expected_poll_s=0.5)
+        # The safety net's period far beyond the idle window measured below, so a slow machine cannot fold one in.
+        waiter = FutureWaiter(fetch, tick_s=0.01, expected_poll_s=2.0)
         waiter.expect(expected)
         waiter.expect(elsewhere)
         first = asyncio.create_task(waiter.wait(expected, timeout_s=5))
@@ -90,7 +91,7 @@ def test_an_expected_future_is_waited_for_without_queries_and_the_safety_net_fin
         second = asyncio.create_task(waiter.wait(elsewhere, timeout_s=5))
         await asyncio.sleep(0.05)
         store.complete_many([Completion.success(elsewhere, b"late")])
-        late = await asyncio.wait_for(second, 2.0)
+        late = await asyncio.wait_for(second, 5.0)
         await waiter.close()
         return idle_queries, state, late
 
