@@ -15,6 +15,12 @@ optim_step, and stops the cluster. Per K:
 - ``mean_batch``: how many clients' forward_backward shared one execution (median over the clients);
 - ``coalesce_wait_ms``: the mean time a forward_backward spent in its pass's coalescing window (median over the
   clients; ``lilo.engine.window``);
+- ``pass_ms``: per step, the trainer's time on the passes this client's step waited for: its forward_backward's pass,
+  and its optim_step's wait behind the other models' optim_steps and its own (median over the clients); ``gap_ms``:
+  ``step_p50_ms`` minus that, the part of a lockstep step the trainer spends without this step's work (results on
+  their way back, the next step's requests on their way in, the coalescing window); ``engine_step_ms``: the same
+  step's work in the engine alone, K adapters coalesced (the ceiling below). So ``tok_s`` over the ceiling is about
+  ``engine_step_ms / (pass_ms + gap_ms)``: how much the pass slows beside the service, and how much the trainer waits;
 - ``cpu_cores``: CPU seconds per second in the window, per part: the trainers, the ingress replica (which serves
   the HTTP port itself), Serve's proxy (idle: no request goes through it), the futures DB actor, the rest of Ray,
   and the clients (this process). On a small machine the clients and the service share the cores the trainer
@@ -76,18 +82,24 @@ def client_loop(service, base_model: str, rows: int, seq: int, vocab: int, ready
     out["steps"] = steps
 
 
-def trainer_side(base_url: str, model_id: str) -> tuple[float, float, float]:
+def trainer_side(base_url: str, model_id: str) -> tuple[float, float, float, float]:
     """Since this reader's last read: seconds the trainer spent on this model's steps (executing them, or running
     other models' work while its forward_backward waited), how many commands shared its forward_backward
-    executions on average, and its forward_backwards' mean coalescing wait."""
+    executions on average, its forward_backwards' mean coalescing wait, and the trainer's seconds a step on the
+    passes its step waited for (its forward_backward's, and its optim_step's and those of the other models ahead of
+    it)."""
     from lilo.timing import critical_path_metrics
 
     metrics = critical_path_metrics(model_id, base_url=base_url, api_key=API_KEY, reset=True, reader=READER)
-    busy = sum(metrics.get(f"lilo/{phase}.total_s", 0.0) for phase in (
-        "forward_backward.execute", "forward_backward.queue_wait_others", "optim_step.execute"))
+
+    def total(*phases: str) -> float:
+        return sum(metrics.get(f"lilo/{phase}.total_s", 0.0) for phase in phases)
+
+    busy = total("forward_backward.execute", "forward_backward.queue_wait_others", "optim_step.execute")
     passes = metrics.get("lilo/forward_backward.execute.count", 0.0)
-    window_s = metrics.get("lilo/forward_backward.coalesce_wait.total_s", 0.0) / max(passes, 1)
-    return busy, metrics.get("lilo/forward_backward.execute.mean_batch", 0.0), window_s
+    window_s = total("forward_backward.coalesce_wait") / max(passes, 1)
+    pass_s = total("forward_backward.execute", "optim_step.execute", "optim_step.queue_wait_others") / max(passes, 1)
+    return busy, metrics.get("lilo/forward_backward.execute.mean_batch", 0.0), window_s, pass_s
 
 
 def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
@@ -116,7 +128,9 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
     steps = [out["steps"] for out in outs]
     all_steps = np.array([s for client in steps for s in client])
     trainer = [trainer_side(base_url, out["model_id"]) for out in outs]
-    overhead = [(sum(out["steps"]) - busy) / max(len(out["steps"]), 1) / 2 for (busy, _, _), out in zip(trainer, outs)]
+    overhead = [(sum(out["steps"]) - busy) / max(len(out["steps"]), 1) / 2
+                for (busy, *_), out in zip(trainer, outs)]
+    pass_ms = float(np.median([pass_s for *_, pass_s in trainer])) * 1e3
     for service in services:
         service.close("success").result()
     step_p50 = float(np.percentile(all_steps, 50))
@@ -128,8 +142,10 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
         "step_p99_ms": round(float(np.percentile(all_steps, 99)) * 1e3, 1),
         "overhead_p50_ms": round(float(np.median(overhead)) * 1e3, 1),
         "fairness": round(max(len(s) for s in steps) / max(min(len(s) for s in steps), 1), 2),
-        "mean_batch": round(float(np.median([batch for _, batch, _ in trainer])), 2),
-        "coalesce_wait_ms": round(float(np.median([wait for _, _, wait in trainer])) * 1e3, 1),
+        "mean_batch": round(float(np.median([batch for _, batch, _, _ in trainer])), 2),
+        "coalesce_wait_ms": round(float(np.median([wait for _, _, wait, _ in trainer])) * 1e3, 1),
+        "pass_ms": round(pass_ms, 1),
+        "gap_ms": round(step_p50 * 1e3 - pass_ms, 1),
         "cpu_cores": {part: round(used, 2) for part, used in cores.items()},
         "cpu_ms_per_op": {part: round(used / ops_per_s * 1e3, 2) for part, used in cores.items()},
     }
@@ -195,6 +211,10 @@ def main() -> None:
                               for w, runs in results.items()}
         line["of_ceiling_by_clients"] = {w: {str(r["clients"]): round(r["tok_s"] / ceiling["coalesced_by_clients"][
             r["clients"]], 3) for r in runs if r["clients"] > 1} for w, runs in results.items()}
+        for runs in results.values():
+            for r in runs:
+                engine_tok_s = ceiling["coalesced_by_clients"].get(r["clients"], ceiling["one_tok_s"])
+                r["engine_step_ms"] = round(r["clients"] * args.rows * args.seq / engine_tok_s * 1e3, 1)
     if len(windows) > 1 and counts[0] == 1:
         line["step_p50_ratio_1_client"] = round(results[windows[0]][0]["step_p50_ms"]
                                                 / results[windows[-1]][0]["step_p50_ms"], 3)

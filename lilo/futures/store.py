@@ -22,10 +22,10 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import orjson
-from sqlalchemy import bindparam, event, func, inspect, literal, select, true, tuple_, union_all, update
+from sqlalchemy import bindparam, cast, event, func, inspect, literal, null, select, true, tuple_, union_all, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -279,7 +279,8 @@ class FuturesStore:
         prints = [sub.payload_sha256 for sub in submissions]
         outcomes: list[SubmitOutcome | None] = [None] * len(submissions)
         with self.engine.begin() as connection:
-            self._refuse_foreign(connection, submissions, outcomes)
+            records = self._records_of(connection, submissions)
+            self._refuse_foreign(records, submissions, outcomes)
             taken = self._existing_keys(connection, submissions)
             first_copy: dict[tuple, int] = {}
             inserting: list[int] = []
@@ -295,7 +296,7 @@ class FuturesStore:
                 elif key not in first_copy:
                     first_copy[key] = i
                     inserting.append(i)
-            trainers = self._route_new(connection, submissions, inserting, outcomes)
+            trainers = self._route_new(records, submissions, inserting, outcomes)
             inserting = [i for i in inserting if outcomes[i] is None]
             if inserting:
                 # The one writer allocates ids itself, consecutively in arrival order, so the whole group is a
@@ -315,24 +316,20 @@ class FuturesStore:
                     sub, outcomes[first].request_id, prints[first], prints[i])
         return outcomes  # type: ignore[return-value]
 
-    def _route_new(self, connection, submissions: Sequence[Submission], new: Sequence[int],
+    @staticmethod
+    def _route_new(records: dict[str, _Record], submissions: Sequence[Submission], new: Sequence[int],
                    outcomes: list[SubmitOutcome | None]) -> dict[int, str | None]:
         """The trainer of each new submission (by index): the caller's choice, or for a routed one its model's
         placement, read in the recording transaction; a routed one that cannot go anywhere gets its error."""
-        routed_models = {submissions[i].model_id for i in new if submissions[i].routed}
-        placed: dict[str, Any] = {}
-        for chunk in chunks(sorted(routed_models)):
-            placed.update((row.model_id, row) for row in connection.execute(
-                select(models.c.model_id, models.c.trainer, models.c.unloaded_at, models.c.unloaded_reason)
-                .where(models.c.model_id.in_(chunk))))
         trainers: dict[int, str | None] = {}
         for i in new:
             sub = submissions[i]
             if not sub.routed:
                 trainers[i] = sub.trainer
                 continue
+            record = records.get(sub.model_id)
             try:
-                trainers[i] = _placed_trainer(sub.model_id, placed.get(sub.model_id))
+                trainers[i] = _placed_trainer(sub.model_id, record if record and record.kind == "model" else None)
             except LiloError as error:
                 outcomes[i] = SubmitOutcome(None, error=error)
         return trainers
@@ -344,21 +341,31 @@ class FuturesStore:
         return outcome.request_id  # type: ignore[return-value]
 
     @staticmethod
-    def _refuse_foreign(connection, submissions: Sequence[Submission], outcomes: list[SubmitOutcome | None]) -> None:
-        """Refuse, as if it did not exist, each submission for another tenant's model or sampling session (one
-        query for the whole group, before retries are matched: another tenant's retry must not find the first)."""
-        ids = list({sub.model_id for sub in submissions if sub.tenant is not None})
-        recorded: dict[str, tuple[str, str | None]] = {}
+    def _records_of(connection, submissions: Sequence[Submission]) -> dict[str, _Record]:
+        """The model or sampling session each submission names, where its tenant is checked or its model's placement
+        is needed: one query for the whole group."""
+        ids = sorted({sub.model_id for sub in submissions if sub.tenant is not None or sub.routed})
+        records: dict[str, _Record] = {}
         for chunk in chunks(ids, MAX_BOUND_PARAMS // 2):
             query = union_all(
-                select(models.c.model_id, literal("model"), models.c.tenant).where(models.c.model_id.in_(chunk)),
-                select(sampling_sessions.c.sampling_session_id, literal("sampling"), sampling_sessions.c.tenant)
+                select(models.c.model_id, literal("model"), models.c.tenant, models.c.trainer, models.c.unloaded_at,
+                       models.c.unloaded_reason).where(models.c.model_id.in_(chunk)),
+                select(sampling_sessions.c.sampling_session_id, literal("sampling"), sampling_sessions.c.tenant,
+                       *(cast(null(), column.type) for column in (models.c.trainer, models.c.unloaded_at,
+                                                                  models.c.unloaded_reason)))
                 .where(sampling_sessions.c.sampling_session_id.in_(chunk)))
-            recorded.update((record_id, (kind, tenant)) for record_id, kind, tenant in connection.execute(query))
+            records.update((row[0], _Record(*row[1:])) for row in connection.execute(query))
+        return records
+
+    @staticmethod
+    def _refuse_foreign(records: dict[str, _Record], submissions: Sequence[Submission],
+                        outcomes: list[SubmitOutcome | None]) -> None:
+        """Refuse, as if it did not exist, each submission for another tenant's model or sampling session (before
+        retries are matched: another tenant's retry must not find the first)."""
         for i, sub in enumerate(submissions):
-            kind, tenant = recorded.get(sub.model_id, (None, None))
-            if kind is not None and not may_see(sub.tenant, tenant):
-                error = unknown_model_error if kind == "model" else unknown_sampling_session_error
+            record = records.get(sub.model_id)
+            if sub.tenant is not None and record is not None and not may_see(sub.tenant, record.tenant):
+                error = unknown_model_error if record.kind == "model" else unknown_sampling_session_error
                 outcomes[i] = SubmitOutcome(None, error=error(sub.model_id))
 
     @staticmethod
@@ -839,6 +846,16 @@ def unloaded_error(model_id: str, reason: str | None = None) -> GoneError:
         return GoneError(f"Model {model_id!r} was unloaded by the service: {reason}")
     return GoneError(f"Model {model_id!r} was unloaded (unload_model); create a new model, or one from a checkpoint "
                      "of it (create_training_client_from_state), to train again.")
+
+
+class _Record(NamedTuple):
+    """What a submission's group reads of the model or sampling session it names (placement: models only)."""
+
+    kind: str  # "model" | "sampling"
+    tenant: str | None
+    trainer: str | None
+    unloaded_at: float | None
+    unloaded_reason: str | None
 
 
 def _placed_trainer(model_id: str, row: Any) -> str:
