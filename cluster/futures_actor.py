@@ -84,6 +84,8 @@ class FuturesActor:
         self._maintenance: asyncio.Task | None = None
         self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
         self._retrieves = 0  # retrieve calls (each a client's retrieve_future), for stats and benchmarks
+        self._burst_calls = 0  # submit_once_many calls, and the submissions they carried (stats)
+        self._burst_submissions = 0
         self._traces = RequestTraces.if_enabled()
         freeze_startup()
 
@@ -149,6 +151,15 @@ class FuturesActor:
         if not outcome.duplicate:
             self._admission.admitted(tenant, submission.kind, submission.tokens)
         return dataclasses.replace(outcome, weight=limits.weight)
+
+    async def submit_once_many(self, submissions: list[Submission], subscriber: str | None = None,
+                               ) -> list[SubmitOutcome | BaseException]:
+        """``submit_once`` each of ``submissions`` (an ingress replica's burst, in one call; recorded in the same
+        group commits): for each, its outcome or the error it raised."""
+        self._burst_calls += 1
+        self._burst_submissions += len(submissions)
+        return await asyncio.gather(*(self.submit_once(submission, subscriber) for submission in submissions),
+                                    return_exceptions=True)
 
     # --- tenants -------------------------------------------------------------------------------------------
     async def use_tenants_file(self, path: str | None) -> None:
@@ -432,6 +443,7 @@ class FuturesActor:
         db_mb, wal_mb = await self._run(self._store.file_sizes_mb)
         return {"futures": counts, "outbox": self._store.outbox_size, "parked_waiters": self._waiter.parked,
                 "waiter_queries": self._waiter.queries, "retrieves": self._retrieves,
+                "burst_calls": self._burst_calls, "burst_submissions": self._burst_submissions,
                 "parked_session_polls": self._sessions.parked, "session_polls": self._sessions.polls,
                 "session_poll_queries": self._sessions.queries,
                 "group_commits": self._committer.commits, "statements": self._store.statements,

@@ -244,6 +244,18 @@ class TrainerActor:
                 "or load_state your last checkpoint first.") from None
         self._report(command.kind, command.request_id, future, recorded_prompt_of(command))
 
+    async def submit_many(self, commands: list[Command]) -> list[Exception | None]:
+        """``submit`` each of ``commands`` in order (an ingress replica's burst, in one call): for each, None, or the
+        error its ``submit`` raised."""
+        outcomes: list[Exception | None] = []
+        for command in commands:
+            try:
+                await self.submit(command)
+                outcomes.append(None)
+            except Exception as error:
+                outcomes.append(error)
+        return outcomes
+
     async def cancel_sample(self, request_id: str) -> str:
         """Cancel a sample its client abandoned (cancel_future), on the sampler it was relayed to or in the engine;
         its future fails with CancelledByClientError. Says where it was: "running", "queued" or "none"."""

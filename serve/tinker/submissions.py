@@ -15,9 +15,10 @@ from cluster.unloading import failing_future
 from lilo.engine.commands import Command, Kind
 from lilo.errors import ConflictError, GoneError, InvalidRequestError, LiloError, NotFoundError, QuotaExceededError
 from lilo.futures.billing import billed_tokens
-from lilo.futures.store import Submission
+from lilo.futures.store import Submission, SubmitOutcome
 from lilo.tenants import tenant_of
 from lilo.timing.traces import carrier, set_attributes
+from serve.tinker.batched_calls import BatchedCalls
 from serve.tinker.pushed_results import PushedResults
 
 
@@ -43,6 +44,16 @@ class Submissions:
     def __init__(self, futures: ActorHandle, pushed: PushedResults) -> None:
         self._futures = futures
         self._pushed = pushed  # where the results of what this replica submits come back (serve.tinker.pushed_results)
+        # The requests that arrive together are recorded in one call, and handed to each trainer in one
+        # (serve.tinker.batched_calls).
+        self._records: BatchedCalls[Submission, SubmitOutcome] = BatchedCalls(
+            lambda batch: futures.submit_once_many.remote(batch, pushed.subscriber))
+        self._handoffs: dict[str, BatchedCalls[Command, None]] = {}
+
+    def _hand_off(self, trainer: str, command: Command) -> Awaitable[None]:
+        if trainer not in self._handoffs:
+            self._handoffs[trainer] = BatchedCalls(lambda batch: named_actor(trainer).submit_many.remote(batch))
+        return self._handoffs[trainer].call(command)
 
     async def submit(self, command: Command, stored: object, tenant: str | None) -> dict[str, str]:
         """Record ``command`` (``stored``: the payload fingerprinted for retries) and hand it to the trainer its model
@@ -61,7 +72,7 @@ class Submissions:
                                          billed_tokens=billed_tokens(command.kind, command.tokens,
                                                                      getattr(command.payload, "prompt", None))
                                          ).prepared()
-        outcome = await self._futures.submit_once.remote(submission, self._pushed.subscriber)
+        outcome = await self._records.call(submission)
         set_attributes(model_id=command.model_id, seq_id=command.seq_id, kind=str(command.kind),
                        tenant=tenant_of(submission.tenant), request_id=outcome.request_id,
                        duplicate=outcome.duplicate)
@@ -72,7 +83,7 @@ class Submissions:
                                           weight=outcome.weight, trace=traced)
             # A refusal by the trainer (or its failure) also fails the recorded future.
             async with failing_future(self._futures, outcome.request_id, command.kind):
-                await named_actor(outcome.trainer).submit.remote(command)
+                await self._hand_off(outcome.trainer, command)
         return outcome.request_id
 
     @contextlib.asynccontextmanager

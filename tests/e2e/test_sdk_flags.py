@@ -168,3 +168,22 @@ def test_a_training_clients_results_are_pushed_to_the_ingress_not_fetched_per_re
         optim.result(timeout=TIMEOUT_S)
     after = futures_stats()
     assert after["retrieves"] - before["retrieves"] <= 1, (before["retrieves"], after["retrieves"])
+
+
+def test_requests_that_arrive_together_are_recorded_in_one_call(service, ray_driver):
+    # An ingress replica sends the submissions that come while its previous one is being recorded in one call
+    # (serve.tinker.batched_calls). Four clients send a step at the same moment, a few times: the futures DB must see
+    # fewer calls than submissions (a round can miss, when the first request's call returns before the others come).
+    clients = [service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
+               for _ in range(4)]
+    before = futures_stats()
+    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+        for step in range(5):
+            futures = list(pool.map(lambda training: training.forward_backward([sdk_datum(step)], "cross_entropy"),
+                                    clients))
+            for future in futures:
+                assert np.isfinite(future.result(timeout=TIMEOUT_S).metrics["loss:sum"])
+    after = futures_stats()
+    calls = after["burst_calls"] - before["burst_calls"]
+    submissions = after["burst_submissions"] - before["burst_submissions"]
+    assert submissions == 4 * 5 and calls < submissions, (calls, submissions)

@@ -1,0 +1,122 @@
+"""An ingress's batched actor calls (serve.tinker.batched_calls): what is sent together, and that every caller gets
+its own answer or its own error, whatever happens to the call. The actor is an asyncio function here (no Ray): what
+is tested is the batching, and the real calls run in every SDK test."""
+
+import asyncio
+
+
+from lilo.errors import ConflictError
+from serve.tinker.batched_calls import BatchedCalls
+
+
+class Receiver:
+    """Stands in for an actor method that takes a list: records each call's items, answers after ``delay_s``."""
+
+    def __init__(self, delay_s: float = 0.01) -> None:
+        self.calls: list[list[int]] = []
+        self.delay_s = delay_s
+
+    async def send(self, items: list[int]) -> list:
+        self.calls.append(list(items))
+        await asyncio.sleep(self.delay_s)
+        return [ConflictError(f"item {item} is refused") if item < 0 else item * 10 for item in items]
+
+
+def test_a_lone_call_goes_at_once_and_those_made_meanwhile_go_together() -> None:
+    async def scenario() -> list:
+        receiver = Receiver()
+        batched = BatchedCalls(receiver.send)
+        first = asyncio.ensure_future(batched.call(1))
+        await asyncio.sleep(0)  # the first call is in flight
+        rest = [asyncio.ensure_future(batched.call(item)) for item in (2, 3, 4)]
+        answers = await asyncio.gather(first, *rest)
+        return [answers, receiver.calls]
+
+    answers, calls = asyncio.run(scenario())
+    assert answers == [10, 20, 30, 40]
+    assert calls == [[1], [2, 3, 4]]
+
+
+def test_calls_made_in_one_turn_go_together_split_at_the_most_items_a_call() -> None:
+    async def scenario() -> list:
+        receiver = Receiver()
+        batched = BatchedCalls(receiver.send, max_items=2)
+        answers = await asyncio.gather(*(batched.call(item) for item in range(5)))
+        return [answers, receiver.calls]
+
+    answers, calls = asyncio.run(scenario())
+    assert answers == [0, 10, 20, 30, 40]
+    assert calls == [[0, 1], [2, 3], [4]]
+
+
+def test_an_items_error_reaches_only_its_caller() -> None:
+    async def scenario() -> list:
+        batched = BatchedCalls(Receiver().send)
+        return await asyncio.gather(*(batched.call(item) for item in (1, -2, 3)), return_exceptions=True)
+
+    good, refused, other = asyncio.run(scenario())
+    assert (good, other) == (10, 30)
+    assert isinstance(refused, ConflictError) and "item -2 is refused" in str(refused)
+
+
+def test_a_failed_call_fails_each_of_its_items_and_the_next_call_still_goes() -> None:
+    failures = iter([RuntimeError("the actor died")])
+
+    async def send(items: list[int]) -> list[int]:
+        await asyncio.sleep(0.01)
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return items
+
+    async def scenario() -> list:
+        batched = BatchedCalls(send)
+        failed = await asyncio.gather(batched.call(1), batched.call(2), return_exceptions=True)
+        return [failed, await batched.call(3)]
+
+    failed, later = asyncio.run(scenario())
+    assert [str(error) for error in failed] == ["the actor died", "the actor died"]
+    assert later == 3
+
+
+def test_a_wrong_number_of_answers_fails_the_call_rather_than_leaving_a_caller_waiting() -> None:
+    async def send(items: list[int]) -> list[int]:
+        return items[:1]
+
+    async def scenario() -> list:
+        batched = BatchedCalls(send)
+        first = asyncio.ensure_future(batched.call(1))
+        await asyncio.sleep(0)
+        return await asyncio.gather(first, batched.call(2), batched.call(3), return_exceptions=True)
+
+    first, second, third = asyncio.run(scenario())
+    assert first == 1
+    assert all(isinstance(error, RuntimeError) and "1 answers came back for 2 requests" in str(error)
+               for error in (second, third))
+
+
+def test_a_caller_that_goes_away_leaves_the_others_answered() -> None:
+    async def scenario() -> list:
+        batched = BatchedCalls(Receiver().send)
+        first = asyncio.ensure_future(batched.call(1))
+        await asyncio.sleep(0)
+        leaving, staying = asyncio.ensure_future(batched.call(2)), asyncio.ensure_future(batched.call(3))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        return [await first, await staying, leaving.cancelled()]
+
+    assert asyncio.run(scenario()) == [10, 30, True]
+
+
+def test_callers_waiting_when_the_sender_is_cancelled_get_an_error() -> None:
+    async def scenario() -> list:
+        batched = BatchedCalls(Receiver(delay_s=10).send)
+        callers = [asyncio.ensure_future(batched.call(item)) for item in (1, 2)]
+        await asyncio.sleep(0.01)
+        for task in asyncio.all_tasks():
+            if task.get_coro().__qualname__.endswith("_send_waiting"):
+                task.cancel()
+        return await asyncio.gather(*callers, return_exceptions=True)
+
+    errors = asyncio.run(scenario())
+    assert all(isinstance(error, RuntimeError) and "stopped before answering" in str(error) for error in errors)
