@@ -26,9 +26,11 @@ optim_step, and stops the cluster. Per K:
   and the clients (this process). On a small machine the clients and the service share the cores the trainer
   computes on; this says how. ``cpu_ms_per_op``: the same, in CPU milliseconds per operation (a forward_backward
   or an optim_step).
-Each ``--windows`` value (``--coalesce-window-ms`` of its own cluster; 0: no window) runs every K, the clusters up
+The trainer has a slot for every client's model (``--max-adapters``, default the largest K), as the ceiling's engine
+has. Each ``--windows`` value (``--coalesce-window-ms`` of its own cluster; 0: no window) runs every K, the clusters up
 together and taking turns per K, so both see the same machine. ``ceiling``: the engine alone in this process (no
-service, one torch thread as a trainer has), one adapter and K adapters coalesced at the largest K; ``of_ceiling``:
+service, one torch thread as a trainer has), one adapter and K adapters coalesced, each measured just before the
+service runs K; ``of_ceiling``:
 each window's largest-K ``tok_s`` over that ceiling (``of_ceiling_by_clients``: each K's over K coalesced).
 Prints one JSON line:
 {"bench": "service", "model": .., "windows": {"100": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
@@ -43,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 
@@ -102,6 +105,18 @@ def trainer_side(base_url: str, model_id: str) -> tuple[float, float, float, flo
     return busy, metrics.get("lilo/forward_backward.execute.mean_batch", 0.0), window_s, pass_s
 
 
+def close_quietly(service) -> None:
+    """Finish a client's session, giving up after a minute: once in a few hundred closes the SDK's close never
+    returned (its finish request was never answered, while lilo answered the same request from curl at once; seen
+    with the SDK 0.38.0), and what the benchmark measured is already in hand."""
+    import concurrent.futures
+
+    try:
+        service.close("success").result(timeout=60)
+    except concurrent.futures.TimeoutError:
+        print("bench_service: a client's close did not return within 60 s; going on", file=sys.stderr)
+
+
 def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
         cpu: CpuSplit) -> dict:
     import tinker
@@ -132,7 +147,7 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
                 for (busy, *_), out in zip(trainer, outs)]
     pass_ms = float(np.median([pass_s for *_, pass_s in trainer])) * 1e3
     for service in services:
-        service.close("success").result()
+        close_quietly(service)
     step_p50 = float(np.percentile(all_steps, 50))
     ops_per_s = 2 * len(all_steps) / elapsed  # a forward_backward and an optim_step a step
     return {
@@ -151,26 +166,39 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
     }
 
 
-def engine_ceiling(counts: list[int], rows: int, seq: int) -> dict:
-    """Tokens/s of the engine alone on the tiny model, one torch thread as a trainer has: one adapter, and K
-    adapters coalesced for each K of ``counts`` over 1 (``bench_coalesce``'s measure); ``coalesced_tok_s`` is the
-    largest K's."""
-    import tempfile
-    from pathlib import Path
+class EngineCeiling:
+    """Tokens/s of the engine alone on the tiny model in this process, one torch thread as a trainer has: K adapters
+    coalesced (``bench_coalesce``'s measure, the best of two). Measured for each K just before the service runs K
+    clients (the clusters are up and idle then), so that both see the machine in the same minute: its speed here
+    drifts by a tenth or more within a run."""
 
-    import torch
+    def __init__(self, rows: int, seq: int) -> None:
+        import tempfile
+        from pathlib import Path
 
-    from bench_coalesce import engine_tok_s
-    from lilo.backend.models import build_tiny_llama, load_base_model
+        import torch
 
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as directory:
-        base = load_base_model(build_tiny_llama(Path(directory) / "tiny"))
-    one = max(engine_tok_s(base, 1, rows, seq, steps=7, coalesce=True) for _ in range(2))
-    coalesced = {k: round(max(engine_tok_s(base, k, rows, seq, steps=7, coalesce=True) for _ in range(2)), 1)
-                 for k in counts if k > 1}
-    return {"clients": max(counts), "one_tok_s": round(one, 1), "coalesced_tok_s": coalesced.get(max(counts), one),
-            "coalesced_by_clients": coalesced}
+        from lilo.backend.models import build_tiny_llama, load_base_model
+
+        torch.set_num_threads(1)
+        self._rows, self._seq = rows, seq
+        with tempfile.TemporaryDirectory() as directory:
+            self._base = load_base_model(build_tiny_llama(Path(directory) / "tiny"))
+        self.tok_s: dict[int, float] = {}
+
+    def measure(self, adapters: int) -> float:
+        from bench_coalesce import engine_tok_s
+
+        self.tok_s[adapters] = round(max(engine_tok_s(self._base, adapters, self._rows, self._seq, steps=7,
+                                                      coalesce=True) for _ in range(2)), 1)
+        return self.tok_s[adapters]
+
+    def summary(self) -> dict:
+        """``one_tok_s`` (one adapter), ``coalesced_by_clients`` (each K over 1) and the largest K's
+        (``coalesced_tok_s``)."""
+        largest = max(self.tok_s)
+        return {"clients": largest, "one_tok_s": self.tok_s.get(1), "coalesced_tok_s": self.tok_s[largest],
+                "coalesced_by_clients": {k: tok_s for k, tok_s in self.tok_s.items() if k > 1}}
 
 
 def main() -> None:
@@ -183,14 +211,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--port", type=int, default=8710)
+    parser.add_argument("--max-adapters", type=int,
+                        help="the trainer's adapter slots (default: the largest K, at least lilo's default 16): every "
+                             "client's model held at once, as the ceiling's engine holds its K")
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
     base_model = MODELS[args.model]
     counts = [int(k) for k in args.clients.split(",")]
     windows = args.windows.split(",")
-    ceiling = engine_ceiling(counts, args.rows, args.seq) if args.model == "tiny" else None
+    engine = EngineCeiling(args.rows, args.seq) if args.model == "tiny" else None
     with contextlib.ExitStack() as clusters:
-        homes = [clusters.enter_context(private_cluster(base_model, args.port + 2 * i, "--coalesce-window-ms", w))
+        slots = str(args.max_adapters or max(16, *counts))
+        homes = [clusters.enter_context(private_cluster(base_model, args.port + 2 * i, "--coalesce-window-ms", w,
+                                                        "--max-adapters", slots))
                  for i, w in enumerate(windows)]
         from lilo.backend.models import model_directory
 
@@ -199,13 +232,16 @@ def main() -> None:
         vocab = AutoConfig.from_pretrained(model_directory(base_model)).vocab_size
         results: dict[str, list] = {w: [] for w in windows}
         for k in counts:
+            if engine is not None:
+                engine.measure(k)
             for i, (window, home) in enumerate(zip(windows, homes)):
                 base_url = f"http://127.0.0.1:{args.port + 2 * i}"
                 results[window].append(run(base_url, base_model, k, args.seconds, args.rows, args.seq, vocab,
                                            CpuSplit(home)))
     line = {"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq, "seconds": args.seconds,
             "windows": results}
-    if ceiling is not None:
+    if engine is not None:
+        ceiling = engine.summary()
         line["ceiling"] = ceiling
         line["of_ceiling"] = {w: round(runs[-1]["tok_s"] / ceiling["coalesced_tok_s"], 3)
                               for w, runs in results.items()}
