@@ -158,6 +158,11 @@ class FuturesActor:
         group commits): for each, its outcome or the error it raised."""
         self._burst_calls += 1
         self._burst_submissions += len(submissions)
+        if len(submissions) == 1:  # a lone request: no task of its own
+            try:
+                return [await self.submit_once(submissions[0], subscriber)]
+            except Exception as error:
+                return [error]
         return await asyncio.gather(*(self.submit_once(submission, subscriber) for submission in submissions),
                                     return_exceptions=True)
 

@@ -1,11 +1,12 @@
 """One actor call for the requests that arrive together: an ingress replica's submissions to the futures DB, and its
 hand-offs to each trainer.
 
-Each request is one item. The first item goes at once, in a call of its own; items that come while a call is in
-flight wait for it to return and then go together in the next call (group commit, as the futures DB does with its
-transactions). A lone client's request is never held back, and lockstep clients, whose requests come in bursts
-(each pass's results reach them together), cost one call a burst instead of one each: on a small machine each actor
-call costs about a millisecond of CPU on both sides (docs/benchmarks.md, ``bench_op_latency``).
+Each request is one item. An item that finds no call in flight goes at once, in a call of its own, sent from its
+caller's own coroutine; items that come while a call is in flight wait for it to return and then go together in the
+next call (group commit, as the futures DB does with its transactions). A lone client's request is never held back,
+and lockstep clients, whose requests come in bursts (each pass's results reach them together), cost one call a
+burst instead of one each: on a small machine each actor call costs about a millisecond of CPU on both sides
+(docs/benchmarks.md, ``bench_op_latency``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,31 @@ class BatchedCalls(Generic[Item, Result]):
         self._in_flight = False
 
     async def call(self, item: Item) -> Result:
-        answer = asyncio.get_running_loop().create_future()
-        self._waiting.append((item, answer))
-        if not self._in_flight:
-            self._in_flight = True
+        if self._in_flight:
+            answer = asyncio.get_running_loop().create_future()
+            self._waiting.append((item, answer))
+            return await answer
+        self._in_flight = True
+        try:
+            (result,) = await self._answers([item])
+        finally:
+            self._send_next()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def _answers(self, items: list[Item]) -> list[Result | BaseException]:
+        results = list(await self._send(items))
+        if len(results) != len(items):
+            raise RuntimeError(f"{len(results)} answers came back for {len(items)} requests")
+        return results
+
+    def _send_next(self) -> None:
+        """After a call returned: send what came meanwhile, or say no call is in flight."""
+        if self._waiting:
             asyncio.get_running_loop().create_task(self._send_waiting())
-        return await answer
+        else:
+            self._in_flight = False
 
     async def _send_waiting(self) -> None:
         batch: list[tuple[Item, asyncio.Future]] = []
@@ -46,9 +66,7 @@ class BatchedCalls(Generic[Item, Result]):
             while self._waiting:
                 batch, self._waiting = self._waiting[:self._max_items], self._waiting[self._max_items:]
                 try:
-                    results = list(await self._send([item for item, _ in batch]))
-                    if len(results) != len(batch):
-                        raise RuntimeError(f"{len(results)} answers came back for {len(batch)} requests")
+                    results = await self._answers([item for item, _ in batch])
                 except Exception as error:
                     results = [error] * len(batch)
                 for (_, answer), result in zip(batch, results):

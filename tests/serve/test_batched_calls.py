@@ -37,7 +37,7 @@ def test_a_lone_call_goes_at_once_and_those_made_meanwhile_go_together() -> None
     assert calls == [[1], [2, 3, 4]]
 
 
-def test_calls_made_in_one_turn_go_together_split_at_the_most_items_a_call() -> None:
+def test_bursts_are_split_at_the_most_items_a_call() -> None:
     async def scenario() -> list:
         receiver = Receiver()
         batched = BatchedCalls(receiver.send, max_items=2)
@@ -46,7 +46,7 @@ def test_calls_made_in_one_turn_go_together_split_at_the_most_items_a_call() -> 
 
     answers, calls = asyncio.run(scenario())
     assert answers == [0, 10, 20, 30, 40]
-    assert calls == [[0, 1], [2, 3], [4]]
+    assert calls == [[0], [1, 2], [3, 4]]
 
 
 def test_an_items_error_reaches_only_its_caller() -> None:
@@ -60,7 +60,7 @@ def test_an_items_error_reaches_only_its_caller() -> None:
 
 
 def test_a_failed_call_fails_each_of_its_items_and_the_next_call_still_goes() -> None:
-    failures = iter([RuntimeError("the actor died")])
+    failures = iter([None, RuntimeError("the actor died")])
 
     async def send(items: list[int]) -> list[int]:
         await asyncio.sleep(0.01)
@@ -71,16 +71,20 @@ def test_a_failed_call_fails_each_of_its_items_and_the_next_call_still_goes() ->
 
     async def scenario() -> list:
         batched = BatchedCalls(send)
-        failed = await asyncio.gather(batched.call(1), batched.call(2), return_exceptions=True)
-        return [failed, await batched.call(3)]
+        first = asyncio.ensure_future(batched.call(1))
+        await asyncio.sleep(0)
+        answers = await asyncio.gather(first, batched.call(2), batched.call(3), return_exceptions=True)
+        return [answers, await batched.call(4)]
 
-    failed, later = asyncio.run(scenario())
-    assert [str(error) for error in failed] == ["the actor died", "the actor died"]
-    assert later == 3
+    (first, second, third), later = asyncio.run(scenario())
+    assert first == 1
+    assert [str(error) for error in (second, third)] == ["the actor died", "the actor died"]
+    assert later == 4
 
 
 def test_a_wrong_number_of_answers_fails_the_call_rather_than_leaving_a_caller_waiting() -> None:
     async def send(items: list[int]) -> list[int]:
+        await asyncio.sleep(0.01)
         return items[:1]
 
     async def scenario() -> list:
@@ -108,15 +112,18 @@ def test_a_caller_that_goes_away_leaves_the_others_answered() -> None:
     assert asyncio.run(scenario()) == [10, 30, True]
 
 
-def test_callers_waiting_when_the_sender_is_cancelled_get_an_error() -> None:
+def test_callers_waiting_when_the_ingress_stops_get_an_error() -> None:
     async def scenario() -> list:
         batched = BatchedCalls(Receiver(delay_s=10).send)
-        callers = [asyncio.ensure_future(batched.call(item)) for item in (1, 2)]
+        first, second = asyncio.ensure_future(batched.call(1)), asyncio.ensure_future(batched.call(2))
+        await asyncio.sleep(0.01)
+        first.cancel()  # the replica stops: its requests' tasks are cancelled, and the call sending the next items
         await asyncio.sleep(0.01)
         for task in asyncio.all_tasks():
             if task.get_coro().__qualname__.endswith("_send_waiting"):
                 task.cancel()
-        return await asyncio.gather(*callers, return_exceptions=True)
+        return [first, *await asyncio.gather(second, return_exceptions=True)]
 
-    errors = asyncio.run(scenario())
-    assert all(isinstance(error, RuntimeError) and "stopped before answering" in str(error) for error in errors)
+    first, second = asyncio.run(scenario())
+    assert first.cancelled()
+    assert isinstance(second, RuntimeError) and "stopped before answering" in str(second)
