@@ -114,7 +114,7 @@ def close_quietly(service) -> None:
     try:
         service.close("success").result(timeout=60)
     except concurrent.futures.TimeoutError:
-        print("bench_service: a client's close did not return within 60 s; going on", file=sys.stderr)
+        print(f"{sys.argv[0]}: a client's close did not return within 60 s; going on", file=sys.stderr)
 
 
 def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
