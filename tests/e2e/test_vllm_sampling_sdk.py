@@ -167,8 +167,10 @@ def test_the_openai_endpoint_samples_a_checkpoint_on_vllm_as_the_tinker_sdk_does
 
 def session_trace(url: str, session_id: str) -> list[dict]:
     """The session's requests as ``tinker session export-trace`` gets them (a signed link to the trace)."""
-    link = httpx.get(f"{url}/api/v1/sessions/{session_id}/trace_export", headers={"X-API-Key": KEY}).json()["url"]
-    return [event for event in httpx.get(link).json()["traceEvents"] if event["ph"] == "X"]
+    # httpx's default 5 s timeout is too short on 2 cores while vLLM generates on them (a CI run timed out once).
+    link = httpx.get(f"{url}/api/v1/sessions/{session_id}/trace_export", headers={"X-API-Key": KEY},
+                     timeout=60).json()["url"]
+    return [event for event in httpx.get(link, timeout=60).json()["traceEvents"] if event["ph"] == "X"]
 
 
 def test_an_abandoned_vllm_sample_is_cancelled_on_the_sampler(vllm_service):
