@@ -40,6 +40,10 @@ def metadata_strings(raw: Any) -> dict[str, str] | None:
     return {str(key): str(value) for key, value in raw.items()}
 
 
+# Hand-off calls one replica keeps in flight to one trainer (serve.tinker.batched_calls says why more than one).
+HANDOFFS_IN_FLIGHT = 4
+
+
 class Submissions:
     def __init__(self, futures: ActorHandle, pushed: PushedResults) -> None:
         self._futures = futures
@@ -52,7 +56,8 @@ class Submissions:
 
     def _hand_off(self, trainer: str, command: Command) -> Awaitable[None]:
         if trainer not in self._handoffs:
-            self._handoffs[trainer] = BatchedCalls(lambda batch: named_actor(trainer).submit_many.remote(batch))
+            self._handoffs[trainer] = BatchedCalls(lambda batch: named_actor(trainer).submit_many.remote(batch),
+                                                   max_in_flight=HANDOFFS_IN_FLIGHT)
         return self._handoffs[trainer].call(command)
 
     async def submit(self, command: Command, stored: object, tenant: str | None) -> dict[str, str]:

@@ -37,6 +37,29 @@ def test_a_lone_call_goes_at_once_and_those_made_meanwhile_go_together() -> None
     assert calls == [[1], [2, 3, 4]]
 
 
+def test_below_the_limit_of_calls_in_flight_a_turns_items_go_at_once_and_together() -> None:
+    async def scenario() -> list:
+        receiver = Receiver(delay_s=0.05)
+        batched = BatchedCalls(receiver.send, max_in_flight=2)
+        first = asyncio.ensure_future(batched.call(1))
+        await asyncio.sleep(0)  # the first call is in flight
+        same_turn = [asyncio.ensure_future(batched.call(item)) for item in (2, 3)]
+        await asyncio.sleep(0.01)
+        sent_before_the_first_came_back = [list(call) for call in receiver.calls]
+        first_done_then = first.done()
+        at_the_limit = [asyncio.ensure_future(batched.call(item)) for item in (4, 5)]
+        await asyncio.sleep(0.01)
+        calls_at_the_limit = len(receiver.calls)
+        answers = await asyncio.gather(first, *same_turn, *at_the_limit)
+        return [answers, sent_before_the_first_came_back, first_done_then, calls_at_the_limit, receiver.calls]
+
+    answers, early, first_done_then, calls_at_the_limit, calls = asyncio.run(scenario())
+    assert answers == [10, 20, 30, 40, 50]
+    assert early == [[1], [2, 3]] and not first_done_then  # the second call did not wait for the first
+    assert calls_at_the_limit == 2  # two in flight: 4 and 5 waited for one of them to come back
+    assert calls == [[1], [2, 3], [4, 5]]
+
+
 def test_bursts_are_split_at_the_most_items_a_call() -> None:
     async def scenario() -> list:
         receiver = Receiver()
