@@ -32,6 +32,10 @@ together and taking turns per K, so both see the same machine. ``ceiling``: the 
 service, one torch thread as a trainer has), one adapter and K adapters coalesced, each measured just before the
 service runs K; ``of_ceiling``:
 each window's largest-K ``tok_s`` over that ceiling (``of_ceiling_by_clients``: each K's over K coalesced).
+``--trace``: the cluster exports its traces to a receiver in this process, and each K gets ``gap_split`` (median ms
+from an optim_step pass's end to the results written, the first and last next forward_backward at the ingress, the
+last recorded, the last handed to the trainer, the next pass: ``gap_split.py``). Tracing costs CPU, so compare a
+traced run's other figures only with another traced run's.
 Prints one JSON line:
 {"bench": "service", "model": .., "windows": {"100": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
  "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "coalesce_wait_ms": .., "cpu_cores": {"trainer": .., ...}},
@@ -52,6 +56,8 @@ import time
 import numpy as np
 
 from cpu_split import CpuSplit
+from gap_split import gap_split
+from otlp_receiver import OtlpReceiver
 from private_cluster import private_cluster
 
 API_KEY = "tml-bench-service"
@@ -118,7 +124,7 @@ def close_quietly(service) -> None:
 
 
 def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
-        cpu: CpuSplit) -> dict:
+        cpu: CpuSplit, traces: OtlpReceiver | None = None) -> dict:
     import tinker
 
     services = [tinker.ServiceClient(base_url=base_url, api_key=API_KEY) for _ in range(clients)]
@@ -132,10 +138,11 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
     for out in outs:
         trainer_side(base_url, out["model_id"])  # start this reader's interval where the clients' steps start
     go.set()
-    started = time.perf_counter()
+    started, started_ns = time.perf_counter(), time.time_ns()
     cpu.start()
     time.sleep(seconds)
     cores = cpu.cores(digits=4)
+    window_ns = (started_ns, time.time_ns())
     stop.set()
     for thread in threads:
         thread.join(timeout=600)
@@ -150,7 +157,8 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
         close_quietly(service)
     step_p50 = float(np.percentile(all_steps, 50))
     ops_per_s = 2 * len(all_steps) / elapsed  # a forward_backward and an optim_step a step
-    return {
+    split = {} if traces is None else {"gap_split": gap_split(traces.spans_between(*window_ns))}
+    return {**split,
         "clients": clients,
         "tok_s": round(sum(len(s) for s in steps) * rows * seq / elapsed, 1),
         "step_p50_ms": round(step_p50 * 1e3, 1),
@@ -214,8 +222,15 @@ def main() -> None:
     parser.add_argument("--max-adapters", type=int,
                         help="the trainer's adapter slots (default: the largest K, at least lilo's default 16): every "
                              "client's model held at once, as the ceiling's engine holds its K")
+    parser.add_argument("--trace", action="store_true",
+                        help="add each K's gap_split, from the cluster's traces (which cost CPU: compare traced runs "
+                             "with traced runs)")
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
+    traces = None
+    if args.trace:
+        traces = OtlpReceiver()
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces.endpoint  # handed to every process of the cluster
     base_model = MODELS[args.model]
     counts = [int(k) for k in args.clients.split(",")]
     windows = args.windows.split(",")
@@ -237,9 +252,9 @@ def main() -> None:
             for i, (window, home) in enumerate(zip(windows, homes)):
                 base_url = f"http://127.0.0.1:{args.port + 2 * i}"
                 results[window].append(run(base_url, base_model, k, args.seconds, args.rows, args.seq, vocab,
-                                           CpuSplit(home)))
+                                           CpuSplit(home), traces))
     line = {"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq, "seconds": args.seconds,
-            "windows": results}
+            "traced": args.trace, "windows": results}
     if engine is not None:
         ceiling = engine.summary()
         line["ceiling"] = ceiling

@@ -21,7 +21,7 @@ from cluster.ports import free_ports  # noqa: E402
 from helpers import Clock, lilo, short_home  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402
 from lilo.timing.traces import TRACES_ENDPOINT  # noqa: E402
-from otlp_receiver import OtlpReceiver  # noqa: E402
+from benchmarks.otlp_receiver import OtlpReceiver  # noqa: E402
 
 # The registered tiny model, and a second one served from a local directory (built in local_cluster): a tiny
 # Llama with SmolLM2's vocabulary and chat tokenizer, so the demo runs on it too.

@@ -18,7 +18,7 @@ from lilo.timing import traces
 from lilo.timing.trace_observer import TraceObserver, trace_observer
 from lilo.timing.trace_export import BoundedExport
 from lilo.timing.traces import carrier, traces_endpoint
-from otlp_receiver import OtlpReceiver
+from benchmarks.otlp_receiver import OtlpReceiver
 from test_engine import RecordingBackend, command
 
 

@@ -1,5 +1,5 @@
-"""A real OTLP/HTTP trace receiver on loopback, for tests: it decodes each export with ``opentelemetry-proto`` and
-keeps the spans, as a collector would receive them."""
+"""A real OTLP/HTTP trace receiver on loopback, for tests and benchmarks: it decodes each export with
+``opentelemetry-proto`` and keeps the spans, as a collector would receive them."""
 
 from __future__ import annotations
 
@@ -89,6 +89,12 @@ class OtlpReceiver:
             if enough(spans) or time.monotonic() > deadline:
                 return spans
             time.sleep(0.2)
+
+    def spans_between(self, start_ns: int, end_ns: int, timeout_s: float = 10.0) -> list[ReceivedSpan]:
+        """The spans that started between the two times, once one that started later has come (what was exported
+        before it is in: each part exports in order)."""
+        spans = self.wait_for(lambda spans: any(span.start_ns > end_ns for span in spans), timeout_s)
+        return [span for span in spans if start_ns <= span.start_ns <= end_ns]
 
     def close(self) -> None:
         self._server.shutdown()
