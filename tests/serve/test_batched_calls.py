@@ -4,6 +4,7 @@ is tested is the batching, and the real calls run in every SDK test."""
 
 import asyncio
 
+import pytest
 
 from lilo.errors import ConflictError
 from serve.tinker.batched_calls import BatchedCalls
@@ -82,15 +83,22 @@ def test_an_items_error_reaches_only_its_caller() -> None:
     assert isinstance(refused, ConflictError) and "item -2 is refused" in str(refused)
 
 
-def test_a_failed_call_fails_each_of_its_items_and_the_next_call_still_goes() -> None:
+@pytest.mark.parametrize("at_once", [False, True], ids=["the call fails", "sending raises"])
+def test_a_failed_call_fails_each_of_its_items_and_the_next_call_still_goes(at_once: bool) -> None:
+    """The second call fails: its actor died while answering, or (``at_once``) sending raised before anything left,
+    as Ray raises for an actor that is gone."""
     failures = iter([None, RuntimeError("the actor died")])
 
-    async def send(items: list[int]) -> list[int]:
-        await asyncio.sleep(0.01)
+    def send(items: list[int]) -> asyncio.Future:
         error = next(failures, None)
-        if error is not None:
+        if error is not None and at_once:
             raise error
-        return items
+        answered = asyncio.get_running_loop().create_future()
+        if error is not None:
+            asyncio.get_running_loop().call_later(0.01, answered.set_exception, error)
+        else:
+            asyncio.get_running_loop().call_later(0.01, answered.set_result, items)
+        return answered
 
     async def scenario() -> list:
         batched = BatchedCalls(send)
