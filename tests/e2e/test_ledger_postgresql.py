@@ -93,7 +93,8 @@ def test_the_sdk_trains_saves_samples_and_lists_on_a_postgresql_ledger(ledger_se
     saved = client.save_state("on-postgresql").result(timeout=TIMEOUT_S).path
     sampler = client.save_weights_and_get_sampling_client("on-postgresql-sampler")
     prompt = tinker.ModelInput.from_ints(sdk_datum(3).model_input.to_ints()[:8])
-    sampled = sampler.sample(prompt, 2, tinker.SamplingParams(max_tokens=5, temperature=1.0)).result(
+    # stop=[]: no end-of-sequence stop, so both run to max_tokens (at temperature 1 one sometimes drew it early).
+    sampled = sampler.sample(prompt, 2, tinker.SamplingParams(max_tokens=5, temperature=1.0, stop=[])).result(
         timeout=TIMEOUT_S)
     assert len(sampled.sequences) == 2 and all(len(sequence.tokens) == 5 for sequence in sampled.sequences)
     rest = service.create_rest_client()
