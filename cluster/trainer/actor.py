@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import uuid
 import weakref
@@ -34,6 +33,7 @@ from cluster.sampling.plane import SamplerRelay, SamplerSeat, samplers_of, train
 from cluster.timing import TimingPublisher, get_timing_actor
 from cluster.trainer.backend import build_backend
 from cluster.trainer.config import TrainerConfig, trainer_name
+from cluster.trainer.results import ResultWriter
 from cluster.worker_setup import freeze_startup, lower_thread_priority
 from lilo.backend.checkpoints.index import (
     CheckpointEntry, checkpoint_files, checkpoint_path, copy_checkpoint, delete_checkpoint, latest_weights,
@@ -56,10 +56,6 @@ from lilo.timing.trace_observer import trace_observer
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# How long a failed write of results to the futures DB waits before it is tried again.
-RETRY_WRITE_S = 1.0
-
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
@@ -88,10 +84,7 @@ class TrainerActor:
         self._relay: SamplerRelay | None = None
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
         self._loading: Future[Loaded] = Future()
-        self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
-        self._flusher: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._results = ResultWriter(lambda: ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE))
         # The futures of submitted commands whose completion is already on its way to the futures DB.
         self._reported: weakref.WeakSet[Future] = weakref.WeakSet()
         self._text = TrainerText(base_model, config.model_cache_dir)
@@ -416,7 +409,7 @@ class TrainerActor:
                 recorded_prompt: Sequence[int] | None = None) -> None:
         """Write ``future``'s result to the futures DB under ``request_id`` once it finishes: once, however often a
         retry hands the same command over (the engine gives a retry the first future)."""
-        self._start_flusher()
+        self._results.start()
         if future in self._reported:
             return
         self._reported.add(future)
@@ -424,39 +417,8 @@ class TrainerActor:
 
     def _finished(self, kind: Kind, request_id: str, done: Future,
                   recorded_prompt: Sequence[int] | None = None) -> None:
-        # Runs on the thread that finished the command; the flusher on the event loop writes it, woken at once.
-        self._outbox.put(completion_for(kind, int(request_id), done, recorded_prompt))
-        self._loop.call_soon_threadsafe(self._wake.set)
-
-    def _start_flusher(self) -> None:
-        if self._flusher is None or self._flusher.done():
-            self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
-            self._flusher = self._loop.create_task(self._flush_forever())
-
-    async def _flush_forever(self) -> None:
-        """Write finished results to the futures DB as soon as they come; whatever finishes while a write is in
-        flight goes in the next one, so results batch up exactly when the DB is the bottleneck."""
-        futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-        pending: list[Completion] = []
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while not self._outbox.empty():
-                pending.append(self._outbox.get_nowait())
-            if not pending:
-                continue
-            try:
-                # False: the file stayed locked, and the futures DB keeps them in memory for its next write. They
-                # stay here too until written: that memory goes if the futures DB actor dies.
-                if await futures_db.complete.remote(pending):
-                    pending = []
-                    continue
-                logger.warning("%d result(s) not written yet (the futures DB is locked); retrying", len(pending))
-            except Exception:
-                logger.exception("writing %d result(s) to the futures DB failed; retrying", len(pending))
-                futures_db = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-            await asyncio.sleep(RETRY_WRITE_S)
-            self._wake.set()
+        # Runs on the thread that finished the command.
+        self._results.put(completion_for(kind, int(request_id), done, recorded_prompt))
 
     async def timing(self, model_id: str | None = None, reset: bool = False, reader: str = "") -> dict | None:
         """This trainer's critical path of one of its models (None if not here), or of all of them."""

@@ -45,15 +45,20 @@ class FinishedPushes:
 
     async def take(self, subscriber: str, timeout_s: float) -> list[FutureState]:
         """Everything pushed to ``subscriber`` since it last took, once there is something or after ``timeout_s``
-        (then maybe nothing)."""
+        (then maybe nothing). A subscriber may keep several takes waiting: each push wakes them all, the first
+        empties the box and the others wait on for the next."""
         filled = self._event(subscriber)
-        try:
-            await asyncio.wait_for(filled.wait(), timeout_s)
-        except TimeoutError:
-            pass
-        filled.clear()
-        box = self._boxes.pop(subscriber, None)
-        return list(box) if box else []
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._boxes.get(subscriber):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return []
+            try:
+                await asyncio.wait_for(filled.wait(), left)
+            except TimeoutError:
+                return []
+            filled.clear()
+        return list(self._boxes.pop(subscriber))
 
     def _event(self, subscriber: str) -> asyncio.Event:
         return self._filled.setdefault(subscriber, asyncio.Event())

@@ -1,11 +1,13 @@
 """An ingress replica's end of the pushed results (``lilo.futures.pushes``): what it submitted, the results the
 futures DB pushed back for them, and the retrieves waiting for those, answered here without an actor call each.
 
-One listener task takes the replica's box in a loop (a long-poll, answered as soon as results are written). A
-retrieve of a request this replica submitted waits here; of any other (another replica's, an id from before a
-restart, another tenant's) it returns None, and the caller asks the futures DB as before. So does a retrieve whose
-wait here times out, and every one once the futures DB restarted (its subscriptions went with it) or cannot be
-reached: pushes only ever save calls, they never decide an answer alone.
+Listener tasks take the replica's box in a loop (long-polls, answered as soon as results are written): two, so that
+while one brings a batch back the other already waits for the next (with one, each batch waited for the round trip of
+the one before: an optim_step's result behind its forward_backward's). A retrieve of a request this replica submitted
+waits here; of any other (another replica's, an id from before a restart, another tenant's) it returns None, and the
+caller asks the futures DB as before. So does a retrieve whose wait here times out, and every one once the futures DB
+restarted (its subscriptions went with it) or cannot be reached: pushes only ever save calls, they never decide an
+answer alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # How long one take waits for results (the listener then asks again at once).
 TAKE_TIMEOUT_S = 30.0
+# Takes each replica keeps waiting at the futures DB.
+LISTENERS = 2
 # Requests this replica holds at most (pending, or finished and not yet retrieved), and bytes of results held for
 # retrieves still to come: past them the oldest are dropped, and the futures DB (which keeps every result) answers.
 MAX_HELD = 100_000
@@ -37,7 +41,7 @@ class PushedResults:
         self._held: collections.OrderedDict[int, asyncio.Future] = collections.OrderedDict()
         self._held_bytes = 0
         self._incarnation: str | None = None  # the futures DB's, as the first take said
-        self._listener: asyncio.Task | None = None
+        self._listeners: list[asyncio.Task] = []
 
     def submitted(self, request_id: int) -> None:
         """This replica recorded ``request_id`` (with its ``subscriber``): its result will be pushed here."""
@@ -45,8 +49,9 @@ class PushedResults:
             self._held[request_id] = asyncio.get_running_loop().create_future()
             if len(self._held) > MAX_HELD:
                 self._drop(next(iter(self._held)))
-        if self._listener is None or self._listener.done():
-            self._listener = asyncio.create_task(self._listen(), name="lilo-pushed-results")
+        self._listeners = [task for task in self._listeners if not task.done()]
+        while len(self._listeners) < LISTENERS:
+            self._listeners.append(asyncio.create_task(self._listen(), name="lilo-pushed-results"))
 
     async def wait(self, request_id: int, timeout_s: float, tenant: str | None) -> FutureState | None:
         """``request_id``'s finished state once pushed here, if ``tenant`` may see it; None where this replica

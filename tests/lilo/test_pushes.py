@@ -47,3 +47,24 @@ def test_a_box_nobody_takes_keeps_its_newest_results_and_subscriptions_are_bound
 
     # Only the last 3 subscriptions were kept, and of their 3 results the box kept the newest 2.
     assert [s.request_id for s in asyncio.run(scenario())] == [4, 5]
+
+
+def test_of_two_takes_waiting_one_gets_a_push_and_the_other_waits_for_the_next():
+    # An ingress replica keeps two takes waiting (serve.tinker.pushed_results), so that a result written while one
+    # brings a batch back finds the other already there.
+    async def scenario():
+        pushes = FinishedPushes()
+        for request_id in (1, 2):
+            pushes.subscribe(request_id, "a")
+        takes = [asyncio.create_task(pushes.take("a", timeout_s=5)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        pushes.push(done(1))
+        finished, waiting = await asyncio.wait(takes, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0.01)
+        still_waiting = len(waiting)
+        pushes.push(done(2))
+        second = await asyncio.wait_for(waiting.pop(), 1.0)
+        return [s.request_id for s in finished.pop().result()], still_waiting, [s.request_id for s in second]
+
+    first, still_waiting, second = asyncio.run(scenario())
+    assert (first, still_waiting, second) == ([1], 1, [2])
