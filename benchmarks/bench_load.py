@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 import httpx
 import numpy as np
 
-from bench_service import client_loop
+from bench_service import client_loop, wait_ready
 from private_cluster import futures_actor_of, private_cluster
 
 API_KEY = "tml-bench-load"
@@ -142,28 +142,22 @@ def training_clients(base_url: str, clients: int, stop: threading.Event) -> tupl
     services = [tinker.ServiceClient(base_url=base_url, api_key=API_KEY) for _ in range(clients)]
     outs: list[dict] = [{} for _ in range(clients)]
     ready, go = threading.Barrier(clients + 1), threading.Event()
-    threads = [threading.Thread(target=guarded, args=(outs[i], ready, services[i], TINY, 1, 64, VOCAB, ready, go,
-                                                      stop, outs[i])) for i in range(clients)]
+    threads = [threading.Thread(target=guarded, args=(outs[i], services[i], TINY, 1, 64, VOCAB, ready, go, stop,
+                                                      outs[i])) for i in range(clients)]
     for thread in threads:
         thread.start()
-    try:
-        ready.wait(timeout=600)
-    except threading.BrokenBarrierError:
-        failed = next((out["error"] for out in outs if "error" in out), "a client did not get ready in 600 s")
-        raise RuntimeError(f"a training client failed before the benchmark started: {failed}") from None
+    wait_ready(ready, outs)
     go.set()
     return threads, outs
 
 
-def guarded(out: dict, ready: threading.Barrier, *args) -> None:
+def guarded(out: dict, *args) -> None:
     """Run a client's loop (bench_service's); a step that fails is counted, not raised in a thread where nobody sees
-    it, and a client that fails before it is ready breaks ``ready``, so the benchmark stops at once instead of
-    waiting for it."""
+    it."""
     try:
         client_loop(*args)
     except Exception as error:  # counted in the JSON line's errors
         out["error"] = repr(error)
-        ready.abort()
 
 
 async def run(base_url: str, futures, clients: int, waiters: int, seconds: float, drain_s: float) -> dict:

@@ -15,10 +15,14 @@ per call. An operation takes two HTTP requests and four actor calls (record, han
 push it to the ingress), so those make its floor here: ``floor_ms``, a lower bound of its latency (one request's and
 three calls' in sequence: the submission with its record and hand-over, the result's write; the retrieve's request
 travels while the step runs); ``floor_cpu_ms``, of its CPU (two requests, four calls; the SDK's own not counted).
+``bare``: the same client and operations against the same engine behind a bare HTTP front (``bare_service.py``: no
+Ray, no ledger, nothing of lilo's), its ``op_p50_ms``, ``execute_ms`` and ``overhead_p50_ms``: what the SDK and one
+HTTP front cost an operation on this machine, the floor of any service.
 Prints one JSON line:
 {"bench": "op_latency", "ops": .., "op_p50_ms": .., "op_p99_ms": .., "execute_ms": .., "overhead_p50_ms": ..,
  "cpu_ms_per_op": {..}, "http": {"p50_ms": .., "ingress_cpu_ms": .., "client_cpu_ms": ..},
- "ray_call": {"p50_ms": .., "caller_cpu_ms": .., "callee_cpu_ms": ..}, "floor_ms": .., "floor_cpu_ms": ..}
+ "ray_call": {"p50_ms": .., "caller_cpu_ms": .., "callee_cpu_ms": ..}, "floor_ms": .., "floor_cpu_ms": ..,
+ "bare": {"op_p50_ms": .., "execute_ms": .., "overhead_p50_ms": ..}}
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from cluster.local import prepare_environment
 
 prepare_environment()  # before Ray is first imported
 
+from bare_service import bare_service  # noqa: E402
 from bench_service import close_quietly  # noqa: E402
 from cpu_split import CpuSplit  # noqa: E402
 from private_cluster import futures_actor_of, private_cluster  # noqa: E402
@@ -46,21 +51,22 @@ READER = "bench-op-latency"
 BASE_MODEL = "lilo/tiny-llama"
 
 
-def timed(call: Callable[[], object], count: int, home: Path) -> tuple[list[float], float, dict[str, float]]:
+def timed(call: Callable[[], object], count: int, home: Path | None) -> tuple[list[float], float, dict[str, float]]:
     """``call`` ``count`` times, one at a time: each one's seconds, all of them's, and the cores each part of the
-    cluster in ``home`` used meanwhile."""
-    cpu = CpuSplit(home)
-    cpu.start()
+    cluster in ``home`` used meanwhile (none without one)."""
+    cpu = CpuSplit(home) if home is not None else None
+    if cpu is not None:
+        cpu.start()
     started = time.perf_counter()
     latencies = []
     for _ in range(count):
         sent = time.perf_counter()
         call()
         latencies.append(time.perf_counter() - sent)
-    return latencies, time.perf_counter() - started, cpu.cores(digits=4)
+    return latencies, time.perf_counter() - started, cpu.cores(digits=4) if cpu is not None else {}
 
 
-def sdk_operations(base_url: str, home: Path, ops: int) -> dict:
+def sdk_operations(base_url: str, home: Path | None, ops: int) -> dict:
     import tinker
     from tinker import types
 
@@ -80,7 +86,8 @@ def sdk_operations(base_url: str, home: Path, ops: int) -> dict:
     p50 = float(np.percentile(latencies, 50)) * 1e3
     return {"ops": ops, "op_p50_ms": round(p50, 2), "op_p99_ms": round(float(np.percentile(latencies, 99)) * 1e3, 2),
             "execute_ms": round(execute_ms, 2), "overhead_p50_ms": round(p50 - execute_ms, 2),
-            "cpu_ms_per_op": {part: round(used * elapsed / ops * 1e3, 2) for part, used in cores.items()}}
+            **({"cpu_ms_per_op": {part: round(used * elapsed / ops * 1e3, 2) for part, used in cores.items()}}
+               if cores else {})}
 
 
 def http_floor(base_url: str, home: Path, requests: int) -> dict:
@@ -151,10 +158,13 @@ def main() -> None:
         line["http"] = http_floor(base_url, home, args.floor_calls)
         with futures_actor_of(home):  # connects this process to the cluster as a driver
             line["ray_call"] = ray_call_floor(args.floor_calls)
+    with bare_service(args.port + 1, max_adapters=1) as bare_url:
+        bare = sdk_operations(bare_url, None, args.ops)
     http, ray_call = line["http"], line["ray_call"]
     line["floor_ms"] = round(http["p50_ms"] + 3 * ray_call["p50_ms"], 2)
     line["floor_cpu_ms"] = round(2 * (http["ingress_cpu_ms"] + http["client_cpu_ms"])
                                  + 4 * (ray_call["caller_cpu_ms"] + ray_call["callee_cpu_ms"]), 2)
+    line["bare"] = {key: bare[key] for key in ("op_p50_ms", "execute_ms", "overhead_p50_ms")}
     print(json.dumps(line))
 
 

@@ -36,6 +36,9 @@ each window's largest-K ``tok_s`` over that ceiling (``of_ceiling_by_clients``: 
 from an optim_step pass's end to the results written, the first and last next forward_backward at the ingress, the
 last recorded, the last handed to the trainer, the next pass: ``gap_split.py``). Tracing costs CPU, so compare a
 traced run's other figures only with another traced run's.
+``--bare``: each K runs once more against the same engine behind a bare HTTP front (``bare_service.py``: no Ray, no
+ledger, no auth, nothing of lilo's), the machine's own ceiling for SDK clients: ``bare`` (the same figures as a window's
+but the CPU split) and ``of_bare_by_clients`` (each window's ``tok_s`` over the bare front's, per K).
 Prints one JSON line:
 {"bench": "service", "model": .., "windows": {"100": [{"clients": K, "tok_s": .., "step_p50_ms": .., "step_p99_ms": ..,
  "overhead_p50_ms": .., "fairness": .., "mean_batch": .., "coalesce_wait_ms": .., "cpu_cores": {"trainer": .., ...}},
@@ -52,6 +55,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -67,16 +71,25 @@ MODELS = {"tiny": "lilo/tiny-llama", "smollm2": "HuggingFaceTB/SmolLM2-135M-Inst
 
 def client_loop(service, base_model: str, rows: int, seq: int, vocab: int, ready: threading.Barrier,
                 go: threading.Event, stop: threading.Event, out: dict) -> None:
+    """One client: its model made and warmed up, it waits at ``ready`` for the others, then steps from ``go`` until
+    ``stop`` (``out``: its ``model_id`` and ``steps``). One that fails before it is ready says why in ``out["error"]``
+    and breaks ``ready``, so that the benchmark stops at once (``wait_ready``) instead of waiting for it."""
     from tinker import types
 
-    training = service.create_lora_training_client(base_model=base_model, rank=8).result()
-    rng = np.random.default_rng(abs(hash(training.model_id)) % 2**32)
-    tokens = rng.integers(0, vocab, (rows, seq + 1))
-    data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
-                        loss_fn_inputs={"target_tokens": row[1:].tolist(), "weights": [1.0] * seq}) for row in tokens]
-    adam = types.AdamParams(learning_rate=1e-4)
-    training.forward_backward(data, "cross_entropy").result()  # warm-up, outside the window
-    training.optim_step(adam).result()
+    try:
+        training = service.create_lora_training_client(base_model=base_model, rank=8).result()
+        rng = np.random.default_rng(abs(hash(training.model_id)) % 2**32)
+        tokens = rng.integers(0, vocab, (rows, seq + 1))
+        data = [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                            loss_fn_inputs={"target_tokens": row[1:].tolist(), "weights": [1.0] * seq})
+                for row in tokens]
+        adam = types.AdamParams(learning_rate=1e-4)
+        training.forward_backward(data, "cross_entropy").result()  # warm-up, outside the window
+        training.optim_step(adam).result()
+    except Exception as error:
+        out["error"] = repr(error)
+        ready.abort()
+        raise
     out["model_id"] = training.model_id
     steps = []
     ready.wait()
@@ -123,8 +136,22 @@ def close_quietly(service) -> None:
         print(f"{sys.argv[0]}: a client's close did not return within 60 s; going on", file=sys.stderr)
 
 
-def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
-        cpu: CpuSplit, traces: OtlpReceiver | None = None) -> dict:
+def wait_ready(ready: threading.Barrier, outs: list[dict]) -> None:
+    """Wait for every client at ``ready``; raises, with the first one's error, when one failed before it."""
+    try:
+        ready.wait(timeout=600)
+    except threading.BrokenBarrierError:
+        failed = next((out["error"] for out in outs if "error" in out), "a client did not get ready in 600 s")
+        raise RuntimeError(f"a client failed before the benchmark started: {failed}") from None
+
+
+def lockstep(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
+             at_start: Callable[[list[dict]], None] = lambda outs: None,
+             at_end: Callable[[], None] = lambda: None) -> tuple[list, list[dict], float, tuple[int, int]]:
+    """``clients`` SDK clients stepping in lockstep against ``base_url`` for ``seconds`` (``at_start(outs)`` once
+    they are ready, before they start; ``at_end()`` as the window closes, before they stop): their service clients
+    (to close once the server's side is read: a closed session's models are unloaded), each client's out
+    (``model_id``, ``steps``), the window's seconds, and its start and end (ns)."""
     import tinker
 
     services = [tinker.ServiceClient(base_url=base_url, api_key=API_KEY) for _ in range(clients)]
@@ -134,33 +161,52 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
                                                           stop, outs[i])) for i in range(clients)]
     for thread in threads:
         thread.start()
-    ready.wait(timeout=600)
-    for out in outs:
-        trainer_side(base_url, out["model_id"])  # start this reader's interval where the clients' steps start
+    wait_ready(ready, outs)
+    at_start(outs)
     go.set()
     started, started_ns = time.perf_counter(), time.time_ns()
-    cpu.start()
     time.sleep(seconds)
-    cores = cpu.cores(digits=4)
+    at_end()
     window_ns = (started_ns, time.time_ns())
     stop.set()
     for thread in threads:
         thread.join(timeout=600)
     elapsed = time.perf_counter() - started
+    return services, outs, elapsed, window_ns
+
+
+def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
+        cpu: CpuSplit | None, traces: OtlpReceiver | None = None) -> dict:
+    """K clients against ``base_url``, their steps split by its critical path (and, given ``cpu``, the CPU of each
+    part of its cluster)."""
+    cores: dict[str, float] = {}
+
+    def at_start(outs: list[dict]) -> None:
+        for out in outs:
+            trainer_side(base_url, out["model_id"])  # start this reader's interval where the clients' steps start
+        if cpu is not None:
+            cpu.start()
+
+    def at_end() -> None:
+        if cpu is not None:
+            cores.update(cpu.cores(digits=4))
+
+    services, outs, elapsed, window_ns = lockstep(base_url, base_model, clients, seconds, rows, seq, vocab, at_start,
+                                                  at_end)
     steps = [out["steps"] for out in outs]
-    all_steps = np.array([s for client in steps for s in client])
     trainer = [trainer_side(base_url, out["model_id"]) for out in outs]
+    for service in services:
+        close_quietly(service)
     overhead = [(sum(out["steps"]) - busy) / max(len(out["steps"]), 1) / 2
                 for (busy, *_), out in zip(trainer, outs)]
     pass_ms = float(np.median([pass_s for *_, pass_s in trainer])) * 1e3
-    for service in services:
-        close_quietly(service)
+    all_steps = np.array([s for client in steps for s in client])
     step_p50 = float(np.percentile(all_steps, 50))
-    ops_per_s = 2 * len(all_steps) / elapsed  # a forward_backward and an optim_step a step
+    ops_per_s = 2 * sum(len(s) for s in steps) / elapsed  # a forward_backward and an optim_step a step
     split = {} if traces is None else {"gap_split": gap_split(traces.spans_between(*window_ns))}
     return {**split,
         "clients": clients,
-        "tok_s": round(sum(len(s) for s in steps) * rows * seq / elapsed, 1),
+        "tok_s": round(len(all_steps) * rows * seq / elapsed, 1),
         "step_p50_ms": round(step_p50 * 1e3, 1),
         "step_p99_ms": round(float(np.percentile(all_steps, 99)) * 1e3, 1),
         "overhead_p50_ms": round(float(np.median(overhead)) * 1e3, 1),
@@ -169,8 +215,9 @@ def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int,
         "coalesce_wait_ms": round(float(np.median([wait for _, _, wait, _ in trainer])) * 1e3, 1),
         "pass_ms": round(pass_ms, 1),
         "gap_ms": round(step_p50 * 1e3 - pass_ms, 1),
-        "cpu_cores": {part: round(used, 2) for part, used in cores.items()},
-        "cpu_ms_per_op": {part: round(used / ops_per_s * 1e3, 2) for part, used in cores.items()},
+        **({"cpu_cores": {part: round(used, 2) for part, used in cores.items()},
+            "cpu_ms_per_op": {part: round(used / ops_per_s * 1e3, 2) for part, used in cores.items()}}
+           if cores else {}),
     }
 
 
@@ -225,6 +272,9 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="add each K's gap_split, from the cluster's traces (which cost CPU: compare traced runs "
                              "with traced runs)")
+    parser.add_argument("--bare", action="store_true",
+                        help="also run each K against the engine behind a bare HTTP front (bare_service.py): the "
+                             "machine's ceiling for SDK clients, with nothing of lilo's between them and the engine")
     args = parser.parse_args()
     os.environ["TINKER_TELEMETRY"] = "0"
     traces = None
@@ -240,12 +290,18 @@ def main() -> None:
         homes = [clusters.enter_context(private_cluster(base_model, args.port + 2 * i, "--coalesce-window-ms", w,
                                                         "--max-adapters", slots))
                  for i, w in enumerate(windows)]
+        bare_url = None
+        if args.bare:
+            from bare_service import bare_service
+
+            bare_url = clusters.enter_context(bare_service(args.port + 2 * len(windows), int(slots)))
         from lilo.backend.models import model_directory
 
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_directory(base_model)).vocab_size
         results: dict[str, list] = {w: [] for w in windows}
+        bare: list[dict] = []
         for k in counts:
             if engine is not None:
                 engine.measure(k)
@@ -253,6 +309,8 @@ def main() -> None:
                 base_url = f"http://127.0.0.1:{args.port + 2 * i}"
                 results[window].append(run(base_url, base_model, k, args.seconds, args.rows, args.seq, vocab,
                                            CpuSplit(home), traces))
+            if bare_url is not None:
+                bare.append(run(bare_url, base_model, k, args.seconds, args.rows, args.seq, vocab, None))
     line = {"bench": "service", "model": args.model, "rows": args.rows, "seq": args.seq, "seconds": args.seconds,
             "traced": args.trace, "windows": results}
     if engine is not None:
@@ -266,6 +324,10 @@ def main() -> None:
             for r in runs:
                 engine_tok_s = ceiling["coalesced_by_clients"].get(r["clients"], ceiling["one_tok_s"])
                 r["engine_step_ms"] = round(r["clients"] * args.rows * args.seq / engine_tok_s * 1e3, 1)
+    if bare:
+        line["bare"] = bare
+        line["of_bare_by_clients"] = {w: {str(r["clients"]): round(r["tok_s"] / b["tok_s"], 3)
+                                          for r, b in zip(runs, bare)} for w, runs in results.items()}
     if len(windows) > 1 and counts[0] == 1:
         line["step_p50_ratio_1_client"] = round(results[windows[0]][0]["step_p50_ms"]
                                                 / results[windows[-1]][0]["step_p50_ms"], 3)
