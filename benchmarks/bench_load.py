@@ -169,29 +169,32 @@ async def run(base_url: str, futures, clients: int, waiters: int, seconds: float
         stop_clients = threading.Event()
         threads, outs = await asyncio.to_thread(training_clients, base_url, clients, stop_clients)
 
-        # Phase 1: the clients alone.
-        before = await asyncio.to_thread(db_statements, futures)
-        await asyncio.sleep(seconds)
-        no_waiters_per_s = (await asyncio.to_thread(db_statements, futures) - before) / seconds
-
-        # Phase 2: plus the parked waiters, and the heartbeat probe.
-        request_ids = []
-        for start in range(2, waiters + 2, 256):
-            request_ids += await asyncio.gather(*(submit_forward(http, api, parked_model, seq)
-                                                  for seq in range(start, min(start + 256, waiters + 2))))
-        parked = [asyncio.create_task(retrieve(http, api, request_id, counts)) for request_id in request_ids]
-        await asyncio.to_thread(wait_until_parked, futures, waiters)
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            probe = asyncio.get_running_loop().run_in_executor(pool, probe_heartbeats, base_url, session_id, seconds)
+        try:
+            # Phase 1: the clients alone.
             before = await asyncio.to_thread(db_statements, futures)
             await asyncio.sleep(seconds)
-            with_waiters_per_s = (await asyncio.to_thread(db_statements, futures) - before) / seconds
-            heartbeats_ms, heartbeat_errors = await probe
-        counts.errors += heartbeat_errors
-        heartbeat_p50, heartbeat_p99 = (float(np.percentile(heartbeats_ms, q)) for q in (50, 99))
+            no_waiters_per_s = (await asyncio.to_thread(db_statements, futures) - before) / seconds
+
+            # Phase 2: plus the parked waiters, and the heartbeat probe.
+            request_ids = []
+            for start in range(2, waiters + 2, 256):
+                request_ids += await asyncio.gather(*(submit_forward(http, api, parked_model, seq)
+                                                      for seq in range(start, min(start + 256, waiters + 2))))
+            parked = [asyncio.create_task(retrieve(http, api, request_id, counts)) for request_id in request_ids]
+            await asyncio.to_thread(wait_until_parked, futures, waiters)
+            with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                probe = asyncio.get_running_loop().run_in_executor(pool, probe_heartbeats, base_url, session_id,
+                                                                   seconds)
+                before = await asyncio.to_thread(db_statements, futures)
+                await asyncio.sleep(seconds)
+                with_waiters_per_s = (await asyncio.to_thread(db_statements, futures) - before) / seconds
+                heartbeats_ms, heartbeat_errors = await probe
+            counts.errors += heartbeat_errors
+            heartbeat_p50, heartbeat_p99 = (float(np.percentile(heartbeats_ms, q)) for q in (50, 99))
+        finally:  # a failure above must not leave the clients stepping: the process would never exit
+            stop_clients.set()
 
         # The clients stop; seq 1 releases the parked passes; everything must finish.
-        stop_clients.set()
         for thread in threads:
             await asyncio.to_thread(thread.join, 600)
         counts.errors += sum("error" in out for out in outs)
