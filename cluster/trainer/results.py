@@ -3,8 +3,9 @@
 The thread that finished a command puts its completion here; a writer task on the actor's event loop sends what has
 come in one ``complete`` call. Up to ``WRITES_IN_FLIGHT`` calls are in flight: a lockstep client's optim_step
 finishes a moment after its forward_backward, and one call at a time made its result wait for the round trip of the
-forward_backward's (7-8 ms of every step with one client on a small machine, docs/benchmarks.md). What finishes while
-every call is out goes in the next one together, so results batch up exactly when the futures DB is the bottleneck.
+forward_backward's (about 3 ms of every step with one client on a small machine, docs/benchmarks.md). What finishes
+while every call is out goes in the next one together, so results batch up exactly when the futures DB is the
+bottleneck.
 A write that fails, or that the futures DB could only keep in memory (its file stayed locked), is tried again after
 ``RETRY_WRITE_S``: results stay here until written.
 """
@@ -47,6 +48,8 @@ class ResultWriter:
         if self._writer is None or self._writer.done():
             self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
             self._writer = self._loop.create_task(self._write_forever(), name="lilo-trainer-results")
+            if not self._outbox.empty():  # left by a writer that stopped (the futures DB not found yet)
+                self._wake.set()
 
     def put(self, completion: Completion) -> None:
         """Write ``completion`` soon: callable from any thread, once ``start`` ran."""

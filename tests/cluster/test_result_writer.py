@@ -79,3 +79,26 @@ def test_a_write_kept_in_memory_or_failed_is_tried_again_until_it_lands() -> Non
     calls, lookups = asyncio.run(scenario())
     assert calls == [[7], [7], [7]]  # locked, raised, written
     assert lookups == 2  # found at the start, and again after the call that raised
+
+
+def test_results_put_while_the_futures_db_was_not_found_go_once_the_writer_starts_again() -> None:
+    async def scenario() -> list[list[int]]:
+        db = FuturesDb()
+        lookups = iter([LookupError("the futures DB is not up yet"), db])
+
+        def find() -> FuturesDb:
+            found = next(lookups)
+            if isinstance(found, Exception):
+                raise found
+            return found
+
+        writer = ResultWriter(find)
+        writer.start()
+        await settle()  # its writer stopped: no futures DB to write to
+        writer.put(result(3))
+        await settle()
+        writer.start()  # as the trainer's next report does
+        await settle()
+        return db.calls
+
+    assert asyncio.run(scenario()) == [[3]]
