@@ -18,10 +18,10 @@ import asyncio
 import contextlib
 import itertools
 import subprocess
-import urllib.parse
 import sys
 import tempfile
 import threading
+import urllib.parse
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator

@@ -55,7 +55,6 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 
@@ -145,13 +144,10 @@ def wait_ready(ready: threading.Barrier, outs: list[dict]) -> None:
         raise RuntimeError(f"a client failed before the benchmark started: {failed}") from None
 
 
-def lockstep(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
-             at_start: Callable[[list[dict]], None] = lambda outs: None,
-             at_end: Callable[[], None] = lambda: None) -> tuple[list, list[dict], float, tuple[int, int]]:
-    """``clients`` SDK clients stepping in lockstep against ``base_url`` for ``seconds`` (``at_start(outs)`` once
-    they are ready, before they start; ``at_end()`` as the window closes, before they stop): their service clients
-    (to close once the server's side is read: a closed session's models are unloaded), each client's out
-    (``model_id``, ``steps``), the window's seconds, and its start and end (ns)."""
+def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
+        cpu: CpuSplit | None, traces: OtlpReceiver | None = None) -> dict:
+    """K clients against ``base_url``, their steps split by its critical path (and, given ``cpu``, the CPU of each
+    part of its cluster)."""
     import tinker
 
     services = [tinker.ServiceClient(base_url=base_url, api_key=API_KEY) for _ in range(clients)]
@@ -162,51 +158,33 @@ def lockstep(base_url: str, base_model: str, clients: int, seconds: float, rows:
     for thread in threads:
         thread.start()
     wait_ready(ready, outs)
-    at_start(outs)
+    for out in outs:
+        trainer_side(base_url, out["model_id"])  # start this reader's interval where the clients' steps start
     go.set()
     started, started_ns = time.perf_counter(), time.time_ns()
+    if cpu is not None:
+        cpu.start()
     time.sleep(seconds)
-    at_end()
+    cores = cpu.cores(digits=4) if cpu is not None else {}
     window_ns = (started_ns, time.time_ns())
     stop.set()
     for thread in threads:
         thread.join(timeout=600)
     elapsed = time.perf_counter() - started
-    return services, outs, elapsed, window_ns
-
-
-def run(base_url: str, base_model: str, clients: int, seconds: float, rows: int, seq: int, vocab: int,
-        cpu: CpuSplit | None, traces: OtlpReceiver | None = None) -> dict:
-    """K clients against ``base_url``, their steps split by its critical path (and, given ``cpu``, the CPU of each
-    part of its cluster)."""
-    cores: dict[str, float] = {}
-
-    def at_start(outs: list[dict]) -> None:
-        for out in outs:
-            trainer_side(base_url, out["model_id"])  # start this reader's interval where the clients' steps start
-        if cpu is not None:
-            cpu.start()
-
-    def at_end() -> None:
-        if cpu is not None:
-            cores.update(cpu.cores(digits=4))
-
-    services, outs, elapsed, window_ns = lockstep(base_url, base_model, clients, seconds, rows, seq, vocab, at_start,
-                                                  at_end)
     steps = [out["steps"] for out in outs]
+    all_steps = np.array([s for client in steps for s in client])
     trainer = [trainer_side(base_url, out["model_id"]) for out in outs]
-    for service in services:
-        close_quietly(service)
     overhead = [(sum(out["steps"]) - busy) / max(len(out["steps"]), 1) / 2
                 for (busy, *_), out in zip(trainer, outs)]
     pass_ms = float(np.median([pass_s for *_, pass_s in trainer])) * 1e3
-    all_steps = np.array([s for client in steps for s in client])
+    for service in services:
+        close_quietly(service)
     step_p50 = float(np.percentile(all_steps, 50))
-    ops_per_s = 2 * sum(len(s) for s in steps) / elapsed  # a forward_backward and an optim_step a step
+    ops_per_s = 2 * len(all_steps) / elapsed  # a forward_backward and an optim_step a step
     split = {} if traces is None else {"gap_split": gap_split(traces.spans_between(*window_ns))}
     return {**split,
         "clients": clients,
-        "tok_s": round(len(all_steps) * rows * seq / elapsed, 1),
+        "tok_s": round(sum(len(s) for s in steps) * rows * seq / elapsed, 1),
         "step_p50_ms": round(step_p50 * 1e3, 1),
         "step_p99_ms": round(float(np.percentile(all_steps, 99)) * 1e3, 1),
         "overhead_p50_ms": round(float(np.median(overhead)) * 1e3, 1),
