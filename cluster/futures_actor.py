@@ -147,7 +147,7 @@ class FuturesActor:
         if not outcome.duplicate or outcome.pending:
             self._waiter.expect(outcome.request_id)  # its result is written here: its retrieves need no polling
             if subscriber is not None:
-                self._pushes.subscribe(outcome.request_id, subscriber)
+                self._pushes.subscribe(outcome.request_id, subscriber, submission.tenant)
         if not outcome.duplicate:
             self._admission.admitted(tenant, submission.kind, submission.tokens)
         return dataclasses.replace(outcome, weight=limits.weight)
@@ -227,8 +227,14 @@ class FuturesActor:
                     f"holds {held}; unload one it no longer trains (unload_model) before creating another.")
 
     async def complete(self, completions: Sequence[Completion]) -> bool:
-        """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox."""
+        """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox.
+
+        Each result is pushed to the replica that submitted its request before it is written, while the write runs
+        (a millisecond of each operation's path on a small machine): from here it is written in the end, the write
+        retried and then kept in the outbox, and the trainer writes it again while this actor does not answer."""
         started_ns = time.time_ns()
+        for completion in completions:
+            self._pushes.push_completion(completion)
         tenants = await self._run(self._complete_many, list(completions))
         if self._traces is not None:
             self._traces.completed(completions, started_ns, written=tenants is not None)
@@ -240,9 +246,7 @@ class FuturesActor:
         for completion in completions:
             if completion.request_id not in tenants:
                 continue  # it had failed already (its trainer evacuated): the write kept that, and so do its waiters
-            self._finished(FutureState(
-                completion.request_id, "completed" if completion.ok else "failed", completion.result,
-                completion.error, completion.category, completion.kind, tenants.get(completion.request_id)))
+            self._finished(FutureState.of(completion, tenants.get(completion.request_id)))
         return True
 
     def _finished(self, state: FutureState) -> None:

@@ -149,6 +149,12 @@ class FutureState:
     kind: str = ""
     tenant: str | None = None  # the tenant that submitted it (None: the local one)
 
+    @classmethod
+    def of(cls, completion: Completion, tenant: str | None) -> "FutureState":
+        """What ``completion`` makes of its future, ``tenant``'s."""
+        return cls(completion.request_id, "completed" if completion.ok else "failed", completion.result,
+                   completion.error, completion.category, completion.kind, tenant)
+
     @property
     def finished(self) -> bool:
         return self.status != PENDING

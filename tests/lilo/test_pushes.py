@@ -5,7 +5,7 @@ nothing pushed returns empty after its timeout, and a box nobody takes keeps onl
 import asyncio
 
 from lilo.futures.pushes import FinishedPushes
-from lilo.futures.store import FutureState
+from lilo.futures.store import Completion, FutureState
 
 
 def done(request_id: int) -> FutureState:
@@ -68,3 +68,16 @@ def test_of_two_takes_waiting_one_gets_a_push_and_the_other_waits_for_the_next()
 
     first, still_waiting, second = asyncio.run(scenario())
     assert (first, still_waiting, second) == ([1], 1, [2])
+
+
+def test_a_completion_is_pushed_with_the_tenant_it_was_subscribed_with_once():
+    async def scenario():
+        pushes = FinishedPushes()
+        pushes.subscribe(1, "a", "team-a")
+        pushes.push_completion(Completion.failure(1, "out of memory", "server", kind="forward"))
+        pushes.push_completion(Completion.success(1, b"late"))
+        pushes.push(done(1))  # the state as written, afterwards: pushed already
+        pushes.push_completion(Completion.success(2, b"x"))  # nobody subscribed
+        return await pushes.take("a", timeout_s=0.05)
+
+    assert asyncio.run(scenario()) == [FutureState(1, "failed", None, "out of memory", "server", "forward", "team-a")]
