@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -39,6 +40,7 @@ from lilo.futures.store import (
     DEFAULT_RETENTION_S, Completion, DisplacedModel, FuturesStore, FutureState, Submission, SubmitOutcome,
     merge_heartbeats, no_usage, parse_request_id,
 )
+from lilo.futures.pushes import FinishedPushes
 from lilo.futures.waiter import FutureWaiter
 from lilo.tenant_policy import PolicyFile, TenantLimits
 from lilo.tenants import tenant_of
@@ -76,6 +78,8 @@ class FuturesActor:
         self._waiter = FutureWaiter(lambda ids: self._run(self._store.states, ids),
                                     missing=lambda request_id: self._run(self._store.missing_error, request_id))
         self._sessions = SessionWaiter(lambda polls: self._run(self._store.session_completions, polls))
+        self._pushes = FinishedPushes()
+        self._incarnation = uuid.uuid4().hex  # a restarted actor has none of the pushes' subscriptions
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
         self._heartbeats: dict[str, float] = {}  # session -> its latest heartbeat, not yet written
@@ -124,9 +128,10 @@ class FuturesActor:
         """Record one request; returns its id (an identical retry returns the first id; a clash raises 409)."""
         return (await self.submit_once(submission)).request_id  # type: ignore[return-value]
 
-    async def submit_once(self, submission: Submission) -> SubmitOutcome:
+    async def submit_once(self, submission: Submission, subscriber: str | None = None) -> SubmitOutcome:
         """Like ``submit``, also saying whether it was a retry of a request already recorded (not to run again), and
-        its tenant's weight. A tenant over a rate limit is refused first (429, lilo.futures.admission)."""
+        its tenant's weight. A tenant over a rate limit is refused first (429, lilo.futures.admission). With a
+        ``subscriber`` (an ingress replica), its result is pushed there once written (``finished_for``)."""
         started_ns = time.time_ns()
         tenant = tenant_of(submission.tenant)
         limits = self._policy.current().of(tenant)
@@ -141,21 +146,24 @@ class FuturesActor:
             raise outcome.error
         if not outcome.duplicate or outcome.pending:
             self._waiter.expect(outcome.request_id)  # its result is written here: its retrieves need no polling
+            if subscriber is not None:
+                self._pushes.subscribe(outcome.request_id, subscriber, submission.tenant)
         if not outcome.duplicate:
             self._admission.admitted(tenant, submission.kind, submission.tokens)
         return dataclasses.replace(outcome, weight=limits.weight)
 
-    async def submit_once_many(self, submissions: list[Submission]) -> list[SubmitOutcome | BaseException]:
+    async def submit_once_many(self, submissions: list[Submission], subscriber: str | None = None,
+                               ) -> list[SubmitOutcome | BaseException]:
         """``submit_once`` each of ``submissions`` (an ingress replica's burst, in one call; recorded in the same
         group commits): for each, its outcome or the error it raised."""
         self._burst_calls += 1
         self._burst_submissions += len(submissions)
         if len(submissions) == 1:  # a lone request: no task of its own
             try:
-                return [await self.submit_once(submissions[0])]
+                return [await self.submit_once(submissions[0], subscriber)]
             except Exception as error:
                 return [error]
-        return await asyncio.gather(*(self.submit_once(submission) for submission in submissions),
+        return await asyncio.gather(*(self.submit_once(submission, subscriber) for submission in submissions),
                                     return_exceptions=True)
 
     # --- tenants -------------------------------------------------------------------------------------------
@@ -219,8 +227,14 @@ class FuturesActor:
                     f"holds {held}; unload one it no longer trains (unload_model) before creating another.")
 
     async def complete(self, completions: Sequence[Completion]) -> bool:
-        """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox."""
+        """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox.
+
+        Each result is pushed to the replica that submitted its request before it is written, while the write runs
+        (a millisecond of each operation's path on a small machine): from here it is written in the end, the write
+        retried and then kept in the outbox, and the trainer writes it again while this actor does not answer."""
         started_ns = time.time_ns()
+        for completion in completions:
+            self._pushes.push_completion(completion)
         tenants = await self._run(self._complete_many, list(completions))
         if self._traces is not None:
             self._traces.completed(completions, started_ns, written=tenants is not None)
@@ -232,8 +246,19 @@ class FuturesActor:
         for completion in completions:
             if completion.request_id not in tenants:
                 continue  # it had failed already (its trainer evacuated): the write kept that, and so do its waiters
-            self._waiter.notify(FutureState.of(completion, tenants.get(completion.request_id)))
+            self._finished(FutureState.of(completion, tenants.get(completion.request_id)))
         return True
+
+    def _finished(self, state: FutureState) -> None:
+        """A result this actor wrote: its parked retrieves wake, and it is pushed to the replica that submitted it."""
+        self._waiter.notify(state)
+        self._pushes.push(state)
+
+    async def finished_for(self, subscriber: str, timeout_s: float) -> tuple[str, list[FutureState]]:
+        """The results pushed to ``subscriber`` (an ingress replica) since it last asked, once there are some or
+        after ``timeout_s``; with this actor's incarnation, which changes when it restarts (and forgets who
+        subscribed)."""
+        return self._incarnation, await self._pushes.take(subscriber, timeout_s)
 
     def _complete_many(self, completions: list[Completion]) -> dict[int, str | None] | None:
         """On the database thread: read whose the requests still pending are (one query per batch, so a waiter gets
@@ -313,7 +338,7 @@ class FuturesActor:
     def _woken(self, displaced: list[DisplacedModel], failed: Sequence[FutureState]) -> list[DisplacedModel]:
         """The displaced models, once the parked retrieves of the futures failed with them are woken."""
         for state in failed:
-            self._waiter.notify(state)
+            self._finished(state)
         if any(state.kind == Kind.SAMPLE for state in failed):
             self._sessions.wake()
         return displaced

@@ -22,7 +22,6 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from cluster.futures_actor import RETRIEVE_TIMEOUT_S
-from cluster.placement import named_actor
 from cluster.reconciler import TrainerDirectory
 from lilo.image_assets import NO_ASSETS, ImageAssets
 from lilo.storage import Storage
@@ -72,7 +71,7 @@ class ControlPlane:
                  trainer_wait_s: float = 0.0, image_assets: ImageAssets = NO_ASSETS,
                  storage: Storage | None = None) -> None:
         actors = Actors(futures, TrainerDirectory(), trainer_wait_s)
-        self._pushed = PushedResults(named_actor)
+        self._pushed = PushedResults(futures)
         submissions = Submissions(futures, self._pushed)
         self._futures = futures
         self.capabilities = server_capabilities(base_models)

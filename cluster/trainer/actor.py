@@ -46,9 +46,8 @@ from lilo.backend.types import LoadRequest, LoraSpec
 from lilo.engine.commands import Command, Kind
 from lilo.engine.engine import Engine
 from lilo.errors import NotFoundError, TooLargeError, UnavailableError, failure_category
-from lilo.futures.pushes import FinishedPushes
 from lilo.futures.sequences import RecordedSample
-from lilo.futures.store import Completion, FutureState
+from lilo.futures.store import Completion
 from lilo.protocol.proto import encode_forward_backward_output, encode_sample_response
 from lilo.settings import Settings
 from lilo.timing.critical_path import BACKEND_READY, SERVING_READY
@@ -72,8 +71,7 @@ class Loaded:
 #
 # A command's result goes one of two ways. ``run`` and ``create_model`` return it to their caller (lilo's own
 # calls: a restore's load, tests). ``submit``, ``create_model_future`` and ``unload_future`` take a client's
-# request id and write the result to the futures DB under it (``_report``), in batches with others'; ``submit``
-# pushes it to the ingress replica that handed the command over as well (``finished_for``).
+# request id and write the result to the futures DB under it (``_report``), in batches with others'.
 @ray.remote(max_restarts=-1, max_concurrency=1000)
 class TrainerActor:
     def __init__(self, name: str, base_model: str, config: TrainerConfig, samplers: Sequence[str] = (),
@@ -86,9 +84,7 @@ class TrainerActor:
         self._relay: SamplerRelay | None = None
         self._incarnation = uuid.uuid4().hex  # which process this is: Ray restarts a dead trainer under the same name
         self._loading: Future[Loaded] = Future()
-        self._pushes = FinishedPushes()  # results pushed to the ingress replicas waiting for them
-        self._results = ResultWriter(lambda: ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE),
-                                     on_written=self._push_written)
+        self._results = ResultWriter(lambda: ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE))
         # The futures of submitted commands whose completion is already on its way to the futures DB.
         self._reported: weakref.WeakSet[Future] = weakref.WeakSet()
         self._text = TrainerText(base_model, config.model_cache_dir)
@@ -239,8 +235,7 @@ class TrainerActor:
                 "request did not take effect. The model is being restored from its latest save_weights checkpoint "
                 "or its newer page file (steps after that copy are lost); send your next request in a few seconds, "
                 "or load_state your last checkpoint first.") from None
-        self._report(command.kind, command.request_id, future, recorded_prompt_of(command), command.push_to,
-                     command.tenant)
+        self._report(command.kind, command.request_id, future, recorded_prompt_of(command))
 
     async def submit_many(self, commands: list[Command]) -> list[Exception | None]:
         """``submit`` each of ``commands`` in order (an ingress replica's burst, in one call): for each, None, or the
@@ -410,43 +405,20 @@ class TrainerActor:
         """The LoRA spec of the weights checkpoint ``path``; raises, with a message for the client, if there is none."""
         return await self._in_checkpoint_dir(weights_spec, path)
 
-    def _report(self, kind: Kind, request_id: str, future: Future, recorded_prompt: Sequence[int] | None = None,
-                push_to: str | None = None, tenant: str | None = None) -> None:
+    def _report(self, kind: Kind, request_id: str, future: Future,
+                recorded_prompt: Sequence[int] | None = None) -> None:
         """Write ``future``'s result to the futures DB under ``request_id`` once it finishes: once, however often a
-        retry hands the same command over (the engine gives a retry the first future). With ``push_to`` (the ingress
-        replica that handed it over), push it there too, ``tenant``'s, while it is written; to a retry's replica as
-        well, even when the first's result is out already."""
+        retry hands the same command over (the engine gives a retry the first future)."""
         self._results.start()
-        loop = asyncio.get_running_loop()
-        if push_to is not None:
-            self._pushes.subscribe(int(request_id), push_to, tenant)
-        first = future not in self._reported
+        if future in self._reported:
+            return
         self._reported.add(future)
-        if first or push_to is not None:
-            future.add_done_callback(
-                lambda done: self._finished(kind, request_id, done, recorded_prompt, loop, write=first))
+        future.add_done_callback(lambda done: self._finished(kind, request_id, done, recorded_prompt))
 
-    def _finished(self, kind: Kind, request_id: str, done: Future, recorded_prompt: Sequence[int] | None,
-                  loop: asyncio.AbstractEventLoop, write: bool) -> None:
-        # Runs on the thread that finished the command (on the event loop, at once, for a retry of a finished one).
-        completion = completion_for(kind, int(request_id), done, recorded_prompt)
-        # Pushed while it is written, but for a sample with recorded sequences: its client may train on those next,
-        # which the ingress reads from the ledger, so it is pushed once written (``_push_written``).
-        if completion.recorded is None or not write:
-            loop.call_soon_threadsafe(self._pushes.push_completion, completion)
-        if write:
-            self._results.put(completion)
-
-    def _push_written(self, completions: list[Completion]) -> None:
-        """Push what was held back until written (each request is pushed once: the others are gone already)."""
-        for completion in completions:
-            self._pushes.push_completion(completion)
-
-    async def finished_for(self, subscriber: str, timeout_s: float) -> tuple[str, list[FutureState]]:
-        """The results pushed to ``subscriber`` (an ingress replica) since it last asked, once there are some or
-        after ``timeout_s``; with this trainer's incarnation, which changes when Ray restarts it (and it forgets who
-        subscribed)."""
-        return self._incarnation, await self._pushes.take(subscriber, timeout_s)
+    def _finished(self, kind: Kind, request_id: str, done: Future,
+                  recorded_prompt: Sequence[int] | None = None) -> None:
+        # Runs on the thread that finished the command.
+        self._results.put(completion_for(kind, int(request_id), done, recorded_prompt))
 
     async def timing(self, model_id: str | None = None, reset: bool = False, reader: str = "") -> dict | None:
         """This trainer's critical path of one of its models (None if not here), or of all of them."""

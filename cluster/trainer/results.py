@@ -30,14 +30,11 @@ WRITES_IN_FLIGHT = 4
 
 class ResultWriter:
     """``put`` from any thread; the writer starts on the event loop of the first ``start``. ``futures_db`` finds the
-    futures DB actor (again after a failed call: it may have restarted); ``on_written`` is called, on the event loop,
-    with each batch once it is written."""
+    futures DB actor (again after a failed call: it may have restarted)."""
 
     def __init__(self, futures_db: Callable[[], Any], writes_in_flight: int = WRITES_IN_FLIGHT,
-                 retry_s: float = RETRY_WRITE_S,
-                 on_written: Callable[[list[Completion]], None] = lambda batch: None) -> None:
+                 retry_s: float = RETRY_WRITE_S) -> None:
         self._find_futures_db = futures_db
-        self._on_written = on_written
         self._writes_in_flight = writes_in_flight
         self._retry_s = retry_s
         self._outbox: queue.SimpleQueue[Completion] = queue.SimpleQueue()
@@ -87,7 +84,6 @@ class ResultWriter:
             # False: the file stayed locked, and the futures DB keeps them in memory for its next write. They
             # stay here too until written: that memory goes if the futures DB actor dies.
             if await self._futures_db.complete.remote(batch):
-                self._on_written(batch)
                 return
             logger.warning("%d result(s) not written yet (the futures DB is locked); retrying", len(batch))
         except Exception:

@@ -63,8 +63,6 @@ class Command(Generic[Payload]):
     weight: float = 1.0
     # Its request's trace context, from the ingress (``lilo.timing.traces.carrier``); None when traces are off.
     trace: tuple[tuple[str, str], ...] | None = None
-    # The ingress replica its result is pushed to as soon as it is out (lilo.futures.pushes); None: nobody's.
-    push_to: str | None = None
 
     @property
     def coalesce_key(self) -> tuple:

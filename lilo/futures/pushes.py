@@ -1,11 +1,11 @@
 """Finished futures pushed to the ingress replica that submitted them, so that its client's ``retrieve_future`` is
 answered there, with no actor call of its own.
 
-A replica names itself (a *subscriber*) in each command it hands to a trainer; the trainer remembers which replica
-submitted each pending request and, as each result comes out, puts it in that replica's box, while the same result
-goes to the futures DB to be written (cluster.trainer.actor). The replica takes its box with one long-poll
-(``take``) per batch of results, instead of one call per retrieve. Nothing here is durable: a restarted trainer has
-no subscriptions, and its replicas then ask the futures DB as before (``serve.tinker.pushed_results``).
+A replica names itself (a *subscriber*) when it submits; the futures DB remembers which replica submitted each
+pending request and, as each result comes in, puts it in that replica's box (while the result is being written:
+the futures DB writes it in the end, cluster.futures_actor). The replica takes its box with one long-poll (``take``)
+per batch of results, instead of one call per retrieve. Nothing here is durable: a restarted futures DB has no
+subscriptions, and its replicas then ask it as before (``serve.tinker.pushed_results``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ class FinishedPushes:
         self._max_box = max_box
 
     def subscribe(self, request_id: int, subscriber: str, tenant: str | None = None) -> None:
-        """``subscriber`` wants ``request_id`` (``tenant``'s) pushed once it has its result (again: the latest
-        subscriber gets it)."""
+        """``subscriber`` wants ``request_id`` (``tenant``'s) pushed once it has its result."""
         self._subscriber_of[request_id] = (subscriber, tenant)
         while len(self._subscriber_of) > self._max_subscribed:
             self._subscriber_of.popitem(last=False)

@@ -50,7 +50,8 @@ class Submissions:
         self._pushed = pushed  # where the results of what this replica submits come back (serve.tinker.pushed_results)
         # The requests that arrive together are recorded in one call, and handed to each trainer in one
         # (serve.tinker.batched_calls).
-        self._records: BatchedCalls[Submission, SubmitOutcome] = BatchedCalls(futures.submit_once_many.remote)
+        self._records: BatchedCalls[Submission, SubmitOutcome] = BatchedCalls(
+            lambda batch: futures.submit_once_many.remote(batch, pushed.subscriber))
         self._handoffs: dict[str, BatchedCalls[Command, None]] = {}
 
     def _hand_off(self, trainer: str, command: Command) -> Awaitable[None]:
@@ -81,17 +82,13 @@ class Submissions:
                        tenant=tenant_of(submission.tenant), request_id=outcome.request_id,
                        duplicate=outcome.duplicate)
         if not outcome.duplicate or outcome.pending:
-            self._pushed.submitted(outcome.request_id, outcome.trainer)
+            self._pushed.submitted(outcome.request_id)
             command = dataclasses.replace(command, request_id=str(outcome.request_id),
                                           fingerprint=submission.payload_sha256, tenant=tenant_of(submission.tenant),
-                                          weight=outcome.weight, trace=traced, push_to=self._pushed.subscriber)
+                                          weight=outcome.weight, trace=traced)
             # A refusal by the trainer (or its failure) also fails the recorded future.
-            try:
-                async with failing_future(self._futures, outcome.request_id, command.kind):
-                    await self._hand_off(outcome.trainer, command)
-            except BaseException:
-                self._pushed.forget(outcome.request_id)
-                raise
+            async with failing_future(self._futures, outcome.request_id, command.kind):
+                await self._hand_off(outcome.trainer, command)
         return outcome.request_id
 
     @contextlib.asynccontextmanager

@@ -53,6 +53,24 @@ def test_a_result_that_comes_after_its_future_failed_changes_nothing(futures):
         assert (state.status, state.error) == ("failed", "trainer lost")
 
 
+def test_results_are_pushed_to_the_replica_that_submitted_them_once_each(futures):
+    # A result is pushed as it comes in, while it is written: to its replica, with its tenant, and only once (a
+    # trainer writes a batch again when a call of it raised, and a late result finds its future failed already).
+    ray.get(futures.add_model.remote("m-push", "lilo/tiny-llama", {"rank": 4}, trainer="lilo-trainer-push",
+                                     tenant="team-a"))
+    ids = [ray.get(futures.submit_once.remote(
+        Submission("m-push", "optim_step", {"lr": seq}, seq_id=seq, tenant="team-a", routed=True),
+        "replica-1")).request_id for seq in (1, 2)]
+    assert ray.get(futures.complete.remote([Completion.success(ids[0], b"r1")]))
+    assert ray.get(futures.complete.remote([Completion.success(ids[0], b"r1")]))  # written again
+    ray.get(futures.evacuate.remote("lilo-trainer-push", "trainer lost"))
+    assert ray.get(futures.complete.remote([Completion.success(ids[1], b"late")]))
+    _, pushed = ray.get(futures.finished_for.remote("replica-1", 5))
+    assert [(s.request_id, s.status, s.result, s.error, s.tenant) for s in pushed] == [
+        (ids[0], "completed", b"r1", None, "team-a"), (ids[1], "failed", None, "trainer lost", "team-a")]
+    assert ray.get(futures.finished_for.remote("replica-1", 0.2))[1] == []
+
+
 def test_a_long_poll_answers_pending_at_its_timeout(futures):
     request_id = ray.get(futures.submit.remote(Submission("m", "forward_backward", {}, seq_id=0)))
     assert ray.get(futures.retrieve.remote(request_id, timeout_s=0.3)).status == "pending"

@@ -1,7 +1,6 @@
 """A trainer actor on the real local cluster: its own torch thread, a real tiny model, and its timing served over
 HTTP by the trainer that owns the model."""
 
-import dataclasses
 import os
 import sys
 import threading
@@ -21,7 +20,6 @@ from helpers import AUTH, eventually, fresh_actor_index, stop_trainer, train_inp
 from lilo.backend.types import AdamParams, LoraSpec, SaveRequest
 from lilo.engine.commands import Command, Kind
 from lilo.errors import SaturatedError, UnavailableError
-from lilo.futures.store import Submission
 from lilo.settings import load_settings
 
 
@@ -115,32 +113,6 @@ def test_a_command_for_a_model_the_trainer_does_not_hold_is_retryable(trainer):
     command = Command("m-never-here", 1, Kind.FORWARD_BACKWARD, "1", payload=train_input(3))
     with pytest.raises(UnavailableError, match="is not on trainer .* any more"):
         ray.get(actor.submit.remote(command), timeout=60)
-
-
-def test_a_result_is_pushed_to_the_replica_that_handed_it_over_and_written_to_the_futures_db(trainer):
-    actor, info = trainer
-    model_id = f"m-{uuid.uuid4().hex[:8]}"
-    ray.get(actor.create_model.remote(model_id, LoraSpec(rank=4, seed=0)))
-    futures = ray.get_actor(FUTURES_ACTOR_NAME, namespace=NAMESPACE)
-    ray.get(futures.add_model.remote(model_id, "lilo/tiny-llama", {"rank": 4}, trainer=info["name"], tenant="team-a"))
-    recorded = ray.get(futures.submit_once.remote(Submission(model_id, Kind.OPTIM_STEP, {"lr": 1e-3}, seq_id=1,
-                                                             tenant="team-a", routed=True).prepared()))
-    request_id = recorded.request_id
-    command = Command(model_id, 1, Kind.OPTIM_STEP, str(request_id), payload=AdamParams(learning_rate=1e-3),
-                      tenant="team-a", push_to="replica-1")
-    ray.get(actor.submit.remote(command), timeout=60)
-    _, pushed = ray.get(actor.finished_for.remote("replica-1", 30), timeout=60)
-    assert [(state.request_id, state.status, state.tenant) for state in pushed] == [(request_id, "completed",
-                                                                                       "team-a")]
-    # Handed over again through another replica (a retry), after it finished: pushed there too, and to each
-    # replica once.
-    ray.get(actor.submit.remote(dataclasses.replace(command, push_to="replica-2")), timeout=60)
-    _, again = ray.get(actor.finished_for.remote("replica-2", 30), timeout=60)
-    assert [(state.request_id, state.result) for state in again] == [(request_id, pushed[0].result)]
-    assert ray.get(actor.finished_for.remote("replica-1", 0.2), timeout=60)[1] == []
-    # And written, once: the futures DB answers with the same result.
-    eventually(lambda: ray.get(futures.retrieve.remote(request_id, 0)).status == "completed", "the result written")
-    assert ray.get(futures.retrieve.remote(request_id, 0)).result == pushed[0].result
 
 
 def test_restoring_a_model_is_refused_without_a_free_slot_and_changes_nothing_when_repeated(trainer):

@@ -157,8 +157,8 @@ def test_a_custom_loss_that_calls_outside_torch_is_refused_naming_the_node(local
 
 
 def test_a_training_clients_results_are_pushed_to_the_ingress_not_fetched_per_retrieve(service, ray_driver):
-    # Each result is pushed by its trainer to the replica that submitted it (serve.tinker.pushed_results), which
-    # answers the client's retrieve_future itself: the futures DB sees no retrieve call for them.
+    # Each result is pushed to the replica that submitted it (serve.tinker.pushed_results), which answers the
+    # client's retrieve_future itself: the futures DB sees no retrieve call for them.
     training = service.create_lora_training_client(base_model=TINY, rank=4).result(timeout=TIMEOUT_S)
     before = futures_stats()
     for step in range(5):
