@@ -79,6 +79,7 @@ class FuturesActor:
                                     missing=lambda request_id: self._run(self._store.missing_error, request_id))
         self._sessions = SessionWaiter(lambda polls: self._run(self._store.session_completions, polls))
         self._pushes = FinishedPushes()
+        self._pushed_unwritten: set[int] = set()  # results pushed (and counted finished) before their write landed
         self._incarnation = uuid.uuid4().hex  # a restarted actor has none of the pushes' subscriptions
         self._committer = GroupCommitter(lambda group: self._run(self._store.submit_many, group))
         self._maintenance: asyncio.Task | None = None
@@ -229,18 +230,26 @@ class FuturesActor:
     async def complete(self, completions: Sequence[Completion]) -> bool:
         """Write a batch of results; parked retrieves of them wake at once. False: kept in the outbox.
 
-        Each result is pushed to the replica that submitted its request before it is written, while the write runs
-        (a millisecond of each operation's path on a small machine): from here it is written in the end, the write
-        retried and then kept in the outbox, and the trainer writes it again while this actor does not answer."""
+        Each result is pushed to the replica that submitted its request as it comes in, while it is written (the
+        write is a millisecond of each operation's path on a small machine): from here it is written in the end,
+        retried and kept in the outbox meanwhile, and its trainer sends it again while this actor does not answer.
+        It counts as finished against its tenant's ``max_inflight`` from then on, since its client may send the
+        next request at once. A sample with recorded sequences is pushed once written: its client may train on
+        them next, which the ingress reads from the ledger."""
         started_ns = time.time_ns()
         for completion in completions:
-            self._pushes.push_completion(completion)
+            pushed = self._pushes.push_completion(completion) if completion.recorded is None else None
+            if pushed is not None:
+                self._pushed_unwritten.add(pushed.request_id)
+                self._admission.finished({pushed.request_id: tenant_of(pushed.tenant)})
         tenants = await self._run(self._complete_many, list(completions))
         if self._traces is not None:
             self._traces.completed(completions, started_ns, written=tenants is not None)
         if tenants is None:
             return False
-        self._admission.finished({request_id: tenant_of(tenant) for request_id, tenant in tenants.items()})
+        self._admission.finished({request_id: tenant_of(tenant) for request_id, tenant in tenants.items()
+                                  if request_id not in self._pushed_unwritten})
+        self._pushed_unwritten.difference_update(completion.request_id for completion in completions)
         if any(completion.kind == Kind.SAMPLE for completion in completions):
             self._sessions.wake()
         for completion in completions:

@@ -36,12 +36,15 @@ class FinishedPushes:
         while len(self._subscriber_of) > self._max_subscribed:
             self._subscriber_of.popitem(last=False)
 
-    def push_completion(self, completion: Completion) -> None:
+    def push_completion(self, completion: Completion) -> FutureState | None:
         """``push`` the state ``completion`` makes of its request, if it has a subscriber (each request is pushed
-        once: whatever comes later for it is not)."""
+        once: whatever comes later for it is not); returns the state pushed."""
         subscribed = self._subscriber_of.get(completion.request_id)
-        if subscribed is not None:
-            self.push(FutureState.of(completion, subscribed[1]))
+        if subscribed is None:
+            return None
+        state = FutureState.of(completion, subscribed[1])
+        self.push(state)
+        return state
 
     def push(self, state: FutureState) -> None:
         """A request has its result: into its subscriber's box, if it has one."""

@@ -9,7 +9,7 @@ import ray
 
 from cluster.futures_actor import get_futures_actor
 from helpers import eventually, wait_for_heartbeat
-from lilo.errors import ConflictError, InvalidRequestError, NotFoundError
+from lilo.errors import ConflictError, InvalidRequestError, NotFoundError, RateLimitedError
 from lilo.futures.store import Completion, Submission
 
 
@@ -69,6 +69,27 @@ def test_results_are_pushed_to_the_replica_that_submitted_them_once_each(futures
     assert [(s.request_id, s.status, s.result, s.error, s.tenant) for s in pushed] == [
         (ids[0], "completed", b"r1", None, "team-a"), (ids[1], "failed", None, "trainer lost", "team-a")]
     assert ray.get(futures.finished_for.remote("replica-1", 0.2))[1] == []
+
+
+def test_a_pushed_result_counts_as_finished_against_max_inflight_once(futures, tmp_path):
+    # Pushed before it is written, a result's client may send its next request at once: the push counts it as
+    # finished for the tenant's max_inflight, and its write does not count it a second time.
+    tenants_file = tmp_path / "tenants.toml"
+    tenants_file.write_text("[tenants.team-b]\nmax_inflight = 2\n")
+    ray.get(futures.use_tenants_file.remote(str(tenants_file)))
+    ray.get(futures.add_model.remote("m-count", "lilo/tiny-llama", {"rank": 4}, trainer="lilo-trainer-count",
+                                     tenant="team-b"))
+
+    def submit(seq: int) -> int:
+        return ray.get(futures.submit_once.remote(
+            Submission("m-count", "optim_step", {"lr": seq}, seq_id=seq, tenant="team-b", routed=True),
+            "replica-1")).request_id
+
+    first, _ = submit(1), submit(2)
+    assert ray.get(futures.complete.remote([Completion.success(first, b"r1")]))  # pushed, then written
+    submit(3)  # 2 in flight again: the limit
+    with pytest.raises(RateLimitedError, match="has 2 requests in flight"):
+        submit(4)
 
 
 def test_a_long_poll_answers_pending_at_its_timeout(futures):
