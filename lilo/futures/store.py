@@ -353,16 +353,8 @@ class FuturesStore:
         ids = sorted({sub.model_id for sub in submissions if sub.tenant is not None or sub.routed})
         records: dict[str, _Record] = {}
         for chunk in chunks(ids, MAX_BOUND_PARAMS // 2):
-            query = union_all(
-                select(models.c.model_id, literal("model"), models.c.tenant, models.c.trainer, models.c.unloaded_at,
-                       models.c.unloaded_reason).where(models.c.model_id.in_(chunk)),
-                select(sampling_sessions.c.sampling_session_id, literal("sampling"), sampling_sessions.c.tenant,
-                       *(cast(null(), column.type) for column in (models.c.trainer, models.c.unloaded_at,
-                                                                  models.c.unloaded_reason)))
-                .where(sampling_sessions.c.sampling_session_id.in_(chunk)))
-            records.update((row[0], _Record(*row[1:])) for row in connection.execute(query))
+            records.update((row[0], _Record(*row[1:])) for row in connection.execute(_RECORDS_OF, {"ids": chunk}))
         return records
-
     @staticmethod
     def _refuse_foreign(records: dict[str, _Record], submissions: Sequence[Submission],
                         outcomes: list[SubmitOutcome | None]) -> None:
@@ -380,10 +372,8 @@ class FuturesStore:
         keys = list({(sub.model_id, sub.seq_id) for sub in submissions if sub.seq_id is not None})
         taken: dict[tuple, tuple[int, str, str | None]] = {}
         for chunk in chunks(keys, MAX_BOUND_PARAMS // 2):
-            query = select(futures.c.model_id, futures.c.seq_id, futures.c.request_id, futures.c.payload_sha256,
-                           futures.c.status, futures.c.trainer).where(
-                tuple_(futures.c.model_id, futures.c.seq_id).in_(chunk))
-            for model_id, seq_id, request_id, known_print, status, trainer in connection.execute(query):
+            for model_id, seq_id, request_id, known_print, status, trainer in connection.execute(
+                    _EXISTING_KEYS, {"keys": chunk}):
                 taken[(model_id, seq_id)] = (request_id, known_print, trainer if status == PENDING else None)
         return taken
 
@@ -432,15 +422,13 @@ class FuturesStore:
 
     def _write_completions(self, batch: Sequence[Completion]) -> None:
         now = self._clock()
-        statement = update(futures).where(futures.c.request_id == bindparam("rid"), futures.c.status == PENDING).values(
-            status=bindparam("status"), result=bindparam("result"), error=bindparam("error"),
-            error_category=bindparam("category"), sampled_tokens=bindparam("sampled"), finished_at=now,
-            finished_seq=self.finish_order.next())
+        finished_seq = self.finish_order.next()
         params = [{"rid": c.request_id, "status": COMPLETED if c.ok else FAILED, "result": c.result,
-                   "error": c.error, "category": c.category, "sampled": c.sampled_tokens} for c in batch]
+                   "error": c.error, "category": c.category, "sampled": c.sampled_tokens, "now": now,
+                   "finished_seq": finished_seq} for c in batch]
         recorded = {c.request_id: c.recorded for c in batch if c.ok and c.recorded is not None}
         with self.engine.begin() as connection:
-            connection.execute(statement, params)
+            connection.execute(_COMPLETE_FUTURE, params)
             if recorded:
                 sequences.insert_records(connection, recorded, now)
 
@@ -812,6 +800,22 @@ class FuturesStore:
         self.engine.dispose()
 
 
+# The statements each submission and each batch of results runs, built once (building one costs more than running
+# it on SQLite).
+_RECORDS_OF = union_all(
+    select(models.c.model_id, literal("model"), models.c.tenant, models.c.trainer, models.c.unloaded_at,
+           models.c.unloaded_reason).where(models.c.model_id.in_(bindparam("ids", expanding=True))),
+    select(sampling_sessions.c.sampling_session_id, literal("sampling"), sampling_sessions.c.tenant,
+           *(cast(null(), column.type)
+             for column in (models.c.trainer, models.c.unloaded_at, models.c.unloaded_reason)))
+    .where(sampling_sessions.c.sampling_session_id.in_(bindparam("ids", expanding=True))))
+_EXISTING_KEYS = select(futures.c.model_id, futures.c.seq_id, futures.c.request_id, futures.c.payload_sha256,
+                        futures.c.status, futures.c.trainer).where(
+    tuple_(futures.c.model_id, futures.c.seq_id).in_(bindparam("keys", expanding=True)))
+_COMPLETE_FUTURE = update(futures).where(futures.c.request_id == bindparam("rid"), futures.c.status == PENDING).values(
+    status=bindparam("status"), result=bindparam("result"), error=bindparam("error"),
+    error_category=bindparam("category"), sampled_tokens=bindparam("sampled"), finished_at=bindparam("now"),
+    finished_seq=bindparam("finished_seq"))
 _INSERT_FUTURE = (
     "INSERT INTO futures (request_id, model_id, kind, seq_id, status, payload_sha256, tenant, "
     "submitted_at, trainer, billed_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
