@@ -355,6 +355,7 @@ class FuturesStore:
         for chunk in chunks(ids, MAX_BOUND_PARAMS // 2):
             records.update((row[0], _Record(*row[1:])) for row in connection.execute(_RECORDS_OF, {"ids": chunk}))
         return records
+
     @staticmethod
     def _refuse_foreign(records: dict[str, _Record], submissions: Sequence[Submission],
                         outcomes: list[SubmitOutcome | None]) -> None:
