@@ -152,7 +152,7 @@ class FutureState:
     @classmethod
     def of(cls, completion: Completion, tenant: str | None) -> "FutureState":
         """What ``completion`` makes of its future, ``tenant``'s."""
-        return cls(completion.request_id, "completed" if completion.ok else "failed", completion.result,
+        return cls(completion.request_id, COMPLETED if completion.ok else FAILED, completion.result,
                    completion.error, completion.category, completion.kind, tenant)
 
     @property
