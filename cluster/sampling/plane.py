@@ -147,6 +147,8 @@ class SamplerRelay:
         self._publishing: dict[tuple[str, str], asyncio.Lock] = {}
         self._relayed: OrderedDict[str, Future] = OrderedDict()
         self._running: dict[str, ray.ObjectRef] = {}  # request id -> its call on a sampler, while it runs
+        self._relaying: set[str] = set()  # request ids relayed here and not finished
+        self._cancelled: set[str] = set()  # cancelled while no call of theirs ran (their adapter was publishing)
         self.counts: dict[str, int] = {}  # which engine answered how many samples, and why torch did
         self._watchers = [asyncio.get_running_loop().create_task(self._watch(name)) for name in self.names]
 
@@ -211,6 +213,7 @@ class SamplerRelay:
                       future: Future) -> None:
         key = _adapter_key(command)
         t0 = self._clock()
+        self._relaying.add(command.request_id)
         try:
             if key is not None:
                 try:
@@ -218,7 +221,7 @@ class SamplerRelay:
                 except InvalidRequestError as error:  # vLLM cannot take this adapter (its rank, say): torch can
                     self._count("torch: vLLM could not load the adapter")
                     logger.info("sample %s goes to the torch sampler: %s", command.request_id, error)
-                    _chain(fallback(), future)
+                    self._fall_back(command, fallback, future)
                     return
             t1 = self._clock()
             outcome = await self._sample_on(sampler, command, key)
@@ -237,17 +240,29 @@ class SamplerRelay:
             self._count("torch: the sampler died")
             logger.warning("sampler %s died under sample %s (%s); the torch sampler answers it", sampler,
                            command.request_id, str(error).splitlines()[0])
-            _chain(fallback(), future)
+            self._fall_back(command, fallback, future)
         except Exception as error:  # its own error (an unknown checkpoint, bad input): the client's answer
             self._observer.span(command.model_id, "vllm:sample", f"{SAMPLER_LANE}:{sampler}", t0, self._clock(),
                                 request_ids=[command.request_id], n=1, ok=False)
             if isinstance(error, ray.exceptions.TaskCancelledError):  # ``cancel``: vLLM stopped generating it
                 error = CancelledByClientError.of_sample(command.request_id)
             future.set_exception(error)
+        finally:
+            self._relaying.discard(command.request_id)
+            self._cancelled.discard(command.request_id)
+
+    def _fall_back(self, command: Command, fallback: Callable[[], Future], future: Future) -> None:
+        """The torch sampler answers ``command`` instead, unless its client cancelled it meanwhile."""
+        if command.request_id in self._cancelled:
+            future.set_exception(CancelledByClientError.of_sample(command.request_id))
+        else:
+            _chain(fallback(), future)
 
     async def _sample_on(self, sampler: str, command: Command[SamplingRequest], key: str | None) -> Any:
         """The sampler's outcome for ``command``: its result or its own error; raises TaskCancelledError once
-        ``cancel`` cancelled it."""
+        ``cancel`` cancelled it; CancelledByClientError when ``cancel`` came before the call."""
+        if command.request_id in self._cancelled:
+            raise CancelledByClientError.of_sample(command.request_id)
         call = named_actor(sampler).sample.remote([command.payload], [key], [command.trace])
         self._running[command.request_id] = call
         try:
@@ -258,12 +273,17 @@ class SamplerRelay:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a relayed sample its client abandoned: the sampler's call is cancelled, so vLLM aborts its
-        generation (asyncio cancellation in the sampler's actor), and its future fails. False: none runs here."""
+        generation (asyncio cancellation in the sampler's actor), and its future fails. One still publishing its
+        adapter (a LoRA load can take seconds) fails instead of starting. False: none is relayed here (it finished,
+        or the torch sampler answers it)."""
         call = self._running.get(request_id)
-        if call is None:
-            return False
-        ray.cancel(call)
-        return True
+        if call is not None:
+            ray.cancel(call)
+            return True
+        if request_id in self._relaying:
+            self._cancelled.add(request_id)
+            return True
+        return False
 
     async def _fresh(self, sampler: str, path: str, model_id: str, span: str) -> None:
         """Make ``sampler`` hold the latest whole version of the sampler checkpoint ``path``; a load it needed is
