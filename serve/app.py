@@ -108,6 +108,35 @@ class LiloIngress:
                                      Storage(storage).child(CHECKPOINTS) if storage else None)
         freeze_startup()
 
+    # --- the hot routes first: Starlette matches a request against the routes in order, and Serve walks them
+    # once more for its metrics, so a route 50 deep cost every retrieve_future about 100 routes tried -------------
+    @api.post("/api/v1/retrieve_future", response_model=None)
+    async def retrieve_future(self, body: RetrieveFutureRequest,
+                              tenant: str = Depends(caller)) -> Response | dict[str, Any]:
+        """Long-poll one future: its result once finished, else ``try_again`` (the SDK re-polls at once)."""
+        return await self._control.retrieve_future(body, tenant)
+
+    @api.post("/api/v1/forward_backward")
+    async def forward_backward(self, request: Request, tenant: str = Depends(caller)) -> dict[str, str]:
+        return await self._control.training.forward_backward(await read_forward_backward(request), tenant)
+
+    @api.post("/api/v1/optim_step")
+    async def optim_step(self, body: OptimStepRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        return await self._control.training.optim_step(body, tenant)
+
+    @api.post("/api/v1/asample")
+    async def asample(self, body: SampleRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await self._control.sampling.sample(body, tenant)
+
+    @api.post("/api/v1/retrieve_futures")
+    async def retrieve_futures(self, body: RetrieveFuturesRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
+        return await self._control.sampling.retrieve_futures(body, tenant)
+
+    @api.post("/api/v1/session_heartbeat")
+    async def session_heartbeat(self, body: SessionRequest, tenant: str = Depends(caller)) -> dict[str, str]:
+        await self._control.heartbeats.beat(body.session_id, tenant)
+        return {"type": "session_heartbeat"}
+
     @api.get("/api/v1/healthz")
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
@@ -143,11 +172,6 @@ class LiloIngress:
     async def create_session(self, body: Body, tenant: str = Depends(caller)) -> dict[str, Any]:
         return await self._control.training.create_session(body, tenant)
 
-    @api.post("/api/v1/session_heartbeat")
-    async def session_heartbeat(self, body: SessionRequest, tenant: str = Depends(caller)) -> dict[str, str]:
-        await self._control.heartbeats.beat(body.session_id, tenant)
-        return {"type": "session_heartbeat"}
-
     @api.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(self, session_id: str, body: FinishSessionRequest | None = None,
                              tenant: str = Depends(caller)) -> dict[str, Any]:
@@ -165,14 +189,6 @@ class LiloIngress:
     @api.post("/api/v1/get_info")
     async def get_info(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
         return await self._control.training.model_info(body, tenant)
-
-    @api.post("/api/v1/forward_backward")
-    async def forward_backward(self, request: Request, tenant: str = Depends(caller)) -> dict[str, str]:
-        return await self._control.training.forward_backward(await read_forward_backward(request), tenant)
-
-    @api.post("/api/v1/optim_step")
-    async def optim_step(self, body: OptimStepRequest, tenant: str = Depends(caller)) -> dict[str, str]:
-        return await self._control.training.optim_step(body, tenant)
 
     @api.post("/api/v1/save_weights")
     async def save_weights(self, body: SaveWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
@@ -197,10 +213,6 @@ class LiloIngress:
     @api.get("/api/v1/samplers/{sampling_session_id}")
     async def get_sampler(self, sampling_session_id: str, tenant: str = Depends(caller)) -> dict[str, Any]:
         return await self._control.sampling.sampler(sampling_session_id, tenant)
-
-    @api.post("/api/v1/asample")
-    async def asample(self, body: SampleRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
-        return await self._control.sampling.sample(body, tenant)
 
     @api.post("/api/v1/load_weights")
     async def load_weights(self, body: LoadWeightsRequest, tenant: str = Depends(caller)) -> dict[str, str]:
@@ -342,10 +354,6 @@ class LiloIngress:
     async def unload_model(self, body: ModelRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         return await self._control.training.unload_model(body, tenant)
 
-    @api.post("/api/v1/retrieve_futures")
-    async def retrieve_futures(self, body: RetrieveFuturesRequest, tenant: str = Depends(caller)) -> dict[str, Any]:
-        return await self._control.sampling.retrieve_futures(body, tenant)
-
     @api.post("/api/v1/create_custom_loss")
     async def create_custom_loss(self, body: CreateCustomLossRequest, tenant: str = Depends(caller)) -> dict[str, str]:
         return await self._control.training.custom_losses.create(body, tenant)
@@ -359,12 +367,6 @@ class LiloIngress:
     async def join_sampling_session(self, body: SamplingSessionRequest,
                                     tenant: str = Depends(caller)) -> dict[str, Any]:
         return await self._control.sampling.join(body, tenant)
-
-    @api.post("/api/v1/retrieve_future", response_model=None)
-    async def retrieve_future(self, body: RetrieveFutureRequest,
-                              tenant: str = Depends(caller)) -> Response | dict[str, Any]:
-        """Long-poll one future: its result once finished, else ``try_again`` (the SDK re-polls at once)."""
-        return await self._control.retrieve_future(body, tenant)
 
     @api.get("/api/v1/timing")
     async def timing(
