@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -122,13 +123,17 @@ def futures_stats(futures) -> dict:
     return ray.get(futures.stats.remote())
 
 
-def wait_until_parked(futures, waiters: int, timeout_s: float = 300.0) -> None:
-    """Until every waiter's long-poll has reached the futures DB actor (they queue through Serve's proxy first):
-    the phase measures a steady state with all of them parked, not their arrival."""
+def wait_until_parked(futures, waiters: int, ended: Callable[[], int], timeout_s: float = 300.0) -> None:
+    """Until every waiter's long-poll has reached the futures DB actor (each waits at the ingress first, for its
+    result's push, until that long-poll times out): the phase measures a steady state with all of them parked, not
+    their arrival. ``ended``: how many waiters stopped already (an HTTP error: they never park)."""
     deadline = time.monotonic() + timeout_s
-    while futures_stats(futures)["parked_waiters"] < waiters:
+    while (parked := futures_stats(futures)["parked_waiters"]) < waiters:
+        if ended():
+            raise RuntimeError(f"{ended()} of the {waiters} waiters stopped before they parked ({parked} parked): "
+                               "their retrieve_future failed")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"fewer than {waiters} waiters parked after {timeout_s:.0f} s")
+            raise TimeoutError(f"{parked} of {waiters} waiters parked after {timeout_s:.0f} s")
         time.sleep(0.2)
 
 
@@ -181,7 +186,8 @@ async def run(base_url: str, futures, clients: int, waiters: int, seconds: float
                 request_ids += await asyncio.gather(*(submit_forward(http, api, parked_model, seq)
                                                       for seq in range(start, min(start + 256, waiters + 2))))
             parked = [asyncio.create_task(retrieve(http, api, request_id, counts)) for request_id in request_ids]
-            await asyncio.to_thread(wait_until_parked, futures, waiters)
+            await asyncio.to_thread(wait_until_parked, futures, waiters,
+                                    lambda: sum(task.done() for task in parked))
             with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 probe = asyncio.get_running_loop().run_in_executor(pool, probe_heartbeats, base_url, session_id,
                                                                    seconds)
