@@ -206,6 +206,8 @@ class SamplerRelay:
             self._relayed.popitem(last=False)
         self._observer.begin(Operation(command.model_id, command.request_id, command.kind, self._clock(),
                                        command.tenant, command.tokens, command.trace))
+        # The relay's to cancel from now on, before its task first runs (a cancel may be queued ahead of it).
+        self._relaying.add(command.request_id)
         asyncio.get_running_loop().create_task(self._sample(command, sampler, fallback, future))
         return future
 
@@ -213,7 +215,6 @@ class SamplerRelay:
                       future: Future) -> None:
         key = _adapter_key(command)
         t0 = self._clock()
-        self._relaying.add(command.request_id)
         try:
             if key is not None:
                 try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from typing import Awaitable, Callable
 
 import pytest
@@ -88,9 +89,13 @@ def test_a_sample_cancelled_while_its_adapter_publishes_never_reaches_the_sample
         future = relay.relay(command, SAMPLER, fallback)
         await _until(publishing)
         assert relay.cancel("41"), "a sample whose adapter is publishing is the relay's to cancel"
+        # Another sample of the same checkpoint, cancelled before its relay's task has even started.
+        second = relay.relay(dataclasses.replace(command, request_id="42"), SAMPLER, fallback)
+        assert relay.cancel("42"), "a sample relayed a moment ago is the relay's to cancel"
         await held_sampler.release.remote()
-        with pytest.raises(CancelledByClientError, match="cancelled by its client"):
-            await asyncio.wait_for(asyncio.wrap_future(future), 30)
+        for relayed in (future, second):
+            with pytest.raises(CancelledByClientError, match="cancelled by its client"):
+                await asyncio.wait_for(asyncio.wrap_future(relayed), 30)
         assert await held_sampler.counts.remote() == (1, 0)
         assert not fallbacks
         assert not relay.cancel("41"), "a finished sample is no longer the relay's"
