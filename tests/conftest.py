@@ -18,7 +18,7 @@ import pytest  # noqa: E402 (after prepare_environment, on purpose)
 
 from benchmarks.postgres_server import NO_FSYNC, PostgresServer, postgres_server  # noqa: E402
 from cluster.ports import free_ports  # noqa: E402
-from helpers import Clock, lilo, short_home  # noqa: E402
+from helpers import Clock, lilo, lilo_down, short_home  # noqa: E402
 from lilo.settings import load_settings  # noqa: E402
 from lilo.timing.traces import TRACES_ENDPOINT  # noqa: E402
 from benchmarks.otlp_receiver import OtlpReceiver  # noqa: E402
@@ -93,10 +93,11 @@ def local_cluster(trace_receiver: OtlpReceiver) -> Iterator[RunningCluster]:
     try:
         yield cluster
     finally:
-        stopped = lilo("down", "--home", str(cluster.home))
-        shutil.rmtree(cluster.home, ignore_errors=True)
-        shutil.rmtree(TINY_DIRECTORY, ignore_errors=True)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        try:
+            lilo_down(cluster.home)
+        finally:
+            shutil.rmtree(cluster.home, ignore_errors=True)
+            shutil.rmtree(TINY_DIRECTORY, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list) -> None:

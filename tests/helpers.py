@@ -121,6 +121,25 @@ def lilo(*args: str, timeout_s: float = 180, env: dict[str, str] | None = None) 
                           env={**plain_shell_env(), **(env or {})})
 
 
+def lilo_down(home: Path) -> None:
+    """``lilo down`` of the service in ``home``, as a test's teardown runs it: it fails the test when the command fails
+    or does not return, and then kills what is left of that cluster itself. A cluster left running would hold the
+    cores and memory every later test of the session needs, and slow them all."""
+    from cluster.local import read_state, stop_cluster
+    from lilo.settings import load_settings
+
+    try:
+        stopped = lilo("down", "--home", str(home))
+        problem = None if stopped.returncode == 0 else f"exit {stopped.returncode}: {stopped.stdout}{stopped.stderr}"
+    except subprocess.TimeoutExpired as error:
+        problem = f"it did not return within {error.timeout:g} s"
+    if problem is not None:
+        settings = load_settings(env={}, home=home)
+        state = read_state(settings)
+        killed = stop_cluster(settings, state.pid if state else None, timeout_s=0)
+        raise AssertionError(f"lilo down --home {home} failed ({problem}); killed what was left: pids {killed}")
+
+
 def modules_of(package) -> list[str]:
     """A package's name and the names of all its modules, subpackages' included."""
     return [package.__name__] + [m.name for m in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}.")]
@@ -325,8 +344,7 @@ def service_on_test_cluster(head_cpus: int, *up_args: str) -> Iterator[ClusterSe
         try:
             yield ClusterService(cluster, home, port)
         finally:
-            stopped = lilo("down", "--home", str(home))
-            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+            lilo_down(home)
 
 
 def trainers_on(trainers: list[dict], node) -> list[dict]:
@@ -361,8 +379,7 @@ def own_service(*up_args: str, timeout_s: float = 480, home: Path | None = None)
         assert started.returncode == 0, started.stdout + started.stderr
         yield f"http://127.0.0.1:{port}", started.stdout
     finally:
-        stopped = lilo("down", "--home", str(home))
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        lilo_down(home)
 
 
 def train_input(seed: int):

@@ -17,7 +17,7 @@ from tinker import types
 
 from cluster.service import SHUTDOWN_CHECKPOINT
 from cluster.ports import free_ports
-from helpers import lilo, retrieve_finished, short_home
+from helpers import lilo, lilo_down, retrieve_finished, short_home
 from lilo.backend.models import build_tiny_llama
 from test_tinker_sdk import memorize_datum
 
@@ -28,8 +28,7 @@ ADAM = types.AdamParams(learning_rate=5e-3)
 def home():
     home = short_home()
     yield home
-    stopped = lilo("down", "--home", str(home))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    lilo_down(home)
     shutil.rmtree(home, ignore_errors=True)
 
 

@@ -17,7 +17,7 @@ import pytest
 import tinker
 
 from cluster.ports import free_ports
-from helpers import cli_json, lilo, ray_test_cluster, sdk_datum, short_home
+from helpers import cli_json, lilo, lilo_down, ray_test_cluster, sdk_datum, short_home
 from benchmarks.s3_server import S3Server
 
 TINY = "lilo/tiny-llama"
@@ -116,8 +116,7 @@ def test_trainers_spread_over_two_nodes_and_requests_reach_their_owner_even_afte
             np.testing.assert_allclose(after_node_loss(lambda: logprobs(loaded, probe)).tolist(), expected.tolist(),
                                        atol=1e-5)
     finally:
-        stopped = lilo("down", "--home", str(home))
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        lilo_down(home)
         shutil.rmtree(home, ignore_errors=True)
     assert len({trainer["node_id"] for trainer in report.values()}) == 2  # one trainer per node
     # Each model ran on exactly one trainer, once; both trainers got models.
@@ -219,7 +218,8 @@ def test_what_a_trainer_saved_to_the_object_store_outlives_its_node(two_node_clu
             assert sorted(path.name for path in Path(downloaded["destination"]).iterdir()) == [
                 "adapter_config.json", "adapter_model.safetensors"]
     finally:
-        stopped = lilo("down", "--home", str(home))
-        s3.stop()
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        try:
+            lilo_down(home)
+        finally:
+            s3.stop()
         shutil.rmtree(home, ignore_errors=True)
