@@ -10,7 +10,7 @@ import pytest
 
 from cluster.local import cluster_processes, read_state
 from cluster.ports import free_ports
-from helpers import LILO, eventually, lilo, plain_shell_env, short_home
+from helpers import LILO, eventually, lilo, lilo_down, plain_shell_env, short_home
 from lilo.settings import load_settings
 
 
@@ -19,9 +19,9 @@ def settings():
     home = short_home()
     http_port, dashboard_port = free_ports(2)
     yield load_settings(env={}, home=home, http_port=http_port, dashboard_port=dashboard_port, num_cpus=1)
-    stopped = lilo("down", "--home", str(home))
-    # Keep the home of a cluster that could not be stopped: its files are how a later `lilo down` finds it.
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    # Keeps the home of a cluster that could not be stopped (lilo_down raises first): its files are how a later
+    # `lilo down` finds it.
+    lilo_down(home)
     shutil.rmtree(home, ignore_errors=True)
 
 
